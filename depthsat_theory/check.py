@@ -1,0 +1,461 @@
+"""The theorem checker behind ``depthsat check`` (MATH.md T2, with T1, T3, T5, T6).
+
+For each randomly drawn *instance* — a model on its probe, an insertion site, a
+residual family and a zero-state update — the checker
+
+1. predicts from the probe's statistics alone: the saturation score ``s`` (cross-
+   gradient or matrix-free path), *improvable* iff ``s > tol``, *degenerate* iff
+   ``rank K = 0``;
+2. independently inserts the family's zero block into a copy of the model, verifies
+   function preservation, takes the gradient ``b`` of the probe loss with respect to
+   the block (checked against the statistics: T1), and performs the real
+   optimizer's first step from zero state with only the block's parameters in the
+   optimizer, for step sizes ``η_j = η_0 2^{-j}``, measuring ``ΔJ_j = J(η_j) − J(0)``;
+3. estimates the first-order coefficient by Richardson extrapolation
+   ``â_j = (4 ΔJ_{j+1} − ΔJ_j) / η_j`` (exact for ``aη + cη²``), with an error bar
+   from its convergence in ``j`` and the rounding noise of ``J``;
+4. compares: improvable ⇒ a significant first-order *decrease* whose slope matches
+   ``−⟨b, P(b)⟩``; saturated ⇒ a first-order coefficient consistent with zero
+   (``|â| ≤ tol · ‖A‖ · ‖P(b)‖``).  "J did not decrease" is never used as evidence.
+
+Verdicts: ``agree``, ``counterexample`` (with the reason), ``undecided`` (the
+measurement could not resolve the predicted effect; the reason says why) and
+``degenerate`` (``T = {0}``: no first-order change is possible, reported apart from
+saturation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .constructions import LSQ_FAMILIES, ODD_FAMILIES, lsq_readout, odd_network
+from .families import GeneralFamily, ResidualFamily, parse_family
+from .optimizers import DESCENT_COMPATIBLE, ZeroStateUpdate, get_update, threshold
+from .sites import accumulate, check_function_preserving, insert_block
+from .tangent import TOL_FACTOR, FeatureStatistics, statistics_for
+from .training import Task, trained_task
+
+__all__ = ["CheckConfig", "run_check", "FAMILY_POOLS", "write_report_atomic", "summarize"]
+
+
+def _diag_general(theta: Tensor, u: Tensor) -> Tensor:
+    d = u.shape[-1]
+    return theta[:d] * torch.tanh(u) + theta[d:] * u * u
+
+
+#: Residual families drawn for each site layout (``product:R`` is degenerate; the
+#: general family ``diag-general`` exercises the matrix-free ``torch.func`` path).
+FAMILY_POOLS: dict[str, tuple[str, ...]] = {
+    "vector": ("linear", "linear-nobias", "poly:2", "poly:3", "relu:128", "gelu:64", "tanh:64",
+               "even:abs", "even:square", "preln:64", "product:4", "diag-general"),
+    "image": ("conv1x1", "conv3x3:16", "relu:32", "even:square", "product:2"),
+    "sequence": ("linear", "relu:128", "gelu:64", "attention:32", "preln:64", "product:4"),
+}
+
+
+def _family(spec: str) -> ResidualFamily:
+    if spec == "diag-general":
+        return GeneralFamily(_diag_general, lambda d: 2 * d, name="diag-general")
+    return parse_family(spec)
+
+
+@dataclass
+class CheckConfig:
+    """Settings of a check run.
+
+    Attributes:
+        instances: number of instances ``N``.
+        seed: seed of the instance draw and of the models' training.
+        construction_fraction: share of instances drawn from the exact saturated
+            constructions (half least-squares readout on digits, half odd network
+            on synthetic data), the rest from models trained on real data.
+        kinds: trained model kinds to draw from (``mlp``, ``cnn``, ``gpt``).
+        optimizers: zero-state update names to draw from (``rotation``, which is
+            not descent-compatible, is planted only when named here).
+        steps: number of step sizes ``η_j``.
+        step_scale: function-space size of the largest step relative to ``z_rms``.
+        cache_dir: where trained weights are cached (``None``: no cache).
+    """
+
+    instances: int = 300
+    seed: int = 0
+    construction_fraction: float = 0.25
+    kinds: tuple[str, ...] = ("mlp", "cnn", "gpt")
+    optimizers: tuple[str, ...] = DESCENT_COMPATIBLE
+    steps: int = 6
+    step_scale: float = 1e-3
+    cache_dir: str | None = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` with a specific message on bad settings."""
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if not 0.0 <= self.construction_fraction <= 1.0:
+            raise ValueError(f"construction_fraction must be in [0, 1], got {self.construction_fraction}")
+        if self.steps < 3:
+            raise ValueError(f"steps must be >= 3, got {self.steps}")
+        for name in self.optimizers:
+            get_update(name)
+        for k in self.kinds:
+            if k not in ("mlp", "cnn", "gpt"):
+                raise ValueError(f"unknown model kind {k!r}; use mlp, cnn, gpt")
+
+
+@dataclass
+class _Context:
+    name: str
+    task: Task
+    sites: list[str]
+    families: dict[str, tuple[str, ...]] = field(default_factory=dict)  # site -> pool
+    construction: str | None = None
+
+
+@dataclass
+class _Instance:
+    index: int
+    context: str
+    site: str
+    family: str
+    optimizer: str
+
+
+def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, _Context]:
+    out: dict[str, _Context] = {}
+    for kind in cfg.kinds:
+        if kind in needed or (kind == "mlp" and "mlp-lsq" in needed):
+            task = trained_task(kind, cfg.seed, cache_dir=cfg.cache_dir)
+            sites = task.model.site_names()
+            out[kind] = _Context(kind, task, sites, {s: FAMILY_POOLS[task.layout] for s in sites})
+    if "mlp-lsq" in needed:
+        base = out["mlp"].task if "mlp" in out else trained_task("mlp", cfg.seed, cache_dir=cfg.cache_dir)
+        task, sites = lsq_readout(base)
+        out["mlp-lsq"] = _Context("mlp-lsq", task, sites, {s: LSQ_FAMILIES for s in sites},
+                                  construction="lsq-readout")
+    if "mlp-odd" in needed:
+        task, sites = odd_network(cfg.seed)
+        out["mlp-odd"] = _Context("mlp-odd", task, sites, {s: ODD_FAMILIES for s in sites},
+                                  construction="odd")
+    return out
+
+
+def _draw(cfg: CheckConfig) -> list[_Instance]:
+    """The instance list: a pure function of the config (same seed, same draw)."""
+    rng = np.random.default_rng(cfg.seed)
+    site_counts = {"mlp": 5, "cnn": 4, "gpt": 2, "mlp-lsq": 1, "mlp-odd": 4}
+    out = []
+    for i in range(cfg.instances):
+        if rng.random() < cfg.construction_fraction:
+            ctx = "mlp-lsq" if rng.random() < 0.5 else "mlp-odd"
+            pool = LSQ_FAMILIES if ctx == "mlp-lsq" else ODD_FAMILIES
+        else:
+            ctx = cfg.kinds[int(rng.integers(len(cfg.kinds)))]
+            layout = {"mlp": "vector", "cnn": "image", "gpt": "sequence"}[ctx]
+            pool = FAMILY_POOLS[layout]
+        site_idx = int(rng.integers(site_counts[ctx]))
+        fam = pool[int(rng.integers(len(pool)))]
+        opt = cfg.optimizers[int(rng.integers(len(cfg.optimizers)))]
+        out.append(_Instance(i, ctx, str(site_idx), fam, opt))
+    return out
+
+
+class _Insertion:
+    """One (context, site, family): the inserted model, its gradient and statistics."""
+
+    def __init__(self, ctx: _Context, site: str, family: ResidualFamily, stats):
+        self.ctx = ctx
+        self.site = site
+        self.family = family
+        self.result = stats.result()
+        task = ctx.task
+        shape = stats.shape
+        self.block_template = family.block(shape, stats.layout, dtype=torch.float64)
+        new, blk = insert_block(task.model, site, self.block_template)
+        self.model, self.block = new, blk
+        self.deviation = check_function_preserving(task.model, new, task.inputs)
+        self.params = [p for p in blk.parameters()]
+        self.tparams = family.tangent_parameters(blk)
+        self.initial = [p.detach().clone() for p in self.params]
+        loss0 = task.loss(new(task.inputs), task.targets).mean()
+        grads = torch.autograd.grad(loss0, self.params, allow_unused=True)
+        self.grads = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, grads)]
+        self.j0 = float(loss0.detach())
+        with torch.no_grad():
+            self.loss_scale = float(task.loss(new(task.inputs), task.targets).abs().mean())
+        tid = {id(p) for p in self.tparams}
+        self.b = torch.cat([g.reshape(-1) for p, g in zip(self.params, self.grads) if id(p) in tid])
+        self.feature_grad_max = max([float(g.abs().max()) for p, g in zip(self.params, self.grads)
+                                     if id(p) not in tid] + [0.0])
+        # scale of the tangent map: sqrt(λ_max K) and sqrt(max diag K)
+        if isinstance(stats, FeatureStatistics):
+            kmat = stats.gram
+        else:
+            kmat = (stats.k_mat / stats.n).cpu().numpy()
+        lam = np.linalg.eigvalsh(0.5 * (kmat + kmat.T)) if kmat.size else np.zeros(1)
+        self.a_norm = math.sqrt(max(float(lam.max()), 0.0))
+        self.a_diag = math.sqrt(max(float(np.max(np.diag(kmat))), 0.0)) if kmat.size else 0.0
+        self.z_rms = math.sqrt(stats.z_sq / stats.n)
+        eps = torch.finfo(torch.float64).eps
+        self.tau = TOL_FACTOR * eps * self.result.ag_rms * self.a_diag
+        b_stats = torch.from_numpy(self.result.gradient)
+        self.gradient_error = float((self.b - b_stats).abs().max()) if self.b.numel() else 0.0
+        self.gradient_tol = self.tau + 1e-9 * float(b_stats.abs().max() if b_stats.numel() else 0.0)
+
+    def _step_loss(self, update: ZeroStateUpdate, lr: float) -> tuple[float, Tensor]:
+        with torch.no_grad():
+            for p, p0, g in zip(self.params, self.initial, self.grads):
+                p.copy_(p0)
+                p.grad = g.clone()
+        opt = update.make_optimizer(self.params, lr)
+        opt.step()
+        task = self.ctx.task
+        with torch.no_grad():
+            j = float(task.loss(self.model(task.inputs), task.targets).mean())
+            direction = torch.cat([(p.detach() - p0).reshape(-1) for p, p0 in zip(self.params, self.initial)
+                                   if any(p is t for t in self.tparams)]) / (-lr)
+        return j, direction
+
+    def evaluate(self, update: ZeroStateUpdate, cfg: CheckConfig) -> dict:
+        res = self.result
+        tol = res.tol
+        a_pred = update.predicted_change_rate(self.b, self.tau) if self.b.numel() else 0.0
+        # step sizes: the largest step moves the block output by ~ step_scale * z_rms
+        pb = update.first_step(threshold(self.b, self.tau)) if self.b.numel() else self.b
+        pn = float(pb.norm()) if pb.numel() else 0.0
+        if pn == 0.0:
+            pn = float(update.first_step(self.b).norm()) if self.b.numel() else 0.0
+        eta0 = (cfg.step_scale * self.z_rms / (pn * max(self.a_norm, 1e-300))) if pn > 0 else 1.0
+        if not math.isfinite(eta0) or eta0 <= 0:
+            eta0 = 1.0
+        etas = [eta0 * 2.0**-j for j in range(cfg.steps)]
+        dj, dirs = [], []
+        for lr in etas:
+            j, direction = self._step_loss(update, lr)
+            dj.append(j - self.j0)
+            dirs.append(direction)
+        dir_norm = float(dirs[-1].norm())
+        eps = torch.finfo(torch.float64).eps
+        noise = 64 * eps * max(abs(self.j0), self.loss_scale, 1e-300)
+        rich = [(4 * dj[i + 1] - dj[i]) / etas[i] for i in range(len(etas) - 1)]
+        errs = [abs(rich[i] - rich[i + 1]) + 6 * noise / etas[i] for i in range(len(rich) - 1)]
+        best = int(np.argmin(errs))
+        a_obs, err = rich[best], errs[best]
+        ratio = dj[best] / dj[best + 1] if dj[best + 1] != 0 else float("nan")
+        decrease = a_obs < -3 * err
+        max_rate = res.score * self.a_norm * dir_norm  # |⟨b, v⟩| ≤ s ‖A v‖ ≤ s ‖A‖ ‖v‖
+        slope_tol = tol * self.a_norm * dir_norm
+        verdict, reason = self._verdict(res, a_pred, a_obs, err, decrease, max_rate, slope_tol)
+        return {
+            "predicted_slope": a_pred,
+            "observed_slope": a_obs,
+            "slope_error": err,
+            "ratio": ratio,
+            "etas": etas,
+            "delta_j": dj,
+            "observed_decrease": bool(decrease),
+            "verdict": verdict,
+            "reason": reason,
+        }
+
+    def _verdict(self, res, a_pred, a_obs, err, decrease, max_rate, slope_tol):
+        if self.deviation != 0.0:
+            return "counterexample", "inserted block is not function-preserving"
+        if self.gradient_error > self.gradient_tol:
+            return "counterexample", (f"T1: autograd gradient differs from the statistics' b by "
+                                      f"{self.gradient_error:.3g} (> {self.gradient_tol:.3g})")
+        if self.feature_grad_max != 0.0:
+            return "counterexample", "feature parameters have a nonzero gradient at the origin"
+        if res.degenerate:
+            if abs(a_obs) <= 3 * err and not decrease:
+                return "degenerate", "rank K = 0: T = {0}, no first-order change (not 'saturated')"
+            return "counterexample", "degenerate family moved J at first order"
+        if res.score > res.tol:
+            if 3 * err > 1e-2 * max_rate:
+                return "undecided", (f"slope resolution {3 * err:.2g} too coarse against the largest "
+                                     f"possible rate {max_rate:.2g}")
+            if not decrease:
+                return "counterexample", (f"s = {res.score:.3g} > tol but no first-order decrease "
+                                          f"(observed slope {a_obs:.3g} ± {3 * err:.2g})")
+            if abs(a_obs - a_pred) > 1e-3 * abs(a_pred) + 3 * err:
+                return "counterexample", (f"first-order decrease with slope {a_obs:.6g} ≠ predicted "
+                                          f"−⟨b, P(b)⟩ = {a_pred:.6g}")
+            return "agree", "first-order decrease with the predicted slope"
+        if abs(a_obs) <= 3 * err + slope_tol:
+            return "agree", "no first-order term (Richardson slope consistent with 0)"
+        return "counterexample", (f"s = {res.score:.3g} ≤ tol but first-order slope {a_obs:.3g} "
+                                  f"± {3 * err:.2g}")
+
+
+def run_check(cfg: CheckConfig, *, progress=None) -> dict:
+    """Run the theorem check and return the report (a JSON-ready dict).
+
+    Args:
+        cfg: the settings.
+        progress: optional callable ``progress(advance: int, description: str)``.
+
+    Returns:
+        A dict with keys ``instances``, ``agree``, ``counterexamples``, ``undecided``,
+        ``degenerate``, ``seed``, ``config``, ``summary``, ``records``; each record has
+        ``model``, ``data``, ``site``, ``family``, ``optimizer``, ``score``, ``tol``,
+        ``predicted_improvable``, ``observed_decrease``, ``verdict`` and more.
+    """
+    cfg.validate()
+    t0 = time.perf_counter()
+    draws = _draw(cfg)
+    ctxs = _contexts(cfg, {d.context for d in draws})
+    records: list[dict | None] = [None] * len(draws)
+    by_ctx: dict[str, list[_Instance]] = defaultdict(list)
+    for d in draws:
+        by_ctx[d.context].append(d)
+    for cname, items in by_ctx.items():
+        ctx = ctxs[cname]
+        task = ctx.task
+        for it in items:
+            it.site = ctx.sites[int(it.site) % len(ctx.sites)]
+        # one forward+backward pass over the probe for every (site, family) of this context
+        keys = sorted({(it.site, it.family) for it in items})
+        shapes = _site_shapes(task, sorted({k[0] for k in keys}))
+        fams = {f: _family(f) for _, f in keys}
+        stats = {k: statistics_for(fams[k[1]], shapes[k[0]], task.layout) for k in keys}
+        per_site: dict[str, list] = defaultdict(list)
+        for (s, f), acc in stats.items():
+            per_site[s].append(acc)
+        accumulate(task.model, list(per_site), _batches(task), task.loss, per_site)
+        for key in keys:
+            ins = _Insertion(ctx, key[0], fams[key[1]], stats[key])
+            for it in items:
+                if (it.site, it.family) != key:
+                    continue
+                upd = get_update(it.optimizer)
+                ev = ins.evaluate(upd, cfg)
+                res = ins.result
+                records[it.index] = {
+                    "index": it.index,
+                    "model": task.kind,
+                    "data": task.data,
+                    "construction": ctx.construction,
+                    "site": it.site,
+                    "family": it.family,
+                    "unit": res.unit,
+                    "optimizer": it.optimizer,
+                    "descent_compatible": bool(upd.descent_compatible),
+                    "score": res.score,
+                    "relative_score": _nan_none(res.relative_score),
+                    "tol": res.tol,
+                    "ag_rms": res.ag_rms,
+                    "ag_max": res.ag_max,
+                    "tangent_rank": res.tangent_rank,
+                    "tangent_dim": res.tangent_dim,
+                    "degenerate": res.degenerate,
+                    "predicted_improvable": bool(res.score > res.tol and not res.degenerate),
+                    "gradient_error": ins.gradient_error,
+                    "function_deviation": ins.deviation,
+                    **ev,
+                }
+                if progress is not None:
+                    progress(1, f"{task.kind} {it.site} {it.family}")
+    recs = [r for r in records if r is not None]
+    counts = Counter(r["verdict"] for r in recs)
+    report = {
+        "instances": len(recs),
+        "agree": counts.get("agree", 0),
+        "counterexamples": counts.get("counterexample", 0),
+        "undecided": counts.get("undecided", 0),
+        "degenerate": counts.get("degenerate", 0),
+        "seed": cfg.seed,
+        "config": {"instances": cfg.instances, "construction_fraction": cfg.construction_fraction,
+                   "kinds": list(cfg.kinds), "optimizers": list(cfg.optimizers), "steps": cfg.steps,
+                   "step_scale": cfg.step_scale, "tol_rule": f"tol = {TOL_FACTOR:g} * eps(float64) * AG_rms",
+                   "dtype": "float64"},
+        "models": {c.name: {"data": c.task.data, "probe_size": int(c.task.inputs.shape[0]),
+                            "probe_loss": c.task.probe_loss, "sites": c.sites,
+                            "construction": c.construction} for c in ctxs.values()},
+        "summary": summarize(recs),
+        "records": recs,
+    }
+    report["wall_seconds"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _nan_none(x: float):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def _site_shapes(task: Task, sites: list[str]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    mods = dict(task.model.named_modules())
+    hs = [mods[s].register_forward_hook(
+        lambda m, i, o, s=s: shapes.__setitem__(s, tuple((o[0] if isinstance(o, tuple) else o).shape[1:])))
+        for s in sites]
+    with torch.no_grad():
+        task.model(task.inputs[:2])
+    for h in hs:
+        h.remove()
+    return shapes
+
+
+def _batches(task: Task, size: int = 256):
+    n = task.inputs.shape[0]
+    for i in range(0, n, size):
+        yield task.inputs[i:i + size], task.targets[i:i + size]
+
+
+def summarize(records: list[dict]) -> dict:
+    """Counts of verdicts grouped by model, data, family, optimizer and construction."""
+    out: dict[str, dict] = {}
+    for key in ("model", "data", "family", "optimizer", "construction"):
+        table: dict[str, Counter] = defaultdict(Counter)
+        for r in records:
+            table[str(r[key])][r["verdict"]] += 1
+        out[key] = {k: dict(v) for k, v in sorted(table.items())}
+    reasons = Counter(r["reason"] for r in records if r["verdict"] in ("undecided", "counterexample"))
+    out["undecided_and_counterexample_reasons"] = dict(reasons.most_common(20))
+    return out
+
+
+def write_report_atomic(report: dict, path: str | os.PathLike) -> None:
+    """Write JSON to ``path`` atomically (temp file in the same folder, fsync, rename).
+
+    Raises:
+        OSError: if the folder is not writable (no partial file is left behind).
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".depthsat-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(_finite(report), fh, indent=1, allow_nan=False, default=_json_default)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _finite(o):
+    """Replace NaN/Inf floats by ``None`` (strict JSON)."""
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return o
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
