@@ -140,6 +140,7 @@ def odd_network(seed: int = 0, n_half: int = 128, steps: int = 150) -> tuple[Tas
 
     xt, yt = sample(256)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss = squared_error(model(xt), yt).mean()
     for _ in range(steps):
         opt.zero_grad()
         loss = squared_error(model(xt), yt).mean()

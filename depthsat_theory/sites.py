@@ -237,12 +237,12 @@ def insert_block(model: nn.Module, site: str, block: nn.Module) -> tuple[nn.Modu
     return new, wrapped.block
 
 
-def check_function_preserving(model: nn.Module, new_model: nn.Module, inputs, *,
+def check_function_preserving(model: nn.Module | Tensor, new_model: nn.Module, inputs, *,
                               atol: float | None = None) -> float:
     """Verify that an inserted block preserves the model's function at the origin.
 
     Args:
-        model: the reference model.
+        model: the reference model, or its precomputed output on ``inputs``.
         new_model: the model with the block inserted.
         inputs: a probe batch accepted by both models.
         atol: allowed max absolute deviation of outputs (default: ``0`` for blocks
@@ -255,7 +255,7 @@ def check_function_preserving(model: nn.Module, new_model: nn.Module, inputs, *,
         NotFunctionPreservingError: if the deviation exceeds ``atol`` or is NaN.
     """
     with torch.no_grad():
-        a = _first(model(inputs))
+        a = model if isinstance(model, Tensor) else _first(model(inputs))
         b = _first(new_model(inputs))
     dev = float((a - b).abs().max()) if a.numel() else 0.0
     limit = 0.0 if atol is None else atol

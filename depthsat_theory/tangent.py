@@ -29,7 +29,7 @@ import scipy.sparse.linalg as spla
 import torch
 from torch import Tensor
 
-from .families import FeatureFamily, FamilyError, GeneralFamily, ResidualFamily, to_rows
+from .families import FeatureFamily, FamilyError, GeneralFamily, ResidualFamily, from_rows, to_rows
 
 __all__ = [
     "StatisticsError",
@@ -41,6 +41,7 @@ __all__ = [
     "default_rtol",
     "default_tol",
     "TOL_FACTOR",
+    "RTOL_FLOOR",
 ]
 
 #: Safety factor of the saturation threshold ``tol = TOL_FACTOR · eps(dtype) · AG_rms``.
@@ -51,14 +52,23 @@ class StatisticsError(ValueError):
     """Bad input to the statistics (shape mismatch, NaN/Inf, empty probe)."""
 
 
-def default_rtol(dtype: torch.dtype, k: int) -> float:
-    """Relative eigenvalue cutoff for ``Σ`` (or ``K``): ``max(k, 1) · eps(dtype)``.
+#: Floor of the relative eigenvalue cutoff: ``TOL_FACTOR⁻²`` (see :func:`default_rtol`).
+RTOL_FLOOR = 1.0e-6
 
-    Eigenvalues ``λ ≤ rtol · λ_max`` are treated as zero (the numpy ``matrix_rank``
-    convention, with the machine epsilon of the *forward pass's* dtype since the
-    statistics are accumulated from values rounded in that dtype; MATH.md §4).
+
+def default_rtol(dtype: torch.dtype, k: int) -> float:
+    """Relative eigenvalue cutoff for the *scaled* Gram ``D^{-1/2} Σ D^{-1/2}`` (or ``K``).
+
+    ``rtol = max(k · eps(dtype), RTOL_FLOOR)`` with ``eps`` of the *forward pass's*
+    dtype (MATH.md §4: the cutoff follows the dtype the features were computed in).
+    The Gram is first scaled to unit diagonal (``D = diag Σ``), so the cutoff does not
+    depend on the units of individual features and ``T`` is unchanged (T4).
+    Eigenvalues ``λ ≤ rtol · λ_max`` are treated as zero.  Why the floor: rounding
+    of ``G`` along an eigendirection of relative eigenvalue ``λ_rel`` contributes up to
+    about ``eps · AG_rms / sqrt(λ_rel)`` to ``s``; ``λ_rel ≥ TOL_FACTOR⁻²`` keeps each
+    kept direction's contribution below the saturation threshold :func:`default_tol`.
     """
-    return max(int(k), 1) * torch.finfo(dtype).eps
+    return max(max(int(k), 1) * torch.finfo(dtype).eps, RTOL_FLOOR)
 
 
 def default_tol(dtype: torch.dtype, ag_rms: float) -> float:
@@ -190,7 +200,8 @@ class _Accumulator:
 
     def _pool(self, z: Tensor, g64: Tensor) -> None:
         if self.family.unit == "row":
-            zu = to_rows(z, self.layout).reshape(-1, to_rows(z, self.layout).shape[-1])
+            zu = to_rows(z, self.layout)
+            zu = zu.reshape(-1, zu.shape[-1])
             gu = to_rows(g64, self.layout).reshape(zu.shape[0], -1)
         else:
             zu = z.reshape(z.shape[0], -1)
@@ -201,10 +212,25 @@ class _Accumulator:
             key = zc[i].numpy().tobytes()
             slot = self._ties.get(key)
             if slot is None:
-                self._ties[key] = [gc[i].clone(), 1]
+                self._ties[key] = [gc[i].clone(), 1, zc[i].clone()]
             else:
                 slot[0] += gc[i]
                 slot[1] += 1
+
+    def _project_units(self, units: Tensor) -> Tensor:
+        """``(Π g)`` evaluated at pooled units ``(N, *)`` (flattened like the pooled ``g``)."""
+        raise NotImplementedError
+
+    def _pooled_quantities(self) -> tuple[float, float]:
+        """``(r̂², ‖m̂ − Π m̂‖²)`` from the pooled units (``Π m̂ = Π g``, MATH.md §2)."""
+        sums = torch.stack([s for s, _, _ in self._ties.values()])
+        counts = torch.tensor([c for _, c, _ in self._ties.values()], dtype=torch.float64)
+        units = torch.stack([u for _, _, u in self._ties.values()])
+        means = sums / counts[:, None]
+        r2 = float((counts * means.pow(2).sum(1)).sum()) / self.n
+        resid = means - self._project_units(units).to(torch.float64).cpu().reshape(means.shape)
+        defect2 = float((counts * resid.pow(2).sum(1)).sum()) / self.n
+        return r2, defect2
 
     def _merge_common(self, other: _Accumulator) -> None:
         if (other.family.spec, other.shape, other.layout) != (self.family.spec, self.shape, self.layout):
@@ -217,10 +243,10 @@ class _Accumulator:
         if other.dtype is not None:
             self.dtype = other.dtype if self.dtype is None else (
                 torch.float32 if torch.float32 in (other.dtype, self.dtype) else torch.float64)
-        for key, (s, c) in other._ties.items():
+        for key, (s, c, u) in other._ties.items():
             slot = self._ties.get(key)
             if slot is None:
-                self._ties[key] = [s.clone(), c]
+                self._ties[key] = [s.clone(), c, u.clone()]
             else:
                 slot[0] += s
                 slot[1] += c
@@ -234,11 +260,11 @@ class _Accumulator:
         score = math.sqrt(max(score2, 0.0))
         tol = default_tol(dtype, ag_rms) if tol is None else float(tol)
         raw = rho = float("nan")
-        if self.pool_ties:
-            r2 = sum(float(s.pow(2).sum()) / c for s, c in self._ties.values()) / self.n
+        if self.pool_ties and self._ties:
+            r2, defect2 = self._pooled_quantities()
             raw = math.sqrt(r2)
             if raw > 0:
-                rho = math.sqrt(max(r2 - score * score, 0.0)) / raw
+                rho = math.sqrt(defect2) / raw
         degenerate = rank == 0
         return SaturationResult(
             score=score,
@@ -265,17 +291,38 @@ class _Accumulator:
 
 
 def _pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[float, int, float, np.ndarray]:
-    """``tr(vecs · mat⁺ · vecsᵀ)`` via ``eigh`` with a relative cutoff; also rank, cutoff, and ``mat⁺``."""
+    """``tr(vecs · mat⁻ · vecsᵀ)`` with a truncated, diagonally scaled generalized inverse.
+
+    ``mat`` (PSD) is scaled to unit diagonal, eigendecomposed, and eigenvalues
+    ``≤ rtol · λ_max`` are dropped; ``mat⁻ = D^{-1/2} Q Λ⁻¹ Qᵀ D^{-1/2}`` over the kept
+    ones.  For rows of ``vecs`` in the range of ``mat`` this equals the Moore–Penrose
+    quadratic form up to the dropped directions.  Returns the value, the rank, the
+    absolute cutoff (on the scaled matrix) and ``mat⁻``.
+    """
     mat = 0.5 * (mat + mat.T)
-    lam, q = np.linalg.eigh(mat)
+    diag = np.clip(np.diag(mat).copy(), 0.0, None)
+    live = diag > 0
+    scale = np.zeros_like(diag)
+    scale[live] = 1.0 / np.sqrt(diag[live])
+    scaled = mat * np.outer(scale, scale)
+    lam, q = np.linalg.eigh(scaled)
     lmax = float(lam.max()) if lam.size else 0.0
     cutoff = rtol * lmax if lmax > 0 else 0.0
     keep = lam > cutoff if lmax > 0 else np.zeros_like(lam, dtype=bool)
-    qk = q[:, keep]
+    qk = q[:, keep] * scale[:, None]
     inv = (qk / lam[keep]) @ qk.T
     proj = vecs @ qk
     val = float(np.sum(proj * proj / lam[keep])) if keep.any() else 0.0
     return val, int(keep.sum()), cutoff, inv
+
+
+def _rows_as_site(rows: Tensor, layout: str) -> Tensor:
+    """Pack unit rows ``(N, d)`` into one site tensor so row-wise maps see each row once."""
+    if layout == "vector":
+        return rows
+    if layout == "sequence":
+        return rows.unsqueeze(0)
+    return rows.T.reshape(1, rows.shape[1], rows.shape[0], 1)
 
 
 class FeatureStatistics(_Accumulator):
@@ -368,9 +415,20 @@ class FeatureStatistics(_Accumulator):
             raise StatisticsError("no examples were accumulated: the probe is empty")
         rtol = default_rtol(self.dtype, self.k) if rtol is None else float(rtol)
         sig, big_g = self.gram, self.cross_gradient
-        s2, rank_sigma, cutoff, _ = _pinv_quadratic(sig, big_g, rtol)
+        s2, rank_sigma, cutoff, inv = _pinv_quadratic(sig, big_g, rtol)
+        self._coef = big_g @ inv  # Π g (u) = G Σ⁻ φ̃(u)
         return self._finish(s2, self.theta_vector(big_g), self.d * rank_sigma, self.d * self.k,
                             cutoff, rtol, tol)
+
+    def _project_units(self, units: Tensor) -> Tensor:
+        coef = torch.from_numpy(self._coef)
+        if self.family.unit == "row":
+            site = _rows_as_site(units.to(torch.float64), self.layout)
+            phi = self._features(site.to(self.sigma.device)).reshape(units.shape[0], -1, self.k).cpu()
+            return (phi @ coef.T).reshape(units.shape[0], -1)
+        site = units.reshape(units.shape[0], *self.shape)
+        phi = self._features(site.to(self.sigma.device)).cpu()
+        return from_rows(phi @ coef.T, self.layout, site.shape).reshape(units.shape[0], -1)
 
     def theta_vector(self, mat: np.ndarray) -> np.ndarray:
         """Flatten a ``(d, k̃)`` matrix in the tangent-coordinate order ``(vec_row(W), c)``."""
@@ -438,12 +496,17 @@ class TangentProjector:
         return spla.LinearOperator((size, size), matvec=mv, rmatvec=mv, dtype=np.float64)
 
 
+#: Elements of site tensors held at once by the vmapped Gram products of GeneralStatistics.
+_CHUNK_ELEMENTS = 1 << 22
+
+
 class GeneralStatistics(_Accumulator):
     """Matrix-free statistics for a :class:`GeneralFamily` (any ``h(θ, u)``).
 
-    Per batch, ``K += Σ A(u)ᵀ A(u)`` and ``b += Σ A(u)ᵀ g(u)`` are formed with
-    ``torch.func.jvp``/``vjp`` at ``θ = 0`` (``p`` Jacobian-vector products, vmapped;
-    the ``(units·d) × p`` Jacobian of the probe is never stored).  Memory ``O(p²)``.
+    Per batch, ``b += Σ A(u)ᵀ g(u)`` is one ``torch.func.vjp`` and the Gram matrix
+    ``K += Σ A(u)ᵀ A(u)`` is formed column by column as ``Aᵀ(A e_i)`` (a ``jvp``
+    followed by a ``vjp``, vmapped in chunks), so no Jacobian is stored; memory is
+    ``O(p² + chunk · |batch|)``, time ``p`` jvp+vjp pairs per batch.
 
     Raises:
         FamilyError: if the family does not fit the site.
@@ -467,10 +530,14 @@ class GeneralStatistics(_Accumulator):
 
         _, vjp_fn = torch.func.vjp(h, theta0)
         self.b = self.b.to(z.device) + vjp_fn(g64)[0]
+
+        def gram_column(v: Tensor) -> Tensor:  # Aᵀ(A v): one jvp and one vjp
+            return vjp_fn(torch.func.jvp(h, (theta0,), (v,))[1])[0]
+
         eye = torch.eye(self.p, dtype=torch.float64, device=z.device)
-        jac_cols = torch.func.vmap(lambda v: torch.func.jvp(h, (theta0,), (v,))[1])(eye)
-        flat = jac_cols.reshape(self.p, -1)
-        self.k_mat = self.k_mat.to(z.device) + flat @ flat.T
+        chunk = max(1, min(self.p, _CHUNK_ELEMENTS // max(z.numel(), 1)))
+        cols = torch.func.vmap(gram_column, chunk_size=chunk)(eye)
+        self.k_mat = self.k_mat.to(z.device) + 0.5 * (cols + cols.T)
         self.units += int(z.shape[0]) * (to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1)
 
     def merge(self, other: GeneralStatistics) -> GeneralStatistics:
@@ -487,8 +554,18 @@ class GeneralStatistics(_Accumulator):
         rtol = default_rtol(self.dtype, self.p) if rtol is None else float(rtol)
         kmat = (self.k_mat / self.n).cpu().numpy()
         b = (self.b / self.n).cpu().numpy()
-        s2, rank, cutoff, _ = _pinv_quadratic(kmat, b[None, :], rtol)
+        s2, rank, cutoff, inv = _pinv_quadratic(kmat, b[None, :], rtol)
+        self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
         return self._finish(s2, b, rank, self.p, cutoff, rtol, tol)
+
+    def _project_units(self, units: Tensor) -> Tensor:
+        theta0 = torch.zeros(self.p, dtype=torch.float64)
+        if self.family.unit == "row":
+            site, layout = units.to(torch.float64), "vector"
+        else:
+            site, layout = units.reshape(units.shape[0], *self.shape).to(torch.float64), self.layout
+        _, out = torch.func.jvp(lambda th: self.family.functional(th, site, layout), (theta0,), (self._coef,))
+        return out.reshape(units.shape[0], -1)
 
 
 def statistics_for(family: ResidualFamily, shape, layout: str, *, pool_ties: bool = False):
