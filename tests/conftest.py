@@ -15,3 +15,14 @@ def device(request) -> torch.device:
     Session-scoped so that hypothesis ``@given`` tests may take it.
     """
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    """Cache folder for trained weights shared by the checker tests.
+
+    ``$DEPTHSAT_CACHE`` when set (CI keeps it between runs), else a session temp dir.
+    """
+    import os
+
+    return os.environ.get("DEPTHSAT_CACHE") or str(tmp_path_factory.mktemp("depthsat-cache"))

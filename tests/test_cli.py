@@ -1,0 +1,159 @@
+"""Command-line interface: ``depthsat score`` and ``depthsat check``.
+
+Values are checked against an independent numpy least-squares projection of ``g``
+onto ``span{V φ̃}`` (for ``linear``: ``φ̃ = (z, 1)``) in the empirical measure
+``‖f‖² = (1/n) Σ_i |f(u_i)|²``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from depthsat_theory.cli import app
+
+runner = CliRunner()
+
+
+def _probe(tmp_path, n=50, d=4, seed=0, dtype=np.float64, **extra):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, d)).astype(dtype)
+    g = rng.normal(size=(n, d)).astype(dtype)
+    arrays = {"z": z, "g": g, **extra}
+    path = tmp_path / "probe.npz"
+    np.savez(path, **arrays)
+    return path, z, g
+
+
+def _numpy_score(z, g, bias=True):
+    phi = np.hstack([z, np.ones((z.shape[0], 1))]) if bias else z
+    coef, *_ = np.linalg.lstsq(phi, g, rcond=None)
+    proj = phi @ coef
+    return float(np.sqrt((proj**2).sum() / z.shape[0]))
+
+
+def _json(result):
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("spec,bias", [("linear", True), ("linear-nobias", False)])
+def test_score_json_matches_numpy_projection(tmp_path, spec, bias):
+    path, z, g = _probe(tmp_path)
+    out = _json(runner.invoke(app, ["score", "--probe", str(path), "--family", spec, "--json"]))
+    for key in ("score", "raw_score", "ag_max", "ag_rms", "realizability_defect", "tangent_rank",
+                "tangent_dim", "saturated", "tol", "n", "family"):
+        assert key in out
+    expected = _numpy_score(z.astype(np.float64), g.astype(np.float64), bias)
+    assert out["score"] == pytest.approx(expected, rel=1e-10)
+    gn = np.linalg.norm(g, axis=1)
+    assert out["ag_rms"] == pytest.approx(np.sqrt((gn**2).mean()), rel=1e-12)
+    assert out["ag_max"] == pytest.approx(gn.max(), rel=1e-12)
+    # continuous rows: no ties, so the pooled raw score equals AG_rms
+    assert out["raw_score"] == pytest.approx(out["ag_rms"], rel=1e-12)
+    assert out["realizability_defect"] == pytest.approx(
+        np.sqrt(1 - expected**2 / out["ag_rms"] ** 2), rel=1e-8)
+    d = z.shape[1]
+    assert out["tangent_dim"] == d * (d + bias)
+    assert out["tangent_rank"] == d * (d + bias)
+    assert out["n"] == 50 and out["saturated"] is False
+
+
+def test_score_saturated_probe_and_float32(tmp_path):
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(80, 3))
+    raw = rng.normal(size=(80, 3))
+    phi = np.hstack([z, np.ones((80, 1))])
+    g = raw - phi @ np.linalg.lstsq(phi, raw, rcond=None)[0]  # g ⟂ T exactly (up to rounding)
+    path = tmp_path / "sat.npz"
+    np.savez(path, z=z, g=g)
+    out = _json(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"]))
+    assert out["saturated"] is True
+    assert out["score"] <= out["tol"]
+    assert out["ag_max"] > 0.1
+    assert out["realizability_defect"] == pytest.approx(1.0, abs=1e-10)
+    path32, z32, g32 = _probe(tmp_path, dtype=np.float32)
+    out32 = _json(runner.invoke(app, ["score", "--probe", str(path32), "--family", "poly:2", "--json"]))
+    zz = z32.astype(np.float64)
+    phi2 = np.hstack([zz, zz**2])
+    assert out32["score"] == pytest.approx(_numpy_score(phi2, g32.astype(np.float64)), rel=1e-6)
+    assert out32["tol"] > 1e3 * out["tol"]  # float32 threshold follows the dtype
+
+
+def test_score_table_output(tmp_path):
+    path, *_ = _probe(tmp_path)
+    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "relu:16:3"])
+    assert res.exit_code == 0
+    assert "score" in res.stdout and "relu:16:3" in res.stdout
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing_g", "missing array"),
+    ("shape", "must match"),
+    ("nan", "NaN"),
+    ("empty", "empty"),
+    ("family", "bad family spec"),
+    ("not_npz", "not a readable"),
+    ("no_file", "no such file"),
+    ("ints", "dtype"),
+])
+def test_score_bad_input_is_one_line(tmp_path, case, needle):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "p.npz"
+    fam = "linear"
+    if case == "missing_g":
+        np.savez(path, z=rng.normal(size=(5, 2)))
+    elif case == "shape":
+        np.savez(path, z=rng.normal(size=(5, 2)), g=rng.normal(size=(5, 3)))
+    elif case == "nan":
+        g = rng.normal(size=(5, 2))
+        g[1, 1] = np.nan
+        np.savez(path, z=rng.normal(size=(5, 2)), g=g)
+    elif case == "empty":
+        np.savez(path, z=np.zeros((0, 2)), g=np.zeros((0, 2)))
+    elif case == "family":
+        np.savez(path, z=rng.normal(size=(5, 2)), g=rng.normal(size=(5, 2)))
+        fam = "banana:3"
+    elif case == "not_npz":
+        path.write_text("not a zip")
+    elif case == "no_file":
+        path = tmp_path / "absent.npz"
+    elif case == "ints":
+        np.savez(path, z=np.ones((5, 2), dtype=np.int64), g=np.ones((5, 2), dtype=np.int64))
+    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "score", "--probe", str(path),
+                           "--family", fam], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:") and needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_check_cli_writes_report_and_flags_rotation(tmp_path, model_cache):
+    rep = tmp_path / "report.json"
+    res = runner.invoke(app, ["check", "--instances", "8", "--seed", "2", "--report", str(rep),
+                              "--cache-dir", model_cache, "--quiet"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(rep.read_text())
+    assert data["instances"] == 8 and data["counterexamples"] == 0 and data["seed"] == 2
+    assert "agree" in res.stdout
+    rep2 = tmp_path / "planted.json"
+    res = runner.invoke(app, ["check", "--instances", "16", "--seed", "2", "--report", str(rep2),
+                              "--cache-dir", model_cache, "--quiet", "--optimizers", "rotation",
+                              "--construction-fraction", "0"])
+    assert res.exit_code == 1
+    assert json.loads(rep2.read_text())["counterexamples"] > 0
+
+
+def test_check_cli_bad_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "check", "--instances", "0",
+                           "--report", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "check", "--report",
+                           str(tmp_path / "missing" / "r.json")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
