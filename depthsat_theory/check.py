@@ -131,9 +131,10 @@ class _Context:
 class _Instance:
     index: int
     context: str
-    site: str
+    site_u: float
     family: str
     optimizer: str
+    site: str = ""
 
 
 def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, _Context]:
@@ -161,7 +162,6 @@ def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, _Context]:
 def _draw(cfg: CheckConfig) -> list[_Instance]:
     """The instance list: a pure function of the config (same seed, same draw)."""
     rng = np.random.default_rng(cfg.seed)
-    site_counts = {"mlp": 5, "cnn": 4, "gpt": 2, "mlp-lsq": 1, "mlp-odd": 4}
     out = []
     for i in range(cfg.instances):
         if rng.random() < cfg.construction_fraction:
@@ -171,10 +171,10 @@ def _draw(cfg: CheckConfig) -> list[_Instance]:
             ctx = cfg.kinds[int(rng.integers(len(cfg.kinds)))]
             layout = {"mlp": "vector", "cnn": "image", "gpt": "sequence"}[ctx]
             pool = FAMILY_POOLS[layout]
-        site_idx = int(rng.integers(site_counts[ctx]))
+        site_u = float(rng.random())  # resolved to a site once the model's sites are known
         fam = pool[int(rng.integers(len(pool)))]
         opt = cfg.optimizers[int(rng.integers(len(cfg.optimizers)))]
-        out.append(_Instance(i, ctx, str(site_idx), fam, opt))
+        out.append(_Instance(i, ctx, site_u, fam, opt))
     return out
 
 
@@ -332,7 +332,7 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
         ctx = ctxs[cname]
         task = ctx.task
         for it in items:
-            it.site = ctx.sites[int(it.site) % len(ctx.sites)]
+            it.site = ctx.sites[int(it.site_u * len(ctx.sites))]
         with torch.no_grad():
             ctx.reference_output = task.model(task.inputs)
         # one forward+backward pass over the probe for every (site, family) of this context
