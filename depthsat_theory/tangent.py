@@ -207,15 +207,17 @@ class _Accumulator:
             zu = z.reshape(z.shape[0], -1)
             gu = g64.reshape(g64.shape[0], -1)
         zc = zu.cpu().contiguous()
-        gc = gu.cpu()
-        for i in range(zc.shape[0]):
-            key = zc[i].numpy().tobytes()
+        uniq, inv = torch.unique(zc, dim=0, return_inverse=True)
+        sums = torch.zeros(uniq.shape[0], gu.shape[1], dtype=torch.float64).index_add_(0, inv, gu.cpu())
+        counts = torch.bincount(inv, minlength=uniq.shape[0]).tolist()
+        for j in range(uniq.shape[0]):
+            key = (uniq[j] + 0.0).numpy().tobytes()  # + 0.0 maps -0.0 to 0.0
             slot = self._ties.get(key)
             if slot is None:
-                self._ties[key] = [gc[i].clone(), 1, zc[i].clone()]
+                self._ties[key] = [sums[j], counts[j], uniq[j].clone()]
             else:
-                slot[0] += gc[i]
-                slot[1] += 1
+                slot[0] += sums[j]
+                slot[1] += counts[j]
 
     def _project_units(self, units: Tensor) -> Tensor:
         """``(Π g)`` evaluated at pooled units ``(N, *)`` (flattened like the pooled ``g``)."""
