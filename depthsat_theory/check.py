@@ -104,16 +104,21 @@ class CheckConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` with a specific message on bad settings."""
         if self.instances < 1:
-            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+            raise ValueError(f"instances (--instances) must be >= 1, got {self.instances}")
         if not 0.0 <= self.construction_fraction <= 1.0:
-            raise ValueError(f"construction_fraction must be in [0, 1], got {self.construction_fraction}")
+            raise ValueError("construction_fraction (--construction-fraction) must be in [0, 1], "
+                             f"got {self.construction_fraction}")
         if self.steps < 3:
             raise ValueError(f"steps must be >= 3, got {self.steps}")
+        if not self.optimizers:
+            raise ValueError("optimizers (--optimizers) must name at least one zero-state update")
         for name in self.optimizers:
             get_update(name)
+        if not self.kinds:
+            raise ValueError("kinds (--models) must name at least one of mlp, cnn, gpt")
         for k in self.kinds:
             if k not in ("mlp", "cnn", "gpt"):
-                raise ValueError(f"unknown model kind {k!r}; use mlp, cnn, gpt")
+                raise ValueError(f"unknown model kind {k!r} (--models); use mlp, cnn, gpt")
 
 
 @dataclass
@@ -265,7 +270,7 @@ class _Insertion:
         decrease = a_obs < -3 * err
         max_rate = res.score * self.a_norm * dir_norm  # |⟨b, v⟩| ≤ s ‖A v‖ ≤ s ‖A‖ ‖v‖
         slope_tol = tol * self.a_norm * dir_norm
-        verdict, reason = self._verdict(res, a_pred, a_obs, err, decrease, max_rate, slope_tol)
+        verdict, reason, detail = self._verdict(res, a_pred, a_obs, err, decrease, max_rate, slope_tol)
         return {
             "predicted_slope": a_pred,
             "observed_slope": a_obs,
@@ -277,35 +282,38 @@ class _Insertion:
             "observed_decrease": bool(decrease),
             "verdict": verdict,
             "reason": reason,
+            "detail": detail,
         }
 
     def _verdict(self, res, a_pred, a_obs, err, decrease, max_rate, slope_tol):
+        """``(verdict, reason, detail)``: ``reason`` is a short category, ``detail`` the numbers."""
         if self.deviation != 0.0:
-            return "counterexample", "inserted block is not function-preserving"
+            return "counterexample", "inserted block is not function-preserving", f"max |Δf| = {self.deviation:.3g}"
         if self.gradient_error > self.gradient_tol:
-            return "counterexample", (f"T1: autograd gradient differs from the statistics' b by "
-                                      f"{self.gradient_error:.3g} (> {self.gradient_tol:.3g})")
+            return "counterexample", "T1: autograd gradient differs from the statistics' b", (
+                f"max |Δb| = {self.gradient_error:.3g} > {self.gradient_tol:.3g}")
         if self.feature_grad_max != 0.0:
-            return "counterexample", "feature parameters have a nonzero gradient at the origin"
+            return "counterexample", "feature parameters have a nonzero gradient at the origin", (
+                f"max |∂J/∂ψ| = {self.feature_grad_max:.3g}")
         if res.degenerate:
             if abs(a_obs) <= 3 * err and not decrease:
-                return "degenerate", "rank K = 0: T = {0}, no first-order change (not 'saturated')"
-            return "counterexample", "degenerate family moved J at first order"
+                return "degenerate", "rank K = 0: T = {0}, no first-order change (not 'saturated')", ""
+            return "counterexample", "degenerate family moved J at first order", f"slope {a_obs:.3g}"
         if res.score > res.tol:
             if 3 * err > 1e-2 * max_rate:
-                return "undecided", (f"slope resolution {3 * err:.2g} too coarse against the largest "
-                                     f"possible rate {max_rate:.2g}")
+                return "undecided", "slope resolution too coarse for the largest possible rate", (
+                    f"resolution {3 * err:.2g} vs s·‖A‖·‖P(b)‖ = {max_rate:.2g}")
             if not decrease:
-                return "counterexample", (f"s = {res.score:.3g} > tol but no first-order decrease "
-                                          f"(observed slope {a_obs:.3g} ± {3 * err:.2g})")
+                return "counterexample", "s > tol but no first-order decrease", (
+                    f"s = {res.score:.3g}; observed slope {a_obs:.3g} ± {3 * err:.2g}")
             if abs(a_obs - a_pred) > 1e-3 * abs(a_pred) + 3 * err:
-                return "counterexample", (f"first-order decrease with slope {a_obs:.6g} ≠ predicted "
-                                          f"−⟨b, P(b)⟩ = {a_pred:.6g}")
-            return "agree", "first-order decrease with the predicted slope"
+                return "counterexample", "first-order decrease, but its slope is not −⟨b, P(b)⟩", (
+                    f"observed {a_obs:.6g}, predicted {a_pred:.6g}")
+            return "agree", "first-order decrease with the predicted slope", ""
         if abs(a_obs) <= 3 * err + slope_tol:
-            return "agree", "no first-order term (Richardson slope consistent with 0)"
-        return "counterexample", (f"s = {res.score:.3g} ≤ tol but first-order slope {a_obs:.3g} "
-                                  f"± {3 * err:.2g}")
+            return "agree", "no first-order term (Richardson slope consistent with 0)", ""
+        return "counterexample", "s ≤ tol but a first-order change", (
+            f"s = {res.score:.3g}; slope {a_obs:.3g} ± {3 * err:.2g}")
 
 
 def run_check(cfg: CheckConfig, *, progress=None) -> dict:
@@ -423,15 +431,30 @@ def _batches(task: Task, size: int = 256):
 
 
 def summarize(records: list[dict]) -> dict:
-    """Counts of verdicts grouped by model, data, family, optimizer and construction."""
+    """Verdict counts grouped by model, data, construction, family and optimizer.
+
+    Each group also counts the prediction (``predicted_improvable`` / ``predicted_saturated``,
+    degenerate instances in neither), so that "agree" can be read both ways.  The
+    reasons of undecided and counterexample instances are counted by category, split
+    into those of planted non-descent-compatible updates (expected: T2 assumes descent
+    compatibility) and the others.
+    """
     out: dict[str, dict] = {}
-    for key in ("model", "data", "family", "optimizer", "construction"):
+    for key in ("model", "data", "construction", "family", "optimizer"):
         table: dict[str, Counter] = defaultdict(Counter)
         for r in records:
-            table[str(r[key])][r["verdict"]] += 1
+            row = table[str(r[key])]
+            row[r["verdict"]] += 1
+            if not r["degenerate"]:
+                row["predicted_improvable" if r["predicted_improvable"] else "predicted_saturated"] += 1
         out[key] = {k: dict(v) for k, v in sorted(table.items())}
-    reasons = Counter(r["reason"] for r in records if r["verdict"] in ("undecided", "counterexample"))
-    out["undecided_and_counterexample_reasons"] = dict(reasons.most_common(20))
+    bad = [r for r in records if r["verdict"] in ("undecided", "counterexample")]
+    out["reasons"] = dict(Counter(f"{r['verdict']}: {r['reason']}" for r in bad
+                                  if r["descent_compatible"]).most_common())
+    out["planted_reasons"] = dict(Counter(f"{r['verdict']}: {r['reason']}" for r in bad
+                                          if not r["descent_compatible"]).most_common())
+    out["planted_counterexamples"] = sum(1 for r in bad if r["verdict"] == "counterexample"
+                                         and not r["descent_compatible"])
     return out
 
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from .families import FamilyError, family_specs, parse_family
 from .tangent import StatisticsError, statistics_for
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="First-order residual depth saturation: checks, scores and diagnostics.")
 console = Console()
 err_console = Console(stderr=True)
@@ -50,7 +50,10 @@ def check(
         None, "--optimizers",
         help="Comma-separated zero-state updates to draw from (default: all descent-compatible; "
              "add 'rotation' to plant a non-descent-compatible map)."),
-    kinds: str = typer.Option("mlp,cnn,gpt", "--models", help="Trained model kinds: mlp, cnn, gpt."),
+    kinds: str = typer.Option(
+        "mlp,cnn,gpt", "--models",
+        help="Trained model kinds: mlp, cnn, gpt (the exact constructions, a least-squares readout "
+             "on the digits MLP and an odd MLP on synthetic data, are drawn in addition)."),
     construction_fraction: float = typer.Option(0.25, "--construction-fraction",
                                                 help="Share of exact saturated constructions."),
     cache_dir: Optional[Path] = typer.Option(
@@ -85,6 +88,8 @@ def check(
 
 
 def _writable(path: Path) -> None:
+    if path.is_dir():
+        raise OSError(f"--report {path} is a directory; give a file path")
     folder = path.resolve().parent
     if not folder.is_dir():
         raise OSError(f"--report folder {folder} does not exist")
@@ -94,24 +99,33 @@ def _writable(path: Path) -> None:
 
 def _print_check_summary(rep: dict, wall: float, path: Path) -> None:
     summ = rep["summary"]
-    verdicts = ("agree", "counterexample", "undecided", "degenerate")
+    cols = [("predicted_improvable", "pred. impr."), ("predicted_saturated", "pred. sat."),
+            ("agree", "agree"), ("counterexample", "counterex."), ("undecided", "undecided"),
+            ("degenerate", "degenerate")]
     table = Table(title=f"depthsat check: {rep['instances']} instances, seed {rep['seed']}")
     table.add_column("group")
     table.add_column("value")
-    for v in verdicts:
-        table.add_column(v, justify="right")
+    for _, head in cols:
+        table.add_column(head, justify="right")
     for key in ("model", "data", "construction", "family", "optimizer"):
         for val, counts in summ[key].items():
             table.add_row(key, "real data" if val == "None" else val,
-                          *[str(counts.get(v, 0)) for v in verdicts])
+                          *[str(counts.get(c, 0)) for c, _ in cols])
         table.add_section()
     console.print(table)
-    for reason, count in summ["undecided_and_counterexample_reasons"].items():
+    for reason, count in summ["reasons"].items():
         console.print(f"  {count} × {reason}", markup=False)
+    if summ["planted_reasons"]:
+        console.print("planted non-descent-compatible updates (T2 assumes descent compatibility, so "
+                      "these counterexamples are expected and show that the checker can fail):",
+                      markup=False)
+        for reason, count in summ["planted_reasons"].items():
+            console.print(f"  {count} × {reason}", markup=False)
     console.print(
-        f"total: {rep['agree']} agree, {rep['counterexamples']} counterexamples, "
-        f"{rep['undecided']} undecided, {rep['degenerate']} degenerate (T = {{0}}); "
-        f"wall time {wall:.1f} s; report: {path}", markup=False)
+        f"total: {rep['agree']} agree, {rep['counterexamples']} counterexamples "
+        f"({summ['planted_counterexamples']} planted), {rep['undecided']} undecided, "
+        f"{rep['degenerate']} degenerate (T = {{0}})", markup=False)
+    console.print(f"wall time {wall:.1f} s; report: {path}", markup=False)
 
 
 # ----------------------------------------------------------------------------- score
@@ -166,8 +180,13 @@ def score(
 
 
 def _load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    if path.is_dir():
+        raise UserError(f"--probe {path} is a directory, not an .npz file")
     if not path.is_file():
         raise UserError(f"--probe {path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"--probe {path}: not an .npz archive; save one with "
+                        f"numpy.savez(path, z=Z, g=G)")
     try:
         with np.load(path, allow_pickle=False) as data:
             missing = [k for k in ("z", "g") if k not in data.files]
@@ -179,9 +198,13 @@ def _load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise UserError(f"--probe {path}: not a readable .npz file ({type(exc).__name__}: {exc})") from None
+    arrays = []
     for name, arr in (("z", z), ("g", g)):
-        if arr.dtype not in (np.float32, np.float64):
+        if arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
             raise UserError(f"array {name} has dtype {arr.dtype}; expected float32 or float64")
+        arrays.append(arr.astype(arr.dtype.newbyteorder("="), copy=False))
+    z, g = arrays
+    for name, arr in (("z", z), ("g", g)):
         if arr.ndim != 2:
             raise UserError(f"array {name} has shape {arr.shape}; expected n × d")
     if z.shape != g.shape:
@@ -197,8 +220,22 @@ def _load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point.
+
+    Unexpected exceptions end with one ``error: internal error …`` line and exit
+    status 3 (``1`` means "counterexample found", ``2`` bad input); set
+    ``DEPTHSAT_DEBUG=1`` to see the traceback.
+    """
+    if os.environ.get("DEPTHSAT_DEBUG"):
+        app()
+        return
+    try:
+        app()
+    except Exception as exc:  # noqa: BLE001 - the one-line contract for users
+        err_console.print(f"error: internal error ({type(exc).__name__}: {exc}); rerun with "
+                          f"DEPTHSAT_DEBUG=1 for the traceback", markup=False, highlight=False,
+                          soft_wrap=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

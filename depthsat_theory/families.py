@@ -64,6 +64,9 @@ __all__ = [
 ]
 
 LAYOUTS = ("vector", "sequence", "image")
+#: Largest polynomial degree and feature width accepted from specs.
+MAX_DEGREE = 16
+MAX_WIDTH = 1 << 16
 
 
 class FamilyError(ValueError):
@@ -111,6 +114,11 @@ def _check_layout_tensor(t: Tensor, layout: str) -> None:
             f"a {layout!r} site tensor must have {ndim} dimensions (batch first), "
             f"got shape {tuple(t.shape)}"
         )
+
+
+def _check_width(width: int) -> None:
+    if not 1 <= width <= MAX_WIDTH:
+        raise FamilyError(f"feature width must be in 1..{MAX_WIDTH}, got {width}")
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -482,8 +490,8 @@ def polynomial(degree: int, *, bias: bool = True) -> FeatureFamily:
     Raises:
         FamilyError: if ``degree < 1``.
     """
-    if degree < 1:
-        raise FamilyError(f"polynomial degree must be >= 1, got {degree}")
+    if not 1 <= degree <= MAX_DEGREE:
+        raise FamilyError(f"polynomial degree must be in 1..{MAX_DEGREE}, got {degree}")
     return _SimpleFeatureFamily(f"poly:{degree}", lambda d, lay: _Powers(lay, degree),
                                 lambda d: degree * d, bias=bias)
 
@@ -499,8 +507,7 @@ def random_features(width: int, activation: str = "relu", seed: int = 0) -> Feat
     """
     if activation not in _ACTIVATIONS:
         raise FamilyError(f"unknown activation {activation!r}; use one of {sorted(_ACTIVATIONS)}")
-    if width < 1:
-        raise FamilyError(f"feature width must be >= 1, got {width}")
+    _check_width(width)
     return _SimpleFeatureFamily(
         f"{activation}:{width}:{seed}",
         lambda d, lay: _RandomFeatures(lay, d, width, activation, seed, layernorm=False),
@@ -516,8 +523,7 @@ def even_features(kind: str = "abs") -> FeatureFamily:
 
 def preln_mlp(width: int, seed: int = 0) -> FeatureFamily:
     """Pre-LN MLP block: LayerNorm → Linear(d, k) → GELU → zero Linear(k, d) (with bias)."""
-    if width < 1:
-        raise FamilyError(f"feature width must be >= 1, got {width}")
+    _check_width(width)
     return _SimpleFeatureFamily(
         f"preln:{width}:{seed}",
         lambda d, lay: _RandomFeatures(lay, d, width, "gelu", seed, layernorm=True),
@@ -532,8 +538,7 @@ def conv1x1(*, bias: bool = True) -> FeatureFamily:
 
 def conv3x3(width: int, seed: int = 0) -> FeatureFamily:
     """Conv3×3(C, k) → ReLU → zero Conv1×1(k, C): unit is the whole image."""
-    if width < 1:
-        raise FamilyError(f"feature width must be >= 1, got {width}")
+    _check_width(width)
     return _Conv3x3Family(f"conv3x3:{width}:{seed}", lambda d, lay: _Conv3x3Features(d, width, seed),
                           lambda d: width, unit="tensor", layouts=("image",))
 
@@ -545,8 +550,9 @@ def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily
     sequence.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
     ``out_proj``'s hooks, MATH.md §2).
     """
-    if width < 1 or heads < 1:
-        raise FamilyError(f"attention width and heads must be >= 1, got {width}, {heads}")
+    _check_width(width)
+    if heads < 1:
+        raise FamilyError(f"attention heads must be >= 1, got {heads}")
     return _SimpleFeatureFamily(f"attention:{width}:{seed}",
                                 lambda d, lay: _CausalAttentionFeatures(d, width, heads, seed),
                                 lambda d: width, unit="tensor", layouts=("sequence",))

@@ -41,7 +41,7 @@ __all__ = [
     "default_rtol",
     "default_tol",
     "TOL_FACTOR",
-    "RTOL_FLOOR",
+    "GRAM_FACTOR",
 ]
 
 #: Safety factor of the saturation threshold ``tol = TOL_FACTOR · eps(dtype) · AG_rms``.
@@ -52,23 +52,34 @@ class StatisticsError(ValueError):
     """Bad input to the statistics (shape mismatch, NaN/Inf, empty probe)."""
 
 
-#: Floor of the relative eigenvalue cutoff: ``TOL_FACTOR⁻²`` (see :func:`default_rtol`).
-RTOL_FLOOR = 1.0e-6
+#: Float64 Gram arithmetic loses ``~ k · eps64 / λ_rel`` of a direction's relative accuracy;
+#: directions are kept while that loss stays below ``1 / GRAM_FACTOR``.
+GRAM_FACTOR = 1.0e3
 
 
 def default_rtol(dtype: torch.dtype, k: int) -> float:
-    """Relative eigenvalue cutoff for the *scaled* Gram ``D^{-1/2} Σ D^{-1/2}`` (or ``K``).
+    r"""Relative eigenvalue cutoff for the *scaled* Gram ``D^{-1/2} Σ D^{-1/2}`` (or ``K``).
 
-    ``rtol = max(k · eps(dtype), RTOL_FLOOR)`` with ``eps`` of the *forward pass's*
-    dtype (MATH.md §4: the cutoff follows the dtype the features were computed in).
-    The Gram is first scaled to unit diagonal (``D = diag Σ``), so the cutoff does not
-    depend on the units of individual features and ``T`` is unchanged (T4).
-    Eigenvalues ``λ ≤ rtol · λ_max`` are treated as zero.  Why the floor: rounding
-    of ``G`` along an eigendirection of relative eigenvalue ``λ_rel`` contributes up to
-    about ``eps · AG_rms / sqrt(λ_rel)`` to ``s``; ``λ_rel ≥ TOL_FACTOR⁻²`` keeps each
-    kept direction's contribution below the saturation threshold :func:`default_tol`.
+    .. math::
+
+        \mathrm{rtol} = k \cdot \max(\varepsilon_{\text{forward}},\;
+                          \mathrm{GRAM\_FACTOR} \cdot \varepsilon_{64}).
+
+    Two rounding sources bound what a Gram matrix can resolve: the features were
+    computed in the forward pass's dtype (relative error ``ε_forward``; the numpy
+    ``matrix_rank`` convention ``k · ε``, MATH.md §4), and the float64 eigensolve of a
+    Gram matrix (which squares condition numbers) determines an eigendirection of
+    relative eigenvalue ``λ_rel`` only to ``~ k ε64 / λ_rel``.  For float32 inputs at
+    ``k = 65`` this gives ``≈ 8e-6``, for float64 ``≈ 1.4e-11``.  The Gram is first
+    scaled to unit diagonal (``D = diag Σ``), so the cutoff does not depend on the
+    units of individual features and ``T`` is unchanged (T4).  Eigenvalues
+    ``λ ≤ rtol · λ_max`` are treated as zero.
+
+    The cutoff stays at rounding level on purpose: dropping a real direction can only
+    *lower* ``s`` and so could turn an improvable site into a false "saturated".
     """
-    return max(max(int(k), 1) * torch.finfo(dtype).eps, RTOL_FLOOR)
+    eps = max(torch.finfo(dtype).eps, GRAM_FACTOR * torch.finfo(torch.float64).eps)
+    return max(int(k), 1) * eps
 
 
 def default_tol(dtype: torch.dtype, ag_rms: float) -> float:
@@ -191,6 +202,10 @@ class _Accumulator:
             torch.float32 if torch.float32 in (dt, self.dtype) else torch.float64)
         g64 = g.detach().to(torch.float64)
         per_ex = g64.flatten(1).pow(2).sum(1)
+        if bool((per_ex == 0).any()) and bool((g64.flatten(1)[per_ex == 0] != 0).any()):
+            raise StatisticsError(
+                "activation gradients underflow when squared in float64 (|g| below ~1e-154); "
+                "rescale g (every score is homogeneous of degree 1 in g)")
         self.g_sq += float(per_ex.sum())
         self.g_max = max(self.g_max, float(per_ex.max().sqrt()))
         self.z_sq += float(z.detach().to(torch.float64).pow(2).sum())
@@ -252,6 +267,13 @@ class _Accumulator:
             else:
                 slot[0] += s
                 slot[1] += c
+
+    def _check_finite(self, *arrays) -> None:
+        vals = [self.g_sq, self.z_sq, self.g_max] + [float(np.abs(np.asarray(a)).sum()) for a in arrays]
+        if not all(math.isfinite(v) for v in vals):
+            raise StatisticsError(
+                "the statistics overflowed float64 (|z| or |g| too large, e.g. 1e160); rescale the "
+                "probe: s scales linearly in g, and T is unchanged by rescaling z for the linear family")
 
     def _finish(self, score2: float, b: np.ndarray, rank: int, p: int, cutoff: float,
                 rtol: float, tol: float | None) -> SaturationResult:
@@ -417,6 +439,7 @@ class FeatureStatistics(_Accumulator):
             raise StatisticsError("no examples were accumulated: the probe is empty")
         rtol = default_rtol(self.dtype, self.k) if rtol is None else float(rtol)
         sig, big_g = self.gram, self.cross_gradient
+        self._check_finite(sig, big_g)
         s2, rank_sigma, cutoff, inv = _pinv_quadratic(sig, big_g, rtol)
         self._coef = big_g @ inv  # Π g (u) = G Σ⁻ φ̃(u)
         return self._finish(s2, self.theta_vector(big_g), self.d * rank_sigma, self.d * self.k,
@@ -556,6 +579,7 @@ class GeneralStatistics(_Accumulator):
         rtol = default_rtol(self.dtype, self.p) if rtol is None else float(rtol)
         kmat = (self.k_mat / self.n).cpu().numpy()
         b = (self.b / self.n).cpu().numpy()
+        self._check_finite(kmat, b)
         s2, rank, cutoff, inv = _pinv_quadratic(kmat, b[None, :], rtol)
         self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
         return self._finish(s2, b, rank, self.p, cutoff, rtol, tol)

@@ -30,7 +30,7 @@ def report(model_cache):
 
 def test_seeded_sample_has_no_counterexample(report):
     assert report["instances"] == 60
-    assert report["counterexamples"] == 0, report["summary"]["undecided_and_counterexample_reasons"]
+    assert report["counterexamples"] == 0, report["summary"]["reasons"]
     for key in ("instances", "agree", "counterexamples", "undecided", "seed", "records"):
         assert key in report
     assert report["agree"] + report["undecided"] + report["degenerate"] == 60
@@ -90,6 +90,8 @@ def test_same_seed_same_report(model_cache):
 def test_planted_rotation_is_flagged(model_cache):
     rep = run_check(CheckConfig(instances=24, seed=3, cache_dir=model_cache, optimizers=("rotation",)))
     assert rep["counterexamples"] > 0
+    assert rep["summary"]["planted_counterexamples"] == rep["counterexamples"]
+    assert rep["summary"]["reasons"] == {}
     for rec in rep["records"]:
         assert rec["descent_compatible"] is False
         if rec["verdict"] == "counterexample":

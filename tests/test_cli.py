@@ -85,6 +85,36 @@ def test_score_saturated_probe_and_float32(tmp_path):
     assert out32["tol"] > 1e3 * out["tol"]  # float32 threshold follows the dtype
 
 
+def test_score_byte_order_and_signed_zero_ties(tmp_path):
+    """Big-endian float64 is float64; rows (0, 1) and (-0, 1) are the same unit."""
+    path, z, g = _probe(tmp_path)
+    big = tmp_path / "big.npz"
+    np.savez(big, z=z.astype(">f8"), g=g.astype(">f8"))
+    a = _json(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"]))
+    b = _json(runner.invoke(app, ["score", "--probe", str(big), "--family", "linear", "--json"]))
+    assert a["score"] == b["score"]
+    zz = np.array([[0.0, 1.0], [-0.0, 1.0]])
+    gg = np.array([[1.0, 0.0], [-1.0, 0.0]])  # the pooled mean over the tied unit is 0
+    tie = tmp_path / "tie.npz"
+    np.savez(tie, z=zz, g=gg)
+    out = _json(runner.invoke(app, ["score", "--probe", str(tie), "--family", "linear", "--json"]))
+    assert out["raw_score"] == 0.0 and out["ag_rms"] == 1.0
+
+
+def test_score_not_fooled_by_a_weak_but_real_direction(tmp_path):
+    """g linear in z along a direction of relative variance ~3e-7: s = AG_rms, not 'saturated'."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=500), rng.normal(size=500)
+    z = np.stack([x, x + 1e-3 * y], axis=1)
+    g = np.stack([(z[:, 1] - z[:, 0]) * 1e3, np.zeros(500)], axis=1)  # = y exactly in T
+    path = tmp_path / "weak.npz"
+    np.savez(path, z=z, g=g)
+    out = _json(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"]))
+    assert out["saturated"] is False
+    assert out["score"] == pytest.approx(out["ag_rms"], rel=1e-6)
+    assert out["tangent_rank"] == 6
+
+
 def test_score_table_output(tmp_path):
     path, *_ = _probe(tmp_path)
     res = runner.invoke(app, ["score", "--probe", str(path), "--family", "relu:16:3"])
@@ -98,9 +128,14 @@ def test_score_table_output(tmp_path):
     ("nan", "NaN"),
     ("empty", "empty"),
     ("family", "bad family spec"),
-    ("not_npz", "not a readable"),
+    ("not_npz", "not an .npz archive"),
     ("no_file", "no such file"),
     ("ints", "dtype"),
+    ("npy", "not an .npz archive"),
+    ("directory", "is a directory"),
+    ("overflow", "overflowed float64"),
+    ("underflow", "underflow"),
+    ("huge_degree", "degree must be in"),
 ])
 def test_score_bad_input_is_one_line(tmp_path, case, needle):
     rng = np.random.default_rng(0)
@@ -125,6 +160,18 @@ def test_score_bad_input_is_one_line(tmp_path, case, needle):
         path = tmp_path / "absent.npz"
     elif case == "ints":
         np.savez(path, z=np.ones((5, 2), dtype=np.int64), g=np.ones((5, 2), dtype=np.int64))
+    elif case == "npy":
+        path = tmp_path / "p.npy"
+        np.save(path, rng.normal(size=(5, 2)))
+    elif case == "directory":
+        path = tmp_path
+    elif case == "overflow":
+        np.savez(path, z=rng.normal(size=(5, 2)) * 1e160, g=rng.normal(size=(5, 2)))
+    elif case == "underflow":
+        np.savez(path, z=rng.normal(size=(5, 2)), g=rng.normal(size=(5, 2)) * 1e-170)
+    elif case == "huge_degree":
+        np.savez(path, z=rng.normal(size=(5, 2)), g=rng.normal(size=(5, 2)))
+        fam = "poly:99999999999999999999"
     proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "score", "--probe", str(path),
                            "--family", fam], capture_output=True, text=True)
     assert proc.returncode == 2
