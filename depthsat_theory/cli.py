@@ -26,7 +26,7 @@ from .tangent import StatisticsError, statistics_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="First-order residual depth saturation: checks, scores and diagnostics.")
-console = Console()
+console = Console() if sys.stdout.isatty() else Console(width=120)
 err_console = Console(stderr=True)
 
 
@@ -103,13 +103,12 @@ def _print_check_summary(rep: dict, wall: float, path: Path) -> None:
             ("agree", "agree"), ("counterexample", "counterex."), ("undecided", "undecided"),
             ("degenerate", "degenerate")]
     table = Table(title=f"depthsat check: {rep['instances']} instances, seed {rep['seed']}")
-    table.add_column("group")
-    table.add_column("value")
+    table.add_column("group", no_wrap=True)
     for _, head in cols:
-        table.add_column(head, justify="right")
+        table.add_column(head, justify="right", no_wrap=True)
     for key in ("model", "data", "construction", "family", "optimizer"):
         for val, counts in summ[key].items():
-            table.add_row(key, "real data" if val == "None" else val,
+            table.add_row(f"{key}: {'real data' if val == 'None' else val}",
                           *[str(counts.get(c, 0)) for c, _ in cols])
         table.add_section()
     console.print(table)
