@@ -14,7 +14,7 @@ residual family and a zero-state update — the checker
    ``ΔJ(η) = J(η) − J(0)``;
 3. estimates the first-order coefficient by Richardson extrapolation
    ``â_j = (4 ΔJ(η_j/2) − ΔJ(η_j)) / η_j`` (exact for ``aη + cη²``), with an error
-   bar from its convergence in ``j`` (``|â_j − â_{j+1}|``) plus the rounding noise of
+   bar from its convergence (``max_{i>j} |â_i − â_j|``) plus the rounding noise of
    ``J``, at the ``j`` with the smallest error bar;
 4. compares: improvable ⇒ a significant first-order *decrease* whose slope matches
    ``−⟨b, P(b)⟩``; saturated ⇒ a first-order coefficient consistent with zero
@@ -96,7 +96,7 @@ class CheckConfig:
     construction_fraction: float = 0.25
     kinds: tuple[str, ...] = ("mlp", "cnn", "gpt")
     optimizers: tuple[str, ...] = DESCENT_COMPATIBLE
-    steps: int = 5
+    steps: int = 6
     step_scale: float = 1e-3
     cache_dir: str | None = None
     cnn_probe_size: int = 128
@@ -263,7 +263,11 @@ class _Insertion:
         noise = 64 * eps * max(abs(self.j0), self.loss_scale, 1e-300)
         # Richardson: (4 ΔJ(η/2) − ΔJ(η)) / η = a + O(η²) for ΔJ = aη + cη² + …
         rich = [(4 * h - f) / lr for f, h, lr in zip(dj_full, dj_half, etas)]
-        errs = [abs(rich[i] - rich[i + 1]) + 6 * noise / etas[i] for i in range(len(rich) - 1)]
+        # error bar of â_j: its spread against every smaller step (J is only piecewise smooth
+        # for ReLU networks, so a single neighbour can agree by chance) plus rounding noise
+        last = len(rich) - 1
+        errs = [max(abs(rich[i] - rich[j]) for j in range(i + 1, last + 1))
+                + 6 * noise / etas[i] + 6 * noise / etas[last] for i in range(last)]
         best = int(np.argmin(errs))
         a_obs, err = rich[best], errs[best]
         ratio = dj_full[best] / dj_half[best] if dj_half[best] != 0 else float("nan")
