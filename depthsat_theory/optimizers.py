@@ -439,7 +439,8 @@ class _AdamUpdate(ZeroStateUpdate):
         return b / (b.abs() + self.eps)
 
     def make_optimizer(self, params, lr):
-        return torch.optim.Adam(
+        cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
+        return cls(
             params,
             lr=_check_lr(lr),
             betas=self.betas,
@@ -460,15 +461,6 @@ class _AdamWUpdate(_AdamUpdate):
 
     name: str = field(default="adamw", init=False)
     weight_decay: float = 0.01
-
-    def make_optimizer(self, params, lr):
-        return torch.optim.AdamW(
-            params,
-            lr=_check_lr(lr),
-            betas=self.betas,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-        )
 
 
 @dataclass(frozen=True)
