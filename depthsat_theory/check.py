@@ -353,7 +353,7 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
         fams = {f: _family(f) for _, f in keys}
         stats = {k: statistics_for(fams[k[1]], shapes[k[0]], task.layout) for k in keys}
         per_site: dict[str, list] = defaultdict(list)
-        for (s, f), acc in stats.items():
+        for (s, _fam), acc in stats.items():
             per_site[s].append(acc)
         ctx.probe_loss = accumulate(task.model, list(per_site), _batches(task), task.loss, per_site)
         for key in keys:
