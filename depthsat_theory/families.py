@@ -35,6 +35,7 @@ seeded random features) are built for a site from its per-example shape.
 from __future__ import annotations
 
 import abc
+import copy
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -275,8 +276,6 @@ class FeatureFamily(ResidualFamily):
         if key not in self._cache:  # the float64 CPU master copy
             self.check_site(shape, layout)
             self._cache[key] = self._make_feature_map(shape, layout)
-        import copy
-
         mod = copy.deepcopy(self._cache[key])
         return mod.to(dtype=dtype or torch.float64, device=device)
 

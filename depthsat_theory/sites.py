@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .families import ResidualFamily
-
 __all__ = [
     "SiteError",
     "NotFunctionPreservingError",
@@ -272,8 +270,3 @@ def _first(out):
     if hasattr(out, "logits"):
         return out.logits
     return out
-
-
-def block_for(family: ResidualFamily, z: Tensor, layout: str) -> nn.Module:
-    """A zero block of ``family`` fitting site tensors ``z`` (dtype/device of ``z``)."""
-    return family.block(tuple(z.shape[1:]), layout, dtype=z.dtype, device=z.device)
