@@ -1,0 +1,20 @@
+"""Machine checks of every labelled claim in ``theory/`` (T1–T7).
+
+One module per claim; each registers checks with :func:`proofs_checks._registry.check`.
+Run them with ``python -m proofs_checks`` or ``depthsat proofs``.
+"""
+
+from ._registry import CHECKS, Check, Context, Outcome, Row, check, run_checks
+
+#: claim modules, imported by :func:`proofs_checks._registry.load_all` in this order
+MODULES = (
+    "t1_gradient",
+    "t2_iff",
+    "t3_updates",
+    "t4_reparameterization",
+    "t5_zero_output",
+    "t6_realizability",
+    "t7_finite_sample",
+)
+
+__all__ = ["CHECKS", "Check", "Context", "MODULES", "Outcome", "Row", "check", "run_checks"]
