@@ -253,20 +253,20 @@ def test_rotation_optimizer_multiple_groups_and_missing_grad():
     np.testing.assert_array_equal(c.detach().numpy(), -2.0 * np.array([[3.0, -6.0], [5.0, 0.0]]))
 
 
-def test_optimizer_step_closure_returns_loss():
-    for cls in (SignSGD, Lion, RotationOptimizer):
-        p = torch.zeros(4, dtype=DT, requires_grad=True)
-        opt = cls([p], lr=0.1)
+@pytest.mark.parametrize("cls", [SignSGD, Lion, RotationOptimizer])
+def test_optimizer_step_closure_returns_loss(cls):
+    p = torch.zeros(4, dtype=DT, requires_grad=True)
+    opt = cls([p], lr=0.1)
 
-        def closure():
-            opt.zero_grad()
-            loss = (p - torch.arange(4, dtype=DT)).pow(2).sum()
-            loss.backward()
-            return loss
+    def closure():
+        opt.zero_grad()
+        loss = (p - torch.arange(4, dtype=DT)).pow(2).sum()
+        loss.backward()
+        return loss
 
-        assert float(opt.step(closure).detach()) == 0.0 + 1.0 + 4.0 + 9.0
-        assert p.grad is not None  # the closure's backward ran
-        assert not bool((p == 0).all())  # and the step used its gradient
+    assert float(opt.step(closure).detach()) == 0.0 + 1.0 + 4.0 + 9.0
+    assert p.grad is not None  # the closure's backward ran
+    assert not bool((p == 0).all())  # and the step used its gradient
 
 
 @pytest.mark.parametrize("cls", [SignSGD, Lion, RotationOptimizer])
