@@ -133,15 +133,31 @@ def score(
     probe: Path = typer.Option(..., "--probe", help="NPZ file with arrays z and g, each n × d."),
     family: str = typer.Option(..., "--family", help=f"Residual family spec: {family_specs()}."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    delta: Optional[float] = typer.Option(None, "--delta", help="Add a (1-δ) interval for s and a certificate."),
+    epsilon: Optional[float] = typer.Option(None, "--epsilon", help="ε of the 'certified ε-saturated' verdict."),
+    grad_max: Optional[float] = typer.Option(None, "--grad-max", help="γ ≥ ‖g(x)‖_F a.s. (default: probe AG_max)."),
+    leverage_max: Optional[float] = typer.Option(None, "--leverage-max", help="L ≥ leverage a.s. (default: probe)."),
+    feature_norm_max: Optional[float] = typer.Option(None, "--feature-norm-max", help="B ≥ ‖φ̃(u)‖ a.s.; L = B²/(μ+λ)."),
+    eig_floor: Optional[float] = typer.Option(None, "--eig-floor", help="μ ≤ every nonzero eigenvalue of Σ."),
+    ridge: float = typer.Option(0.0, "--ridge", help="λ ≥ 0: bound the ridge score s_λ ≤ s."),
+    variance: Optional[float] = typer.Option(None, "--variance", help="V ≥ E‖G_x Σ^{+1/2}‖² (default: probe)."),
+    candidates: int = typer.Option(1, "--candidates", help="Union bound over this many candidates."),
+    bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples with --delta (0: none)."),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
+    from .bounds import BoundError, score_report
+
     try:
         z, g = _load_probe(probe)
         fam = parse_family(family)
         acc = statistics_for(fam, (z.shape[1],), "vector", pool_ties=True)
         acc.update(torch.from_numpy(z), torch.from_numpy(g))
         res = acc.result()
-    except (UserError, FamilyError, StatisticsError) as exc:
+        bounds = None if delta is None else score_report(
+            z, g, fam, delta=delta, epsilon=epsilon, grad_max=grad_max, leverage_max=leverage_max,
+            feature_norm_max=feature_norm_max, eig_floor=eig_floor, ridge=ridge, variance=variance,
+            candidates=candidates, bootstrap=bootstrap)
+    except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         _fail(str(exc))
     out = {
         "score": res.score,
@@ -165,17 +181,119 @@ def score(
                  "continuous rows (raw_score -> ag_rms)"),
     }
     out = {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+    out.update(bounds or {})
     if as_json:
-        sys.stdout.write(json.dumps(out, indent=1) + "\n")
+        sys.stdout.write(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
         return
     table = Table(title=f"{probe.name}: family {res.family}")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     for k, v in out.items():
         if k != "note":
-            table.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
+            table.add_row(k, f"{v:.6g}" if isinstance(v, float) else _cell(v))
     console.print(table)
     console.print(out["note"], markup=False)
+
+
+def _cell(v) -> str:
+    if isinstance(v, dict) and "value" in v:
+        return f"{v['value']:.6g} ({v['source']})"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {_cell(x) if isinstance(x, dict) else x}" for k, x in v.items())
+    if isinstance(v, list):
+        return "\n".join(str(x) for x in v)
+    return str(v)
+
+
+# ----------------------------------------------------------------------------- bound
+@app.command()
+def bound(
+    delta: float = typer.Option(..., "--delta", help="Confidence parameter δ in (0, 1)."),
+    n: Optional[int] = typer.Option(None, "--n", help="Probe size: report the half-width."),
+    epsilon: Optional[float] = typer.Option(None, "--epsilon", help="Target half-width: report the n needed."),
+    grad_max: Optional[float] = typer.Option(None, "--grad-max", help="γ ≥ ‖g(x)‖_F a.s. (required)."),
+    leverage_max: Optional[float] = typer.Option(None, "--leverage-max", help="L ≥ leverage a.s."),
+    feature_norm_max: Optional[float] = typer.Option(None, "--feature-norm-max", help="B ≥ ‖φ̃(u)‖ a.s.; L = B²/(μ+λ)."),
+    eig_floor: Optional[float] = typer.Option(None, "--eig-floor", help="μ ≤ every nonzero eigenvalue of Σ."),
+    ridge: float = typer.Option(0.0, "--ridge", help="λ ≥ 0 (ridge score s_λ)."),
+    variance: Optional[float] = typer.Option(None, "--variance", help="V ≥ E‖G_x Σ^{+1/2}‖² (default: γ²L)."),
+    dim: Optional[int] = typer.Option(None, "--dim", help="D ≥ rank Σ (default L; required with --ridge)."),
+    score_max: Optional[float] = typer.Option(None, "--score-max", help="S ≥ s_λ (default min(γ, √V))."),
+    candidates: int = typer.Option(1, "--candidates", help="Union bound over this many candidates."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Half-width of the finite-sample bound for a probe size, or the probe size for a half-width."""
+    from .bounds import BoundError, bound_report
+
+    try:
+        out = bound_report(delta=delta, n=n, epsilon=epsilon, grad_max=grad_max, leverage_max=leverage_max,
+                           feature_norm_max=feature_norm_max, eig_floor=eig_floor, ridge=ridge,
+                           variance=variance, dim=dim, score_max=score_max, candidates=candidates)
+    except BoundError as exc:
+        _fail(str(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+        return
+    table = Table(title=f"finite-sample bound (thm-finite-sample), δ = {delta:g}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for k, v in out.items():
+        table.add_row(k, f"{v:.6g}" if isinstance(v, float) else _cell(v))
+    console.print(table)
+
+
+# ----------------------------------------------------------------------------- audit
+@app.command()
+def audit(
+    family: str = typer.Argument(..., help="Built-in spec (poly:2), user family 'module:attr' (imported "
+                                 "from the current folder / PYTHONPATH), or a sympy expression in "
+                                 "u1..ud, t1..tp (e.g. 't1*u1 + t2*u1**3'; optional 'sympy:' prefix)."),
+    probe: Path | None = typer.Option(None, "--probe", help="NPZ with z and g (n × d); default: a "
+                                         "documented synthetic probe."),
+    model: str | None = typer.Option(None, "--model", help="Audit at a site of a trained model: "
+                                        "mlp, cnn or gpt (needs --site)."),
+    site: str | None = typer.Option(None, "--site", help="Site name for --model (e.g. blocks.1)."),
+    seed: int = typer.Option(0, "--seed", help="Training seed of --model."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Audit a residual family: function preservation, tangent rank, regularity, certificate, score."""
+    from .audit import AuditError, audit_family, audit_model, load_family, report_table, synthetic_probe
+    from .sites import NotFunctionPreservingError, SiteError
+    from .training import KINDS, trained_task
+
+    if os.getcwd() not in sys.path:  # 'module:attr' resolves from the current folder too
+        sys.path.insert(0, os.getcwd())
+    try:
+        if probe is not None and model is not None:
+            raise UserError("give either --probe or --model/--site, not both")
+        if (model is None) != (site is None):
+            raise UserError("--model and --site go together (e.g. --model mlp --site blocks.1)")
+        if probe is not None:
+            z, g = _load_probe(probe)
+            fam = load_family(family, d=z.shape[1])
+            rep = audit_family(fam, z, g, layout="vector", probe=f"{probe} ({z.shape[0]} × {z.shape[1]})")
+        elif model is not None:
+            if model not in KINDS:
+                raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
+            fam = load_family(family)
+            task = trained_task(model, seed)
+            rep = audit_model(fam, task.model, site, task.inputs, task.targets, task.loss,
+                              layout=task.layout, sites=task.model.site_names(),
+                              probe=f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, "
+                                    f"site {site}")
+        else:
+            fam = load_family(family)
+            z, g, layout, label = synthetic_probe(fam)
+            rep = audit_family(fam, z, g, layout=layout, probe=label)
+    except (UserError, AuditError, FamilyError, StatisticsError, SiteError, NotFunctionPreservingError) as exc:
+        _fail(str(exc))
+    if as_json:
+        sys.stdout.write(json.dumps(rep.to_dict(), indent=1, ensure_ascii=False) + "\n")
+        return
+    console.print(f"probe: {rep.probe}", markup=False, highlight=False)
+    console.print(report_table(rep))
+    for note in rep.notes:
+        console.print(f"  note: {note}", markup=False, highlight=False)
 
 
 def _load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -216,6 +334,24 @@ def _load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
         if not np.isfinite(arr).all():
             raise UserError(f"array {name} contains NaN or Inf")
     return z, g
+
+
+# ----------------------------------------------------------------------------- proofs
+@app.command()
+def proofs(
+    seed: int = typer.Option(0, "--seed", help="Base seed of every check."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer instances per check."),
+    only: Optional[str] = typer.Option(None, "--only", help="Comma-separated claims, e.g. T2,T4."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Also write the rows as JSON (atomically)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-check progress lines."),
+) -> None:
+    """Run the machine checks of every claim in theory/ (same as python -m proofs_checks); exit 1 on a failure."""
+    from proofs_checks._registry import Context
+    from proofs_checks._report import run_and_report
+
+    claims = [c.strip() for c in only.split(",") if c.strip()] if only else None
+    raise typer.Exit(run_and_report(Context(seed=seed, quick=quick), only=claims,
+                                    json_path=json_path, quiet=quiet))
 
 
 def main() -> None:

@@ -1,0 +1,525 @@
+"""T7: finite-sample bounds for the saturation score (``theory/finite-sample.md``).
+
+Claim (MATH.md T7): on an i.i.d. probe of ``n`` examples, ``ŝ_n → s`` and the interval of
+:func:`depthsat_theory.bounds.interval_from_moments` contains ``s`` with probability at
+least ``1 − δ`` (``thm-finite-sample``), which gives the certificates
+``cor-certified-improvable`` and ``cor-certified-saturated``; the ``AG_rms`` upper bound
+``cor-agmax-certificate-finite`` covers the population ``AG_rms ≥ s``; the checkpoint
+intervals of :class:`~depthsat_theory.bounds.SequentialCertifier` hold simultaneously
+(``thm-sequential``).
+
+Populations are *finite*, so the exact ``s`` (and the exact essential suprema ``γ``,
+``L``: population maxima) are computed by enumeration, and probes are drawn i.i.d. with
+replacement from them (a probe is a vector of multinomial counts, so its moments are
+weighted sums over the population and the cost does not grow with ``n``):
+
+- ``digits/<site>/<family>``: all 1,797 scikit-learn digits through the trained residual
+  MLP (``trained_task('mlp', seed=0)``), per-example ``(z, g)`` at sites ``blocks.0`` and
+  ``blocks.2`` with the ``linear`` and ``relu:64`` families, plus a ridge score ``s_λ``;
+- ``synthetic s=0``: ``g`` is the least-squares residual of a nonlinear field on ``φ̃``
+  over the population, so ``G = 0`` and ``s = 0`` exactly (``≈ 1e-16`` in float64);
+- ``synthetic s>0``: ``g`` = a nonlinear signal plus noise.
+
+Counting rule (all coverage checks): with ``R`` probes per cell, a cell counts as a
+counterexample only when its empirical coverage is below ``1 − δ − 3·SE`` with the
+binomial standard error ``SE = √(δ(1 − δ)/R)``.  ``δ = 0.1`` throughout.
+
+Checks:
+
+- ``t7-coverage`` (coverage): coverage of the interval with the exact population constants
+  for every population and size; also reported: the share of non-vacuous intervals and of
+  each certificate, the coverage with constants estimated from the probe (plug-in, not a
+  guarantee), the bootstrap interval's coverage (approximate, not a guarantee), the
+  ``(1 − δ)`` quantile of ``|ŝ − s|``, its log–log slope against ``n`` (about ``−1/2``),
+  and the looseness (median half-width of the bound over that quantile).
+- ``t7-sequential`` (coverage): growing probes (``n`` doubling per checkpoint, levels
+  ``δ_j = δ/(j(j+1))``): every checkpoint interval must contain ``s``; the decisions and
+  stopping sizes are reported.
+- ``t7-ag-certificate`` (coverage): the upper bound on ``AG_rms`` covers the population
+  ``AG_rms`` (which bounds ``s``); the probe's ``AG_max`` is often below the population
+  ``γ`` (it is a lower bound of the ess-sup, so it is not a certificate by itself).
+- ``t7-ustatistic`` (numeric): on a tiny finite population, enumerating all ``N^n``
+  ordered samples: the U-statistic with the population whitening is exactly unbiased for
+  ``s²`` and ``E ŝ² = s² + (v − s²)/n``; Monte Carlo bias of ``ŝ²`` and of ``Û`` with the
+  probe's own ``Σ̂`` on the populations above.
+- ``t7-calculator`` (numeric): the sympy closed forms and the quartic root of the
+  sample-size calculator against a numeric root-find of the bound.
+- ``t7-assumptions-converse`` (converse): a rare huge gradient (``asm-bounded-gradient``
+  fails for the probe's ``γ̂``), a rare large feature (``asm-leverage`` fails for the
+  probe's ``L̂``) and an optimistic variance ``V = 0`` at ``s = 0`` (``asm-variance``
+  fails) make the interval miss ``s`` far more often than ``δ``, while the interval with
+  valid constants covers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import brentq
+
+from depthsat_theory.bounds import (
+    CERTIFIED_IMPROVABLE,
+    CERTIFIED_SATURATED,
+    ProbeMoments,
+    SequentialCertifier,
+    ag_rms_upper,
+    bootstrap_interval,
+    estimate,
+    interval_from_moments,
+    plan_bound,
+    unbiased_score_squared,
+)
+from depthsat_theory.tangent import default_rtol
+
+from ._registry import Context, Outcome, check
+
+DELTA = 0.1
+#: log–log slope of the (1 − δ) error quantile against n over the three largest sizes
+SLOPE_RANGE = (-0.7, -0.3)
+
+
+def _allowed(reps: int, delta: float = DELTA) -> float:
+    """Smallest coverage that is not a counterexample: ``1 − δ − 3 √(δ(1−δ)/R)``."""
+    return 1 - delta - 3 * math.sqrt(delta * (1 - delta) / reps)
+
+
+# ============================================================================ populations
+@dataclass
+class Population:
+    """A finite population of examples with its exact score and constants."""
+
+    name: str
+    phi: np.ndarray  # (N, k) augmented features
+    g: np.ndarray  # (N, d) activation gradients
+    ridge: float
+    sizes: tuple[int, ...]
+    s: float = 0.0
+    gamma: float = 0.0
+    lev: float = 0.0
+    v: float = 0.0
+    ag_rms: float = 0.0
+    eps_sat: float = 0.0
+    whitening: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        full = ProbeMoments.from_arrays(self.phi, self.g)
+        est = estimate(full, self.ridge)  # rows kept: exact population maximum of the leverage
+        self.s = math.sqrt(est.s2)
+        self.gamma = full.g_max
+        self.lev = est.lev_max
+        self.v = est.v_hat  # E‖G_x Σ_λ^{+1/2}‖² with the population whitening
+        self.ag_rms = math.sqrt(full.g_sq)
+        self.whitening = est.inv
+        # saturation target: a "certified ε-saturated" verdict is wrong exactly when s > ε
+        self.eps_sat = 0.25 * self.ag_rms if self.s <= 1e-9 * self.ag_rms else 0.5 * self.s
+
+    @property
+    def N(self) -> int:
+        return self.phi.shape[0]
+
+    def design(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-example ``vec(φ̃φ̃ᵀ)``, ``vec(g φ̃ᵀ)`` and ``‖g‖² vec(φ̃φ̃ᵀ)``."""
+        outer = np.einsum("ik,il->ikl", self.phi, self.phi).reshape(self.N, -1)
+        gphi = np.einsum("id,ik->idk", self.g, self.phi).reshape(self.N, -1)
+        gsq = (self.g ** 2).sum(1)
+        return outer, gphi, outer * gsq[:, None]
+
+    def moments(self, design, counts: np.ndarray) -> list[ProbeMoments]:
+        """The :class:`ProbeMoments` of probes given as multinomial counts ``(R, N)``."""
+        outer, gphi, qouter = design
+        k, d = self.phi.shape[1], self.g.shape[1]
+        n = counts.sum(1)
+        wn = counts / n[:, None]
+        sig = (wn @ outer).reshape(-1, k, k)
+        cross = (wn @ gphi).reshape(-1, d, k)
+        q = (wn @ qouter).reshape(-1, k, k)
+        gsq = (self.g ** 2).sum(1)
+        fsq = (self.phi ** 2).sum(1)
+        live = counts > 0
+        g_sq = wn @ gsq
+        g_max = np.sqrt(np.where(live, gsq, 0.0).max(1))
+        f_max = np.where(live, fsq, 0.0).max(1)
+        rtol = default_rtol(torch.float64, k)
+        return [ProbeMoments(n=int(n[r]), sigma=sig[r], cross=cross[r], q=q[r], g_sq=float(g_sq[r]),
+                             g_max=float(g_max[r]), feat_sq_max=float(f_max[r]), rtol=rtol)
+                for r in range(counts.shape[0])]
+
+    def draw(self, rng: np.random.Generator, n: int, reps: int) -> np.ndarray:
+        return rng.multinomial(n, np.full(self.N, 1.0 / self.N), size=reps)
+
+
+_CACHE: dict = {}
+
+
+def _cache_dir() -> str:
+    return os.environ.get("DEPTHSAT_CACHE") or str(Path.home() / ".cache" / "depthsat")
+
+
+def _digits_populations() -> list[Population]:
+    """Per-example (z, g) of all 1,797 digits through the trained residual MLP."""
+    from depthsat_theory.data import load_digits
+    from depthsat_theory.families import parse_family
+    from depthsat_theory.sites import SiteRecorder
+    from depthsat_theory.training import trained_task
+
+    task = trained_task("mlp", seed=0, cache_dir=_cache_dir())
+    x, y = load_digits(torch.float64)
+    sites = ["blocks.0", "blocks.2"]
+    with SiteRecorder(task.model, sites) as rec:
+        losses = task.loss(task.model(x), y)
+        rec.backward(losses.sum())
+    sizes = (2000, 8000, 32000, 128000, 512000)
+    pops = []
+    for site in sites:
+        z, g = rec.z[site], rec.g[site].numpy()
+        for spec in ("linear", "relu:64"):
+            fam = parse_family(spec)
+            fmap = fam.frozen_feature_map(tuple(z.shape[1:]), "vector", dtype=torch.float64)
+            with torch.no_grad():
+                phi = fam.augmented_features(fmap, z).reshape(z.shape[0], -1).numpy()
+            pops.append(Population(f"digits {site} {spec}", phi, g, 0.0, sizes))
+            if site == "blocks.0" and spec == "relu:64":
+                pops.append(Population(f"digits {site} {spec} ridge λ=0.03", phi, g, 0.03, sizes))
+    return pops
+
+
+def _synthetic_populations(rng: np.random.Generator) -> list[Population]:
+    n_pop, d = 1000, 3
+    z = rng.normal(size=(n_pop, d))
+    phi = np.hstack([z, np.ones((n_pop, 1))])
+    sizes = (250, 1000, 4000, 16000, 64000)
+    raw = np.tanh(2 * z) + rng.normal(size=(n_pop, d))
+    g0 = raw - phi @ np.linalg.lstsq(phi, raw, rcond=None)[0]  # G = 0: s = 0 exactly
+    mix = rng.normal(size=(d, d))
+    g1 = 0.3 * np.tanh(z @ mix.T) + rng.normal(size=(n_pop, d))
+    return [Population("synthetic s=0", phi, g0, 0.0, sizes),
+            Population("synthetic s>0", phi, g1, 0.0, sizes)]
+
+
+def populations(ctx: Context) -> list[Population]:
+    """All populations (cached per seed); the quick run keeps four of them."""
+    key = ctx.seed
+    if key not in _CACHE:
+        _CACHE[key] = _synthetic_populations(ctx.rng("t7-synthetic")) + _digits_populations()
+    pops = _CACHE[key]
+    if ctx.quick:
+        keep = ("synthetic s=0", "synthetic s>0", "digits blocks.0 linear", "digits blocks.0 relu:64 ridge λ=0.03")
+        pops = [p for p in pops if p.name in keep]
+    return pops
+
+
+def _sizes(ctx: Context, pop: Population) -> tuple[int, ...]:
+    return pop.sizes[::2] if ctx.quick else pop.sizes
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+# ============================================================================ coverage
+@check("T7", ["thm-finite-sample", "cor-certified-improvable", "cor-certified-saturated"],
+       "t7-coverage", "coverage")
+def coverage(ctx: Context) -> Outcome:
+    """Coverage, error decay and looseness of the (1 − δ) interval on finite populations."""
+    reps = ctx.count(400, 100)
+    boot_probes, boot_b = ctx.count(60, 20), ctx.count(100, 50)
+    rng = ctx.rng("t7-coverage")
+    rows, bad, cells = [], 0, 0
+    floor = _allowed(reps)
+    slopes = []
+    for pop in populations(ctx):
+        design = pop.design()
+        qerr, sizes, first = [], _sizes(ctx, pop), True
+        pop_rows = []
+        for n in sizes:
+            counts = pop.draw(rng, n, reps)
+            cover = plug = nonvac = impr = sat = 0
+            errs, halves = [], []
+            for m in pop.moments(design, counts):
+                it = interval_from_moments(m, DELTA, ridge=pop.ridge, grad_max=pop.gamma,
+                                           leverage_max=pop.lev, epsilon=pop.eps_sat)
+                cover += it.score_lower <= pop.s <= it.score_upper
+                nonvac += not it.vacuous
+                impr += it.certificate == CERTIFIED_IMPROVABLE
+                sat += it.certificate == CERTIFIED_SATURATED
+                errs.append(abs(it.score - pop.s))
+                halves.append(0.5 * (it.score_upper - it.score_lower))
+                pi = interval_from_moments(m, DELTA, ridge=pop.ridge)  # constants from the probe
+                plug += pi.score_lower <= pop.s <= pi.score_upper
+            boot = ""
+            if pop.name.startswith("synthetic") or (
+                    not ctx.quick and pop.name == "digits blocks.0 linear" and n == sizes[2]):
+                hits = 0
+                for r in range(boot_probes):
+                    mb = ProbeMoments.from_arrays(pop.phi, pop.g, counts[r], keep=True)
+                    b = bootstrap_interval(mb, DELTA, resamples=boot_b, ridge=pop.ridge, seed=r)
+                    hits += b["lower"] <= pop.s <= b["upper"]
+                boot = _fmt(hits / boot_probes)
+            q = float(np.quantile(errs, 1 - DELTA))
+            qerr.append(q)
+            cov = cover / reps
+            cells += 1
+            bad += cov < floor
+            pop_rows.append([pop.name if first else "", _fmt(pop.s) if first else "", n, reps,
+                             _fmt(cov), _fmt(nonvac / reps), _fmt(impr / reps), _fmt(sat / reps),
+                             _fmt(plug / reps), boot or "-", _fmt(q), _fmt(float(np.median(halves))),
+                             _fmt(float(np.median(halves)) / q) if q > 0 else "-", ""])
+            first = False
+        slope = float(np.polyfit(np.log(sizes), np.log(qerr), 1)[0])
+        slope_tail = float(np.polyfit(np.log(sizes[-3:]), np.log(qerr[-3:]), 1)[0])
+        slopes.append(slope_tail)
+        bad += not SLOPE_RANGE[0] <= slope_tail <= SLOPE_RANGE[1]
+        pop_rows[0][-1] = f"{slope:.2f} (last 3: {slope_tail:.2f})"
+        rows.extend(pop_rows)
+    cols = ["population", "s (exact)", "n", "probes", "coverage", "non-vacuous", "cert. improvable",
+            "cert. ε-saturated", "plug-in cov.", "bootstrap cov.", f"q{int(100 * (1 - DELTA))} |ŝ−s|",
+            "median half-width", "looseness", "log-log slope"]
+    title = (f"coverage of the (1−δ) interval, δ = {DELTA} (exact population constants); a cell fails "
+             f"only if coverage < 1−δ−3·SE = {floor:.3f}; plug-in and bootstrap columns are not "
+             f"guarantees; ε of the saturation verdict = AG_rms/4 (s = 0) or s/2 (s > 0)")
+    detail = (f"{cells} cells (population × n) × {reps} probes; min coverage allowed {floor:.3f}; "
+              f"error-decay slopes over the 3 largest n: {', '.join(f'{s:.2f}' for s in slopes)} "
+              f"(a slope outside [{SLOPE_RANGE[0]}, {SLOPE_RANGE[1]}] counts as a counterexample)")
+    return Outcome(instances=cells + len(slopes), counterexamples=int(bad), detail=detail,
+                   table=(title, cols, rows))
+
+
+# ============================================================================ sequential
+@check("T7", ["thm-sequential"], "t7-sequential", "coverage")
+def sequential(ctx: Context) -> Outcome:
+    """All checkpoint intervals of a growing probe contain s simultaneously (δ_j = δ/(j(j+1)))."""
+    reps = ctx.count(300, 60)
+    rng = ctx.rng("t7-sequential")
+    floor = _allowed(reps)
+    rows, bad = [], 0
+    for pop in populations(ctx):
+        design = pop.design()
+        n0, n_last = pop.sizes[0] // 2, pop.sizes[-1]
+        checkpoints = [n0]
+        while checkpoints[-1] < n_last:
+            checkpoints.append(2 * checkpoints[-1])
+        counts = np.zeros((reps, pop.N), dtype=np.int64)
+        certs = [SequentialCertifier(DELTA, epsilon=pop.eps_sat, ridge=pop.ridge,
+                                     grad_max=pop.gamma, leverage_max=pop.lev) for _ in range(reps)]
+        prev = 0
+        for n in checkpoints:
+            counts += pop.draw(rng, n - prev, reps)
+            prev = n
+            for cert, m in zip(certs, pop.moments(design, counts), strict=True):
+                cert.add_moments(m)
+        cover = sum(all(h.score_lower <= pop.s <= h.score_upper for h in c.history) for c in certs)
+        wrong = sum((c.decision == CERTIFIED_IMPROVABLE and pop.s == 0.0)
+                    or (c.decision == CERTIFIED_SATURATED and pop.s > pop.eps_sat) for c in certs)
+        impr = sum(c.decision == CERTIFIED_IMPROVABLE for c in certs)
+        sat = sum(c.decision == CERTIFIED_SATURATED for c in certs)
+        stops = [c.stopped_at for c in certs if c.stopped_at is not None]
+        cov = cover / reps
+        bad += cov < floor
+        rows.append([pop.name, _fmt(pop.s), f"{checkpoints[0]}…{checkpoints[-1]} ({len(checkpoints)})",
+                     reps, _fmt(cov), _fmt(impr / reps), _fmt(sat / reps), _fmt(wrong / reps),
+                     str(int(np.median(stops))) if stops else "-"])
+    cols = ["population", "s (exact)", "checkpoints n (count)", "probes", "coverage (all checkpoints)",
+            "stopped: improvable", "stopped: ε-saturated", "wrong decision", "median stopping n"]
+    title = (f"sequential (union-bound) intervals, δ = {DELTA}, δ_j = δ/(j(j+1)); a row fails only if "
+             f"coverage < {floor:.3f}")
+    return Outcome(instances=len(rows), counterexamples=int(bad),
+                   detail=f"{len(rows)} populations × {reps} growing probes; min coverage allowed {floor:.3f}",
+                   table=(title, cols, rows))
+
+
+# ============================================================================ AG certificate
+@check("T7", ["cor-agmax-certificate-finite"], "t7-ag-certificate", "coverage")
+def ag_certificate(ctx: Context) -> Outcome:
+    """The (1 − δ) upper bound on AG_rms covers the population AG_rms ≥ s."""
+    reps = ctx.count(400, 100)
+    rng = ctx.rng("t7-ag")
+    floor = _allowed(reps)
+    bad = cells = 0
+    below, total = 0, 0
+    worst = 1.0
+    for pop in populations(ctx):
+        if pop.s > pop.ag_rms * (1 + 1e-12):
+            bad += 1  # s ≤ AG_rms must hold exactly on the population
+        gsq = (pop.g ** 2).sum(1)
+        for n in _sizes(ctx, pop)[:3]:
+            counts = pop.draw(rng, n, reps)
+            rms = np.sqrt(counts @ gsq / n)
+            gmax = np.sqrt(np.where(counts > 0, gsq, 0.0).max(1))
+            hits = sum(ag_rms_upper(n, float(a), pop.gamma, DELTA) >= pop.ag_rms for a in rms)
+            below += int((gmax < pop.gamma).sum())
+            total += reps
+            cov = hits / reps
+            worst = min(worst, cov)
+            cells += 1
+            bad += cov < floor
+    return Outcome(instances=cells, counterexamples=int(bad),
+                   converse=(f"probe AG_max < population γ in {below}/{total} probes: the probe's maximum "
+                             f"is a lower bound of the ess-sup, not a certificate by itself"),
+                   detail=f"min coverage of the AG_rms upper bound {worst:.3f} (allowed ≥ {floor:.3f})")
+
+
+# ============================================================================ U-statistic and bias
+@check("T7", ["thm-finite-sample", "rem-ustatistic"], "t7-ustatistic", "numeric")
+def ustatistic(ctx: Context) -> Outcome:
+    """Exact unbiasedness of the U-statistic by enumeration; Monte Carlo bias of ŝ² and Û."""
+    import itertools
+
+    rng = ctx.rng("t7-ustat")
+    bad = inst = 0
+    worst = 0.0
+    for trial in range(ctx.count(6, 3)):
+        n_pop, n = 5, 3
+        phi = np.hstack([rng.normal(size=(n_pop, 2)), np.ones((n_pop, 1))])
+        g = rng.normal(size=(n_pop, 2)) + (0.5 * phi[:, :2] if trial % 2 else 0.0)
+        pop = ProbeMoments.from_arrays(phi, g)
+        est = estimate(pop, 0.0)
+        s2, v = est.s2, est.v_hat
+        us, sq = [], []
+        for idx in itertools.product(range(n_pop), repeat=n):  # all N^n ordered i.i.d. samples
+            w = np.bincount(idx, minlength=n_pop)
+            m = ProbeMoments.from_arrays(phi, g, w, keep=False)
+            us.append(unbiased_score_squared(m, whitening=est.inv))
+            sq.append(float(np.sum((m.cross @ est.inv) * m.cross)))
+        dev_u = abs(np.mean(us) - s2)
+        dev_p = abs(np.mean(sq) - (s2 + (v - s2) / n))
+        worst = max(worst, dev_u, dev_p)
+        inst += 1
+        bad += max(dev_u, dev_p) > 1e-10 * max(1.0, v)
+    # Monte Carlo: bias of the plug-in ŝ² (≈ (v − s²)/n) and of Û with the probe's own Σ̂
+    reps = ctx.count(400, 100)
+    notes = []
+    for pop in populations(ctx)[:2]:
+        design = pop.design()
+        n = pop.sizes[1]
+        ms = pop.moments(design, pop.draw(rng, n, reps))
+        s2p = np.array([estimate(m, 0.0, leverage=False).s2 for m in ms])
+        us = np.array([unbiased_score_squared(m) for m in ms])
+        se = float(us.std(ddof=1) / math.sqrt(reps))
+        pred = (pop.v - pop.s ** 2) / n
+        notes.append(f"{pop.name} n={n}: E ŝ²−s² = {s2p.mean() - pop.s ** 2:.3g} (predicted {pred:.3g}), "
+                     f"E Û−s² = {us.mean() - pop.s ** 2:.3g} ± {se:.2g}")
+        inst += 1
+        if pop.s == 0.0 or pop.s < 1e-12:
+            bad += abs(us.mean()) > 4 * se  # at s = 0 the U-statistic's bias is o(1/n)
+    return Outcome(instances=inst, counterexamples=int(bad),
+                   detail=f"enumeration: max |E Û − s²|, |E ŝ² − s² − (v−s²)/n| = {worst:.2g}; " + "; ".join(notes))
+
+
+# ============================================================================ calculator
+@check("T7", ["thm-finite-sample"], "t7-calculator", "numeric")
+def calculator(ctx: Context) -> Outcome:
+    """Sample-size calculator (sympy) vs a numeric root-find of the bound; round trips."""
+    rng = ctx.rng("t7-calc")
+    bad = inst = 0
+    worst = 0.0
+    for _ in range(ctx.count(40, 12)):
+        kw = dict(grad_max=float(rng.uniform(0.1, 20)), leverage_max=float(rng.uniform(1, 500)),
+                  variance=float(rng.uniform(0.01, 50)), delta=float(rng.uniform(0.01, 0.3)),
+                  score_max=float(rng.uniform(0, 1)))
+        ok, rel = _calculator_instance(kw, float(rng.uniform(0.01, 1.0)))
+        worst = max(worst, rel)
+        inst += 1
+        bad += not ok
+    return Outcome(instances=inst, counterexamples=int(bad),
+                   detail=f"sympy quartic root vs brentq: max relative difference {worst:.2g}")
+
+
+def _calculator_instance(kw: dict, target: float) -> tuple[bool, float]:
+    """Compare the calculator's n for ``target`` with brentq on an independently coded ``h``."""
+    plan = plan_bound(epsilon=target, **kw)
+    n_req = plan.n_required
+
+    def h(n):
+        return plan_bound(n=n, **kw).halfwidth
+
+    lo = plan.n_nonvacuous
+    hi = max(lo * 2, 10)
+    while h(hi) > target:
+        hi *= 2
+    root = brentq(lambda x: _h_real(x, plan) - target, lo + 1e-9, hi, xtol=1e-9, rtol=1e-14)
+    ok = h(n_req) <= target and (n_req == 1 or h(n_req - 1) > target) and math.ceil(root - 1e-6) == n_req
+    root_e = brentq(lambda x: _eps_real(x, plan) - target, 1e-9, 1e15, xtol=1e-12, rtol=1e-14)
+    ok = ok and math.ceil(root_e - 1e-6) == plan.n_epsilon_only
+    return ok, abs(root - _n_real(plan)) / root
+
+
+def _consts(plan):
+    c = plan.constants
+    d1 = plan.delta / plan.candidates / 2
+    u1 = math.log(2 / d1)
+    u2 = math.log(2 * c["dim"].value / d1)
+    return c["variance"].value, c["whitened_max"].value, u1, max(c["leverage_max"].value, 1.0), u2
+
+
+def _h_real(x, plan):
+    var, r, u1, l1, u2 = _consts(plan)
+    dev = math.sqrt(2 * l1 * u2 / x) + 2 * l1 * u2 / (3 * x)
+    if dev >= 1:
+        return math.inf
+    return (math.sqrt(2 * var * u1 / x) + 2 * r * u1 / x + plan.score_max * dev) / math.sqrt(1 - dev)
+
+
+def _eps_real(x, plan):
+    var, r, u1, _, _ = _consts(plan)
+    return math.sqrt(2 * var * u1 / x) + 2 * r * u1 / x
+
+
+def _n_real(plan):
+    from depthsat_theory._bound_formula import combined_required_n
+
+    var, r, u1, l1, u2 = _consts(plan)
+    return combined_required_n(plan.target, var, r, u1, l1, u2, plan.score_max)
+
+
+# ============================================================================ converse
+@check("T7", ["thm-finite-sample"], "t7-assumptions-converse", "converse")
+def assumptions_converse(ctx: Context) -> Outcome:
+    """Without a valid γ, L or V (probe maxima miss a rare example; V too small) the interval misses s."""
+    reps = ctx.count(400, 100)
+    rng = ctx.rng("t7-converse")
+    floor = _allowed(reps)
+    results = []
+    n_pop, rare, n = 10000, 10, 100
+    # (a) asm-bounded-gradient: g = M on 10 of 10,000 examples, 0 elsewhere; intercept-only family
+    phi_a = np.ones((n_pop, 1))
+    g_a = np.zeros((n_pop, 1))
+    g_a[:rare] = 1000.0
+    # (b) asm-leverage: scalar feature 1 (common) or 100 (rare), g = 1 on common, 0 on rare
+    phi_b = np.ones((n_pop, 1))
+    phi_b[:rare] = 100.0
+    g_b = np.ones((n_pop, 1))
+    g_b[:rare] = 0.0
+    for name, phi, g in (("rare huge gradient (γ̂ = probe AG_max)", phi_a, g_a),
+                         ("rare large feature (L̂ = probe leverage)", phi_b, g_b)):
+        pop = Population(name, phi, g, 0.0, (n,))
+        ms = pop.moments(pop.design(), pop.draw(rng, n, reps))
+        plug = true = 0
+        for m in ms:
+            a = interval_from_moments(m, DELTA)
+            b = interval_from_moments(m, DELTA, grad_max=pop.gamma, leverage_max=pop.lev)
+            plug += a.score_lower <= pop.s <= a.score_upper
+            true += b.score_lower <= pop.s <= b.score_upper
+        plug, true = plug / reps, true / reps
+        results.append((name, plug, true))
+    # (c) asm-variance: an optimistic V = 0 at a saturated site gives false "improvable" verdicts
+    pop0 = next(p for p in populations(ctx) if p.name == "synthetic s=0")
+    ms = pop0.moments(pop0.design(), pop0.draw(rng, 16000, reps))
+    plug = true = 0
+    for m in ms:
+        a = interval_from_moments(m, DELTA, grad_max=pop0.gamma, leverage_max=pop0.lev, variance=0.0)
+        b = interval_from_moments(m, DELTA, grad_max=pop0.gamma, leverage_max=pop0.lev)
+        plug += a.score_lower <= pop0.s <= a.score_upper
+        true += b.score_lower <= pop0.s <= b.score_upper
+    results.append(("V = 0 given at s = 0 (n = 16000)", plug / reps, true / reps))
+    failed_as_expected = sum(p < floor for _, p, _ in results)
+    covered_with_truth = all(t >= floor for _, _, t in results)
+    conv = "; ".join(f"{nm}: coverage {p:.2f} without the assumption, {t:.2f} with it"
+                     for nm, p, t in results)
+    return Outcome(instances=len(results),
+                   counterexamples=len(results) - failed_as_expected + (0 if covered_with_truth else 1),
+                   converse=conv, detail=f"n = {n} probes from populations of {n_pop} with {rare} rare examples")

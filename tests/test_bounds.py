@@ -1,0 +1,368 @@
+"""Finite-sample bounds (``depthsat_theory.bounds``, theory/finite-sample.md).
+
+Expected values are derived independently of the library: the U-statistic by enumerating
+every i.i.d. sample of a tiny population, the interval and the estimates by numpy
+recomputation of the theorem's formulas, the sample sizes by ``scipy.optimize.brentq``
+on a separately coded half-width, coverage by Monte Carlo on finite populations with the
+exact score.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import brentq
+from typer.testing import CliRunner
+
+from depthsat_theory.bounds import (
+    CERTIFIED_IMPROVABLE,
+    CERTIFIED_SATURATED,
+    BoundError,
+    BoundStatistics,
+    ProbeMoments,
+    SequentialCertifier,
+    ag_rms_upper,
+    bootstrap_interval,
+    estimate,
+    interval_from_moments,
+    plan_bound,
+    required_n,
+    spending,
+    unbiased_score_squared,
+)
+from depthsat_theory.cli import app
+from depthsat_theory.families import parse_family
+from depthsat_theory.tangent import FeatureStatistics
+
+runner = CliRunner()
+
+
+def _population(n_pop=200, d=2, signal=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n_pop, d))
+    phi = np.hstack([z, np.ones((n_pop, 1))])
+    raw = np.tanh(2 * z) + rng.normal(size=(n_pop, d))
+    g = raw - phi @ np.linalg.lstsq(phi, raw, rcond=None)[0]  # G = 0 on the population
+    if signal:
+        g = g + signal * np.tanh(z @ rng.normal(size=(d, d)))
+    return phi, g
+
+
+def _exact(phi, g):
+    """Population s, γ, L and v by direct numpy (pinv of the population Gram)."""
+    n = phi.shape[0]
+    sig = phi.T @ phi / n
+    big_g = g.T @ phi / n
+    sp = np.linalg.pinv(sig)
+    s = math.sqrt(max(float(np.trace(big_g @ sp @ big_g.T)), 0.0))
+    lev = np.einsum("ik,kl,il->i", phi, sp, phi)
+    gn = np.linalg.norm(g, axis=1)
+    return s, float(gn.max()), float(lev.max()), float(np.mean(gn ** 2 * lev)), sp
+
+
+# ----------------------------------------------------------------------------- input checks
+@pytest.mark.parametrize("delta", [0, 1, -0.1, 1.5, float("nan"), None, "0.1"])
+def test_bad_delta(delta):
+    phi, g = _population()
+    with pytest.raises(BoundError, match="delta"):
+        interval_from_moments(ProbeMoments.from_arrays(phi, g), delta)
+    with pytest.raises(BoundError, match="delta"):
+        plan_bound(delta=delta, n=10, grad_max=1.0, leverage_max=2.0)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(n=0), "positive integer"),
+    (dict(n=-3), "positive integer"),
+    (dict(n=2.5), "positive integer"),
+    (dict(n=10, grad_max=None), "missing constant grad_max"),
+    (dict(n=10, leverage_max=None), "missing constant leverage_max"),
+    (dict(n=10, grad_max=-1.0), ">= 0"),
+    (dict(n=10, leverage_max=0.0), "> 0"),
+    (dict(n=10, variance=float("nan")), "NaN"),
+    (dict(n=10, variance=float("inf")), "finite"),
+    (dict(n=10, ridge=-0.1), ">= 0"),
+    (dict(n=10, leverage_max=None, feature_norm_max=2.0), "only together"),
+    (dict(n=10, leverage_max=None, feature_norm_max=2.0, ridge=0.5), "missing constant dim"),
+    (dict(n=10, epsilon=0.1), "exactly one"),
+    (dict(n=None, epsilon=-0.1), "must be > 0"),
+    (dict(n=10, candidates=0), "positive integer"),
+])
+def test_bad_constants(kw, needle):
+    base = dict(delta=0.1, grad_max=1.0, leverage_max=2.0)
+    base.update(kw)
+    with pytest.raises(BoundError, match=needle):
+        plan_bound(**base)
+
+
+# ----------------------------------------------------------------------------- estimates
+def test_u_statistic_exactly_unbiased_by_enumeration():
+    """Over all N^n ordered i.i.d. samples: E U = s², E ŝ² = s² + (v − s²)/n (fixed whitening)."""
+    rng = np.random.default_rng(3)
+    n_pop, n = 4, 3
+    phi = np.hstack([rng.normal(size=(n_pop, 2)), np.ones((n_pop, 1))])
+    g = rng.normal(size=(n_pop, 2)) + 0.7 * phi[:, :2]
+    s, _, _, v, sp = _exact(phi, g)
+    us, sq = [], []
+    for idx in itertools.product(range(n_pop), repeat=n):
+        m = ProbeMoments.from_arrays(phi, g, np.bincount(idx, minlength=n_pop), keep=False)
+        us.append(unbiased_score_squared(m, whitening=sp))
+        big_g = g[list(idx)].T @ phi[list(idx)] / n  # Ĝ of this sample, by direct numpy
+        sq.append(float(np.trace(big_g @ sp @ big_g.T)))
+    assert np.mean(us) == pytest.approx(s ** 2, rel=1e-12, abs=1e-14)
+    assert np.mean(sq) == pytest.approx(s ** 2 + (v - s ** 2) / n, rel=1e-12)
+    assert np.mean(sq) > s ** 2 + 1e-3  # the plug-in square is biased upward
+
+
+def test_streaming_statistics_match_numpy():
+    """BoundStatistics over batches: ŝ, v̂ and the leverage equal a direct numpy computation."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(90, 3))
+    g = rng.normal(size=(90, 3)) + z
+    fam = parse_family("linear")
+    st = BoundStatistics(fam, (3,), "vector", keep_probe=True)
+    ref = FeatureStatistics(fam, (3,), "vector")
+    for lo in range(0, 90, 25):
+        st.update(torch.from_numpy(z[lo:lo + 25]), torch.from_numpy(g[lo:lo + 25]))
+        ref.update(torch.from_numpy(z[lo:lo + 25]), torch.from_numpy(g[lo:lo + 25]))
+    m = st.moments()
+    est = estimate(m, 0.0)
+    phi = np.hstack([z, np.ones((90, 1))])
+    sp = np.linalg.pinv(phi.T @ phi / 90)
+    lev = np.einsum("ik,kl,il->i", phi, sp, phi)
+    assert math.sqrt(est.s2) == pytest.approx(ref.result().score, rel=1e-10)
+    assert est.v_hat == pytest.approx(np.mean((g ** 2).sum(1) * lev), rel=1e-10)
+    assert est.lev_max == pytest.approx(lev.max(), rel=1e-10)
+    assert lev.mean() == pytest.approx(4.0, rel=1e-10)  # mean leverage = rank Σ̂
+    streamed = BoundStatistics(fam, (3,), "vector")  # rows not kept: leverage is an upper estimate
+    streamed.update(torch.from_numpy(z), torch.from_numpy(g))
+    assert estimate(streamed.moments(), 0.0).lev_max >= lev.max() * (1 - 1e-12)
+    # ridge: s_λ² = tr(Ĝ (Σ̂ + λI)⁻¹ Ĝᵀ) ≤ ŝ²
+    lam = 0.3
+    big_g = g.T @ phi / 90
+    s_lam = math.sqrt(np.trace(big_g @ np.linalg.inv(phi.T @ phi / 90 + lam * np.eye(4)) @ big_g.T))
+    assert math.sqrt(estimate(m, lam).s2) == pytest.approx(s_lam, rel=1e-10)
+    assert s_lam < ref.result().score
+
+
+def test_interval_matches_theorem_formulas():
+    """Lower/upper, ε_n and Δ_n recomputed from the theorem's formulas with user constants."""
+    phi, g = _population(signal=0.8)
+    s_true, gam, big_l, v, _ = _exact(phi, g)
+    w = np.random.default_rng(5).multinomial(5000, np.full(phi.shape[0], 1 / phi.shape[0]))
+    m = ProbeMoments.from_arrays(phi, g, w)
+    delta, var = 0.05, 7.5
+    it = interval_from_moments(m, delta, grad_max=gam, leverage_max=big_l, variance=var, dim=3)
+    sig = (phi * w[:, None]).T @ phi / 5000
+    big_g = (g * w[:, None]).T @ phi / 5000
+    s_hat = math.sqrt(np.trace(big_g @ np.linalg.pinv(sig) @ big_g.T))
+    d1 = delta / 2
+    u1, u2 = math.log(2 / d1), math.log(2 * 3 / d1)
+    dev = math.sqrt(2 * big_l * u2 / 5000) + 2 * big_l * u2 / 15000
+    eps = math.sqrt(2 * var * u1 / 5000) + 2 * gam * math.sqrt(big_l) * u1 / 5000
+    assert it.score == pytest.approx(s_hat, rel=1e-10)
+    assert it.relative_deviation == pytest.approx(dev, rel=1e-12)
+    assert it.epsilon_n == pytest.approx(eps, rel=1e-12)
+    assert it.score_lower == pytest.approx(max(0.0, s_hat * math.sqrt(1 - dev) - eps), rel=1e-10)
+    assert it.score_upper == pytest.approx(min(s_hat * math.sqrt(1 + dev) + eps, gam), rel=1e-10)
+    assert it.guaranteed and it.constants["grad_max"].source == "user"
+    assert it.constants["variance"].source == "user"
+    plug = interval_from_moments(m, delta)
+    assert not plug.guaranteed and plug.constants["grad_max"].source == "probe"
+    assert plug.constants["variance"].source == "probe"
+    assert "lower bound of the essential supremum" in plug.constants["grad_max"].note
+
+
+def test_calculator_agrees_with_interval_and_round_trips():
+    phi, g = _population(signal=0.5)
+    _, gam, big_l, _, _ = _exact(phi, g)
+    m = ProbeMoments.from_arrays(phi, g, np.full(phi.shape[0], 20))  # n = 4000
+    kw = dict(grad_max=gam, leverage_max=big_l, variance=3.0, dim=3)
+    it = interval_from_moments(m, 0.1, **kw)
+    plan = plan_bound(delta=0.1, n=m.n, **kw)
+    assert plan.epsilon_n == pytest.approx(it.epsilon_n, rel=1e-12)
+    assert plan.relative_deviation == pytest.approx(it.relative_deviation, rel=1e-12)
+    # the interval's width is what the deviation form allows at s ≤ S
+    assert it.score_upper - it.score <= plan.halfwidth * (1 + 1e-12)
+    back = plan_bound(delta=0.1, epsilon=plan.halfwidth, **kw)
+    assert back.n_required == m.n  # h_n is strictly decreasing: n is the smallest size reaching h_n
+    assert required_n(plan.halfwidth, 0.1, **kw) == back.n_required
+
+
+def _h(n, var, r, u1, l1, u2, smax):
+    dev = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+    if dev >= 1:
+        return math.inf
+    return (math.sqrt(2 * var * u1 / n) + 2 * r * u1 / n + smax * dev) / math.sqrt(1 - dev)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sympy_sample_size_matches_root_finding(seed):
+    rng = np.random.default_rng(seed)
+    gam, big_l = rng.uniform(0.1, 10), rng.uniform(1, 400)
+    var, delta, smax = rng.uniform(0.01, 30), rng.uniform(0.01, 0.3), rng.uniform(0, 2)
+    target = rng.uniform(0.005, 0.5)
+    plan = plan_bound(delta=delta, epsilon=target, grad_max=gam, leverage_max=big_l, variance=var,
+                      score_max=smax)
+    u1 = math.log(4 / delta)
+    u2 = math.log(4 * big_l / delta)  # D = L by default when λ = 0
+    r = gam * math.sqrt(big_l)
+    args = (var, r, u1, big_l, u2, smax)
+    lo = brentq(lambda x: math.sqrt(2 * big_l * u2 / x) + 2 * big_l * u2 / (3 * x) - 1, 1e-6, 1e12)
+    hi = lo * 2
+    while _h(hi, *args) > target:
+        hi *= 2
+    root = brentq(lambda x: _h(x, *args) - target, lo * (1 + 1e-12), hi, xtol=1e-10, rtol=1e-15)
+    assert plan.n_required == math.ceil(root - 1e-7)
+    assert _h(plan.n_required, *args) <= target < _h(plan.n_required - 1, *args)
+    assert plan.n_nonvacuous == math.floor(lo) + 1
+    root_e = brentq(lambda x: math.sqrt(2 * var * u1 / x) + 2 * r * u1 / x - target, 1e-9, 1e16,
+                    xtol=1e-12, rtol=1e-15)
+    assert plan.n_epsilon_only == math.ceil(root_e - 1e-7)
+    # the closed form sympy derived, written by hand: n = (a + sqrt(a² + 4bE))² / (4E²)
+    a, b = math.sqrt(2 * var * u1), 2 * r * u1
+    assert root_e == pytest.approx((a + math.sqrt(a * a + 4 * b * target)) ** 2 / (4 * target ** 2), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- coverage
+def test_coverage_on_small_finite_populations():
+    """Exact population constants: coverage ≥ 1 − δ − 3 SE; no false certificates beyond δ."""
+    delta, reps = 0.2, 150
+    floor = 1 - delta - 3 * math.sqrt(delta * (1 - delta) / reps)
+    rng = np.random.default_rng(11)
+    for signal in (0.0, 0.6):
+        phi, g = _population(n_pop=150, signal=signal, seed=2)
+        s_true, gam, big_l, _, _ = _exact(phi, g)
+        hits = wrong = 0
+        for _ in range(reps):
+            w = rng.multinomial(3000, np.full(150, 1 / 150))
+            it = interval_from_moments(ProbeMoments.from_arrays(phi, g, w, keep=False), delta,
+                                       grad_max=gam, leverage_max=big_l, epsilon=0.5 * max(s_true, 0.2))
+            hits += it.score_lower <= s_true <= it.score_upper
+            wrong += (it.certificate == CERTIFIED_IMPROVABLE and signal == 0.0) or (
+                it.certificate == CERTIFIED_SATURATED and signal > 0)
+        assert hits / reps >= floor
+        assert wrong / reps <= 1 - floor
+
+
+def test_ag_rms_upper_bound_formula_and_coverage():
+    gam, n, delta = 2.0, 500, 0.1
+    u = math.log(1 / delta)
+    c = math.sqrt(2 * gam ** 2 * u / n)
+    e = 0.8 ** 2 + 2 * gam ** 2 * u / (3 * n)
+    assert ag_rms_upper(n, 0.8, gam, delta) == pytest.approx(0.5 * (c + math.sqrt(c * c + 4 * e)))
+    rng = np.random.default_rng(0)
+    norms = rng.uniform(0, gam, size=1000)
+    pop_rms = math.sqrt(np.mean(norms ** 2))
+    hits = sum(ag_rms_upper(n, math.sqrt(np.mean(rng.choice(norms, n) ** 2)), gam, delta) >= pop_rms
+               for _ in range(200))
+    assert hits / 200 >= 1 - delta - 3 * math.sqrt(delta * (1 - delta) / 200)
+    with pytest.raises(BoundError, match="grad_max"):
+        ag_rms_upper(n, 0.8, -1.0, delta)
+
+
+def test_bootstrap_labelled_and_needs_rows():
+    phi, g = _population(signal=0.5)
+    m = ProbeMoments.from_arrays(phi, g, keep=False)
+    with pytest.raises(BoundError, match="in memory"):
+        bootstrap_interval(m, 0.1)
+    b = bootstrap_interval(ProbeMoments.from_arrays(phi, g), 0.1, resamples=30)
+    assert "not a guarantee" in b["label"] and 0 <= b["lower"] <= b["upper"]
+    it = interval_from_moments(ProbeMoments.from_arrays(phi, g), 0.1, bootstrap=30)
+    assert it.looseness == pytest.approx((it.score_upper - it.score_lower)
+                                         / (it.bootstrap_interval["upper"] - it.bootstrap_interval["lower"]))
+
+
+def test_sequential_certifier_levels_and_decision():
+    assert sum(spending(j, 0.1) for j in range(1, 100000)) == pytest.approx(0.1, rel=1e-4)
+    rng = np.random.default_rng(4)
+    fam = parse_family("linear")
+    cert = SequentialCertifier(0.1, epsilon=0.05, family=fam, shape=(2,), layout="vector",
+                               grad_max=6.0, leverage_max=40.0)
+    sizes = []
+    while cert.decision is None and len(cert.history) < 12:
+        z = rng.normal(size=(250 * 2 ** len(cert.history), 2))
+        g = 0.8 * z + 0.3 * rng.normal(size=z.shape)  # strongly improvable: g ∈ T plus noise
+        step = cert.update(torch.from_numpy(z), torch.from_numpy(np.clip(g, -3, 3)))
+        sizes.append(step.n)
+        assert step.delta == pytest.approx(spending(len(cert.history), 0.1))
+    assert cert.decision == CERTIFIED_IMPROVABLE and cert.stopped_at == sizes[-1]
+    assert sizes == sorted(sizes)
+
+
+# ----------------------------------------------------------------------------- CLI
+def _probe(tmp_path, n=400, seed=0):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(n, 3))
+    g = 0.5 * np.tanh(z) + rng.normal(size=(n, 3))
+    path = tmp_path / "probe.npz"
+    np.savez(path, z=z, g=g)
+    return path
+
+
+def test_score_delta_adds_interval_keys(tmp_path):
+    path = _probe(tmp_path, n=3000)
+    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json",
+                              "--delta", "0.1", "--epsilon", "0.05", "--grad-max", "10",
+                              "--leverage-max", "10", "--bootstrap", "20"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    for key in ("score_lower", "score_upper", "certificate", "assumptions", "constants",
+                "score_squared_unbiased", "bootstrap_interval", "looseness", "score"):
+        assert key in out
+    assert out["score_lower"] <= out["score"] <= out["score_upper"]
+    assert out["certificate"] in ("certified improvable", "certified ε-saturated", "not certified")
+    assert out["constants"]["grad_max"]["source"] == "user"
+    assert out["constants"]["variance"]["source"] == "probe"  # empirical Bernstein
+    assert out["vacuous"] is False and out["guaranteed"] is True
+    assert out["certificate"] == "certified improvable"  # s ≈ 0.2 with n = 3000
+    assert "not a guarantee" in out["bootstrap_interval"]["label"]
+    plain = json.loads(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear",
+                                           "--json"]).stdout)
+    assert "score_lower" not in plain and plain["score"] == out["score"]
+
+
+def test_bound_command_round_trip():
+    common = ["--delta", "0.05", "--grad-max", "3", "--leverage-max", "20", "--variance", "2", "--json"]
+    fwd = runner.invoke(app, ["bound", "--n", "30000", *common])
+    assert fwd.exit_code == 0, fwd.output
+    h = json.loads(fwd.stdout)["halfwidth"]
+    back = runner.invoke(app, ["bound", "--epsilon", repr(h), *common])
+    out = json.loads(back.stdout)
+    assert out["n_required"] in (29999, 30000) and out["halfwidth"] <= h * (1 + 1e-12)
+    assert out["constants"]["leverage_max"]["source"] == "user"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["bound", "--n", "10", "--delta", "0", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
+    (["bound", "--n", "10", "--delta", "1.5", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
+    (["bound", "--n", "0", "--delta", "0.1", "--grad-max", "1", "--leverage-max", "2"], "positive integer"),
+    (["bound", "--n", "10", "--delta", "0.1", "--leverage-max", "2"], "missing constant grad_max"),
+    (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "1"], "missing constant leverage_max"),
+    (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "-1", "--leverage-max", "2"], ">= 0"),
+    (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "nan", "--leverage-max", "2"], "NaN"),
+    (["score", "--family", "linear", "--delta", "1"], "(0, 1)"),
+    (["score", "--family", "linear", "--delta", "0.1", "--leverage-max", "-2"], "> 0"),
+    (["score", "--family", "product:2", "--delta", "0.1"], "feature family"),
+])
+def test_bad_input_is_one_line(tmp_path, args, needle):
+    if args[0] == "score":
+        args = args + ["--probe", str(_probe(tmp_path, n=30))]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
+
+
+def test_bad_delta_subprocess_one_line():
+    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "bound", "--n", "5", "--delta",
+                           "-0.5", "--grad-max", "1", "--leverage-max", "2"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: delta")
