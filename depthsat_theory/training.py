@@ -140,7 +140,9 @@ def _build_model(kind: str, vocab_size: int | None = None) -> nn.Module:
 
 
 def _cache_path(cache_dir: Path, kind: str, seed: int, chash: str) -> Path:
-    return cache_dir / f"{kind}-seed{seed}-{chash}.safetensors"
+    # float32 reductions depend on the number of intra-op threads, so training is only
+    # reproducible at a fixed thread count: weights trained at another count are kept apart
+    return cache_dir / f"{kind}-seed{seed}-threads{torch.get_num_threads()}-{chash}.safetensors"
 
 
 def _save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> None:
@@ -229,9 +231,10 @@ def trained_task(
 ) -> Task:
     """Train (or load from cache) a model and return it with its probe set.
 
-    Training is float32 with Adam and is deterministic given ``seed`` (data
-    split, initialisation and batch order are all seeded; the caller's global
-    RNG state is preserved). The trained model is converted with
+    Training is float32 with Adam and is deterministic given ``seed`` and the
+    number of torch threads (data split, initialisation and batch order are all
+    seeded; the caller's global RNG state is preserved; float32 reductions depend
+    on the thread count, which is part of the cache name). The trained model is converted with
     ``.to(torch.float64).eval()``.
 
     Data: digits kinds use :func:`~depthsat_theory.data.digits_split` with a
@@ -243,7 +246,7 @@ def trained_task(
         kind: ``"mlp"``, ``"cnn"`` or ``"gpt"``.
         seed: training seed.
         cache_dir: directory for cached float32 weights
-            (``<cache_dir>/<kind>-seed<seed>-<config hash>.safetensors``). If
+            (``<cache_dir>/<kind>-seed<seed>-threads<T>-<config hash>.safetensors``). If
             ``None``, the ``DEPTHSAT_CACHE`` environment variable is used when
             set; otherwise nothing is cached.
 

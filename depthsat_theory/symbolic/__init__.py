@@ -1,0 +1,110 @@
+"""Symbolic (sympy) engine: exact answers to the numeric engine's questions.
+
+Mirrors :mod:`depthsat_theory.families`, :mod:`depthsat_theory.tangent` and
+:mod:`depthsat_theory.optimizers` with exact sympy arithmetic so results can be
+cross-checked (MATH.md §2; theory labels thm-gradient T1, thm-iff T2,
+thm-update-invariance T3, thm-reparameterization T4, thm-zero-output T5,
+thm-realizability T6):
+
+- :mod:`.family`: :class:`SymbolicFamily` (parse text, built-in factories);
+- :mod:`.measures`: :class:`FiniteMeasure`, :class:`ProductMeasure` (``sympy.stats``);
+- :mod:`.engine`: tangent map, ``K``, ``b``, projection, ``s``, ``r``, ``ρ``, ranks,
+  reparameterizations, :class:`SymbolicSaturation`;
+- :mod:`.optimizers`: zero-state first steps derived from update equations;
+- :mod:`.bridge`: numpy/torch functions, :class:`~depthsat_theory.families.GeneralFamily`
+  wrappers and numeric probes from measures.
+"""
+
+from .bridge import (
+    finite_support,
+    lambdify_family,
+    lambdify_matrix,
+    lambdify_units,
+    replicated_support,
+    sample,
+    to_general_family,
+)
+from .engine import (
+    SymbolicSaturation,
+    cross_gradient,
+    is_degenerate,
+    is_function_preserving,
+    is_regular_reparameterization,
+    projection,
+    raw_score,
+    realizability_defect,
+    reparameterize,
+    saturation,
+    saturation_score,
+    tangent_gram,
+    tangent_map,
+    tangent_rank,
+)
+from .family import (
+    ALLOWED_FUNCTIONS,
+    SymbolicFamily,
+    elementwise_square_param,
+    linear,
+    param_symbols,
+    polynomial,
+    product,
+    random_features,
+    unit_symbols,
+)
+from .measures import FiniteMeasure, Measure, MeasureError, ProductMeasure, as_measure
+from .optimizers import (
+    EXTRA_UPDATES,
+    SYMBOLIC_UPDATES,
+    FirstOrderChange,
+    default_hyper,
+    first_order_change,
+    is_descent_compatible,
+    zero_state_step,
+    zero_state_update,
+)
+
+__all__ = [
+    "ALLOWED_FUNCTIONS",
+    "EXTRA_UPDATES",
+    "FiniteMeasure",
+    "FirstOrderChange",
+    "Measure",
+    "MeasureError",
+    "ProductMeasure",
+    "SYMBOLIC_UPDATES",
+    "SymbolicFamily",
+    "SymbolicSaturation",
+    "as_measure",
+    "cross_gradient",
+    "default_hyper",
+    "elementwise_square_param",
+    "finite_support",
+    "first_order_change",
+    "is_degenerate",
+    "is_descent_compatible",
+    "is_function_preserving",
+    "is_regular_reparameterization",
+    "lambdify_family",
+    "lambdify_matrix",
+    "lambdify_units",
+    "linear",
+    "param_symbols",
+    "polynomial",
+    "product",
+    "projection",
+    "random_features",
+    "raw_score",
+    "realizability_defect",
+    "replicated_support",
+    "reparameterize",
+    "sample",
+    "saturation",
+    "saturation_score",
+    "tangent_gram",
+    "tangent_map",
+    "tangent_rank",
+    "to_general_family",
+    "unit_symbols",
+    "zero_state_step",
+    "zero_state_update",
+]
