@@ -8,6 +8,11 @@ Public API (one concept per module):
 - :mod:`~depthsat_theory.sites`: insertion sites in torch models (capture ``z``, ``g``;
   insert blocks; function-preservation check).
 - :mod:`~depthsat_theory.optimizers`: zero-state first-step maps ``P``.
+- :mod:`~depthsat_theory.bounds`: finite-sample confidence intervals, certificates and the
+  sample-size calculator (T7).
+- :mod:`~depthsat_theory.audit`: audits of a residual family (``depthsat audit``).
+- :mod:`~depthsat_theory.symbolic`: the exact sympy engine answering the same questions.
+- :mod:`~depthsat_theory.strategies`: hypothesis strategies for property-testing families.
 - :mod:`~depthsat_theory.check`: the theorem checker behind ``depthsat check``.
 - :mod:`~depthsat_theory.reference`: dense ``torch.func`` reference (tests).
 """
