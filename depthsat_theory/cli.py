@@ -365,13 +365,24 @@ def main() -> None:
         app()
         return
     try:
-        app()
+        status = app(standalone_mode=False)
+    except _USAGE_ERROR as exc:  # unknown option, unparsable value: one line too
+        msg = exc.format_message()
+        if msg:  # (an empty message: typer already printed the help of a bare command)
+            name = f"depthsat {exc.ctx.info_name} " if exc.ctx is not None and exc.ctx.parent else "depthsat "
+            err_console.print(f"error: {msg} (see {name}--help)", markup=False, highlight=False,
+                              soft_wrap=True)
+        sys.exit(exc.exit_code)
     except Exception as exc:  # noqa: BLE001 - the one-line contract for users
         err_console.print(f"error: internal error ({type(exc).__name__}: {exc}); rerun with "
                           f"DEPTHSAT_DEBUG=1 for the traceback", markup=False, highlight=False,
                           soft_wrap=True)
         sys.exit(3)
+    sys.exit(status if isinstance(status, int) else 0)
 
+
+# click's UsageError, whether typer vendors click or depends on it
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 if __name__ == "__main__":
     main()

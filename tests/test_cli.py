@@ -204,3 +204,18 @@ def test_check_cli_bad_options(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "check", "--report",
                            str(tmp_path / "missing" / "r.json")], capture_output=True, text=True)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["bound", "--delta", "0.1", "--n", "abc"], "Invalid value for '--n'"),
+    (["score", "--no-such-flag"], "No such option: --no-such-flag"),
+    (["no-such-command"], "No such command"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    """Option-parsing errors follow the same contract as value errors: one line, exit 2."""
+    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", *args],
+                          capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
