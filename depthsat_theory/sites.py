@@ -8,26 +8,60 @@ cost one forward and one backward per batch.
 
 The gradient is taken at an identity autograd node placed on the site's output;
 it receives the gradient with respect to the site's output *before* any later
-in-place operation, and works when the site's input does not require grad.
+in-place operation, and works when the site's input does not require grad.  It is
+the gradient with respect to an explicit additive perturbation ``δ = 0`` of the
+site's output, ``g_i = ∂ℓ_i/∂δ_i`` (MATH.md §2).
+
+Conventions (MATH.md §1–2):
+
+* **Site names.**  ``"blocks.3"`` names a module that runs exactly once per forward
+  pass (``calls="error"``, the default).  A module that runs several times per
+  forward (a weight-shared block) has one site per *invocation*: occurrence ``k``
+  (``k = 0, 1, …`` in call order, counted since the last :meth:`SiteRecorder.backward`
+  or :meth:`SiteRecorder.reset`) is the site ``"name#k"``.  Name it explicitly, or
+  pass ``calls="each"`` to record every occurrence of a bare ``"name"`` under the
+  keys ``"name#0"``, ``"name#1"``, …  Each occurrence has its own ``z`` (that call's
+  output) and ``g`` (the gradient of the loss with respect to a perturbation of that
+  call's output only, including its effect through the later calls).
+* **Structured outputs.**  A module returning a tuple/list (Hugging Face layers
+  return ``(hidden_states, …)``) has the site tensor at index 0; a mapping
+  (``dict``, ``transformers.ModelOutput``) at its first key; ``output_key`` selects
+  another index/key.  The tapped tensor is put back into the returned structure so
+  that everything downstream uses it.
+* **BatchNorm.**  A BatchNorm that normalizes with batch statistics (train mode, or
+  ``track_running_stats=False``) makes ``z``, ``g`` and the tangent map depend on
+  the whole batch (MATH.md §2): a :class:`SiteError` by default.
+* **Reductions and padding** (see :func:`accumulate`): ``g`` is the gradient of the
+  per-example loss ``ℓ_i`` (nats per example); padded positions are excluded from
+  the losses and from the units of the statistics.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+import inspect
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from .tangent import StatisticsError
+
 __all__ = [
-    "SiteError",
+    "REDUCTIONS",
     "NotFunctionPreservingError",
-    "SiteRecorder",
     "ResidualInsertion",
-    "insert_block",
-    "check_function_preserving",
+    "SiteError",
+    "SiteRecorder",
     "accumulate",
+    "check_function_preserving",
+    "insert_block",
+    "parse_site",
 ]
+
+#: Loss reductions accepted by :func:`accumulate`.
+REDUCTIONS = ("none", "sum", "mean", "token_mean")
 
 
 class SiteError(ValueError):
@@ -42,7 +76,7 @@ class _Tap(torch.autograd.Function):
     """Identity on the site tensor; its backward stores the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, z, anchor, slot):  # noqa: D401
+    def forward(ctx, z, anchor, slot):
         ctx.slot = slot
         return z.clone()
 
@@ -52,6 +86,27 @@ class _Tap(torch.autograd.Function):
         return grad, torch.zeros((), dtype=grad.dtype, device=grad.device), None
 
 
+def parse_site(site: str) -> tuple[str, int | None]:
+    """Split a site name into ``(module_name, occurrence)``.
+
+    Args:
+        site: ``"name"`` or ``"name#k"`` (``k ≥ 0``: the ``k``-th call of the module in
+            one forward pass).
+
+    Returns:
+        ``(name, k)`` with ``k = None`` for a bare name.
+
+    Raises:
+        SiteError: if the occurrence suffix is not a non-negative integer.
+    """
+    name, sep, occ = site.partition("#")
+    if not sep:
+        return site, None
+    if not occ.isdigit():
+        raise SiteError(f"bad site {site!r}: the occurrence suffix must be '#k' with k = 0, 1, …")
+    return name, int(occ)
+
+
 def _resolve(model: nn.Module, name: str) -> nn.Module:
     mods = dict(model.named_modules())
     if name not in mods:
@@ -59,6 +114,84 @@ def _resolve(model: nn.Module, name: str) -> nn.Module:
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise SiteError(f"no module named {name!r} in {type(model).__name__}{hint}")
     return mods[name]
+
+
+def _split_output(output, key, where: str):
+    """``(site_tensor, rebuild)``: the site tensor in a module output and a function
+    returning the output with the site tensor replaced (same container type)."""
+    if isinstance(output, Tensor):
+        if key not in (None, 0):
+            raise SiteError(f"{where} returned a tensor; output_key {key!r} does not apply")
+        return output, lambda t: t
+    if isinstance(output, Mapping):
+        if key is None:
+            if len(output) == 0:
+                raise SiteError(f"{where} returned an empty mapping")
+            key = next(iter(output.keys()))
+        if key not in output:
+            raise SiteError(f"{where} returned a mapping without key {key!r}; keys: "
+                            f"{', '.join(map(str, output.keys()))}")
+
+        def rebuild_map(t):
+            old = output[key]
+            output[key] = t  # ModelOutput.__setitem__ also sets the attribute
+            if hasattr(output, "__dict__") and vars(output).get(key, None) is old:
+                object.__setattr__(output, key, t)
+            return output
+
+        return output[key], rebuild_map
+    if isinstance(output, (tuple, list)):
+        idx = 0 if key is None else key
+        if not isinstance(idx, int) or not -len(output) <= idx < len(output):
+            raise SiteError(f"{where} returned a {type(output).__name__} of length {len(output)}; "
+                            f"output_key must be an index into it, got {key!r}")
+        idx = idx % len(output)
+
+        def rebuild_seq(t):
+            if isinstance(output, list):
+                new = list(output)
+                new[idx] = t
+                return new
+            if hasattr(output, "_fields"):  # namedtuple
+                return output._replace(**{output._fields[idx]: t})
+            return tuple(output[:idx]) + (t,) + tuple(output[idx + 1:])
+
+        return output[idx], rebuild_seq
+    if isinstance(key, str) and isinstance(getattr(output, key, None), Tensor):
+        def rebuild_attr(t):
+            new = copy.copy(output)
+            setattr(new, key, t)
+            return new
+
+        return getattr(output, key), rebuild_attr
+    raise SiteError(f"{where} returned {type(output).__name__}, not a tensor, tuple or mapping "
+                    f"(pass output_key to name the site tensor)")
+
+
+def _batch_stat_norms(model: nn.Module) -> list[str]:
+    """Names of BatchNorm modules that normalize with the statistics of the batch."""
+    bad = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and (
+                mod.training or not mod.track_running_stats or mod.running_mean is None):
+            bad.append(name or type(mod).__name__)
+    return bad
+
+
+def _check_batchnorm(model: nn.Module, policy: str) -> None:
+    if policy not in ("error", "warn", "ignore"):
+        raise ValueError(f"batchnorm must be 'error', 'warn' or 'ignore', got {policy!r}")
+    if policy == "ignore":
+        return
+    bad = _batch_stat_norms(model)
+    if not bad:
+        return
+    msg = (f"BatchNorm module(s) {', '.join(bad)} normalize with the statistics of the batch "
+           f"(train mode or track_running_stats=False): z, g and the tangent map A then depend "
+           f"on the whole batch, not on the example (MATH.md §2); call model.eval()")
+    if policy == "error":
+        raise SiteError(msg + " or pass batchnorm='warn'/'ignore'")
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 class SiteRecorder:
@@ -72,31 +205,72 @@ class SiteRecorder:
             z, g = rec.z["blocks.0"], rec.g["blocks.0"]
 
     ``rec.backward`` computes only the site gradients (no parameter gradients).
+    ``z`` is a detached copy of the site output ``(B, *shape)`` in the model's dtype
+    and device; ``g`` has the same shape and dtype: the gradient of the scalar passed
+    to :meth:`backward` with respect to an additive perturbation of that output
+    (MATH.md §2; pass the *sum* of per-example losses so that ``g_i = ∂ℓ_i/∂z_i``).
+
+    Repeated modules: occurrence ``k`` of a module (its ``k``-th call since the last
+    :meth:`backward`/:meth:`reset`, ``k = 0, 1, …``) is the site ``"name#k"``; with
+    ``calls="each"`` a bare ``"name"`` records every occurrence under ``"name#k"``.
+    :attr:`names` lists the keys recorded in the last forward pass.
 
     Args:
         model: any ``nn.Module``.
-        sites: module names whose outputs are site tensors (tuple outputs: the
-            first element).
+        sites: site names ``"module.name"`` or ``"module.name#k"``.
+        calls: for bare names: ``"error"`` (default) — the module must run exactly
+            once per forward, keys are the bare names; ``"each"`` — every call is
+            its own occurrence ``"name#k"``.
+        output_key: where the site tensor is in a structured output: ``None``
+            (index 0 of a tuple/list, the first key of a mapping/``ModelOutput``), an
+            index, a key, or ``{site: key}`` per site (keyed by module name).
+        batchnorm: ``"error"`` (default), ``"warn"`` or ``"ignore"`` when a BatchNorm
+            in ``model`` normalizes with batch statistics (checked on entry and at
+            each :meth:`backward`).
 
     Raises:
-        SiteError: if a site name does not exist, or a site module ran other than
-            exactly once in the forward pass.
+        SiteError: if a site name does not exist, a site module did not run as
+            required (exactly once for a bare name with ``calls="error"``, at least
+            ``k + 1`` times for ``"name#k"``), its output holds no site tensor, or a
+            BatchNorm uses batch statistics (``batchnorm="error"``).
+        ValueError: on a bad ``calls``/``batchnorm`` value.
     """
 
-    def __init__(self, model: nn.Module, sites: Sequence[str]):
+    def __init__(self, model: nn.Module, sites: Sequence[str], *, calls: str = "error",
+                 output_key=None, batchnorm: str = "error"):
+        if calls not in ("error", "each"):
+            raise ValueError(f"calls must be 'error' or 'each', got {calls!r}")
+        if batchnorm not in ("error", "warn", "ignore"):
+            raise ValueError(f"batchnorm must be 'error', 'warn' or 'ignore', got {batchnorm!r}")
         self.model = model
         self.sites = list(sites)
-        self.modules = {s: _resolve(model, s) for s in self.sites}
+        self.calls = calls
+        self.batchnorm = batchnorm
+        self._output_key = output_key
+        self.modules = {}
+        self._requests: dict[str, dict] = {}
+        for s in self.sites:
+            base, occ = parse_site(s)
+            self.modules[s] = _resolve(model, base)
+            req = self._requests.setdefault(base, {"bare": False, "occ": set()})
+            if occ is None:
+                req["bare"] = True
+            else:
+                req["occ"].add(occ)
         self._handles: list = []
         self.z: dict[str, Tensor] = {}
         self.g: dict[str, Tensor] = {}
+        self.names: list[str] = []
+        self.last_calls: dict[str, int] = {}
         self._slots: dict[str, list] = {}
         self._anchors: dict[str, Tensor] = {}
         self._calls: dict[str, int] = {}
 
     def __enter__(self) -> SiteRecorder:
-        for name, mod in self.modules.items():
-            self._handles.append(mod.register_forward_hook(self._hook(name)))
+        _check_batchnorm(self.model, self.batchnorm)
+        for base in self._requests:
+            mod = _resolve(self.model, base)
+            self._handles.append(mod.register_forward_hook(self._hook(base)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -104,114 +278,322 @@ class SiteRecorder:
             h.remove()
         self._handles.clear()
 
-    def _hook(self, name: str):
+    def _key_for(self, base: str):
+        key = self._output_key
+        if isinstance(key, Mapping):
+            return key.get(base)
+        return key
+
+    def _hook(self, base: str):
+        req = self._requests[base]
+
         def hook(module, inputs, output):
-            self._calls[name] = self._calls.get(name, 0) + 1
-            is_tuple = isinstance(output, tuple)
-            t = output[0] if is_tuple else output
+            k = self._calls.get(base, 0)
+            self._calls[base] = k + 1
+            keys = []
+            if req["bare"]:
+                if self.calls == "each":
+                    keys.append(f"{base}#{k}")
+                elif k == 0:
+                    keys.append(base)
+            if k in req["occ"] and f"{base}#{k}" not in keys:
+                keys.append(f"{base}#{k}")
+            if not keys:
+                return None
+            t, rebuild = _split_output(output, self._key_for(base), f"site {base!r}")
             if not isinstance(t, Tensor):
-                raise SiteError(f"site {name!r} returned {type(t).__name__}, not a tensor")
+                raise SiteError(f"site {base!r} returned {type(t).__name__}, not a tensor")
             anchor = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=True)
             slot: list = []
-            self._slots[name] = slot
-            self._anchors[name] = anchor
-            self.z[name] = t.detach().clone()
-            tapped = _Tap.apply(t, anchor, slot)
-            return (tapped,) + tuple(output[1:]) if is_tuple else tapped
+            zc = t.detach().clone()
+            for key in keys:
+                self._slots[key] = slot
+                self._anchors[key] = anchor
+                self.z[key] = zc
+                if key not in self.names:
+                    self.names.append(key)
+            return rebuild(_Tap.apply(t, anchor, slot))
 
         return hook
 
+    def reset(self) -> None:
+        """Forget the current forward pass (occurrence counters, captured ``z``)."""
+        self._calls.clear()
+        self._slots.clear()
+        self._anchors.clear()
+        self.z.clear()
+        self.names = []
+
+    def _validate(self) -> None:
+        for base, req in self._requests.items():
+            n = self._calls.get(base, 0)
+            if req["bare"] and self.calls == "error" and n != 1:
+                self.reset()
+                raise SiteError(
+                    f"site {base!r} ran {n} times in one forward pass; a site must run exactly "
+                    f"once (choose a module that is called once per forward, name one call "
+                    f"'{base}#k', or pass calls='each' to record every call)")
+            if req["bare"] and n == 0:
+                self.reset()
+                raise SiteError(f"site {base!r} did not run in the forward pass")
+            for k in sorted(req["occ"]):
+                if k >= n:
+                    self.reset()
+                    raise SiteError(f"site '{base}#{k}' does not exist: module {base!r} ran {n} "
+                                    f"time(s) in the forward pass (occurrences 0…{n - 1})")
+
     def backward(self, loss: Tensor) -> None:
-        """Backpropagate ``loss`` (a scalar: the *sum* of per-example losses) to the sites.
+        """Backpropagate ``loss`` to the sites and fill :attr:`g` (then reset the counters).
+
+        Args:
+            loss: a scalar: the *sum* of the per-example losses (MATH.md §1), so that
+                ``g[i] = ∂ℓ_i/∂z_i``.  A batch mean gives ``g / B``
+                (:func:`accumulate` handles other reductions).
 
         Raises:
-            SiteError: if a site did not run exactly once in the last forward pass.
+            SiteError: if a site did not run as required in the last forward pass, or a
+                BatchNorm uses batch statistics (``batchnorm="error"``).
         """
-        for name in self.sites:
-            calls = self._calls.get(name, 0)
-            if calls != 1:
-                raise SiteError(
-                    f"site {name!r} ran {calls} times in one forward pass; a site must run "
-                    f"exactly once (choose a module that is called once per forward)")
-        anchors = [self._anchors[s] for s in self.sites]
+        _check_batchnorm(self.model, self.batchnorm)
+        self._validate()
+        anchors, seen = [], set()
+        for key in self.names:
+            a = self._anchors[key]
+            if id(a) not in seen:
+                seen.add(id(a))
+                anchors.append(a)
+        self.g.clear()
         torch.autograd.grad(loss, anchors, allow_unused=True)
-        for name in self.sites:
-            slot = self._slots[name]
-            if not slot:
-                self.g[name] = torch.zeros_like(self.z[name])
-            else:
-                self.g[name] = slot[0]
+        for key in self.names:
+            slot = self._slots[key]
+            self.g[key] = slot[0] if slot else torch.zeros_like(self.z[key])
+        self.last_calls = dict(self._calls)
         self._calls.clear()
+        self._slots.clear()
+        self._anchors.clear()
 
 
-def accumulate(model: nn.Module, sites: Sequence[str], batches: Iterable[tuple[Tensor, Tensor]],
+def _reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None):
+    """``(backward_scalar, total_loss)`` for one batch; see :func:`accumulate`."""
+    if not isinstance(raw, Tensor):
+        raise ValueError(f"loss_fn must return a tensor, got {type(raw).__name__}")  # noqa: TRY004
+    if not torch.isfinite(raw.detach()).all() and reduction != "token_mean":
+        raise ValueError("the loss is NaN or Inf on the probe; cannot take gradients")
+    if reduction == "none":
+        if raw.dim() != 1 or raw.shape[0] != batch:
+            raise ValueError(
+                f"loss_fn must return per-example losses of shape (B,) = ({batch},), got "
+                f"{tuple(raw.shape)} (pass reduction='mean'/'sum' for a batch-reduced scalar)")
+        return raw.sum(), float(raw.detach().sum())
+    if reduction in ("sum", "mean"):
+        if raw.dim() != 0:
+            raise ValueError(f"reduction={reduction!r}: loss_fn must return a scalar, got shape "
+                             f"{tuple(raw.shape)}")
+        scale = batch if reduction == "mean" else 1
+        return raw * scale, float(raw.detach()) * scale
+    if reduction == "token_mean":
+        if raw.dim() == 0:
+            raise ValueError(
+                "reduction='token_mean' needs per-token losses (B, T): a scalar mean over all "
+                "non-padded tokens of the batch (the Hugging Face reduction) weights each example "
+                "by its number of tokens and is not E_D ℓ with ℓ the example's own token mean "
+                "(MATH.md §1), and the per-example losses cannot be recovered from it; return "
+                "reduction='none' token losses from loss_fn")
+        if raw.dim() != 2 or raw.shape[0] != batch:
+            raise ValueError(f"reduction='token_mean': loss_fn must return per-token losses (B, T) "
+                             f"with B = {batch}, got {tuple(raw.shape)}")
+        m = torch.ones_like(raw, dtype=torch.bool) if mask is None else mask.to(raw.device).bool()
+        if m.shape != raw.shape:
+            raise ValueError(f"the padding mask {tuple(m.shape)} does not match the per-token "
+                             f"losses {tuple(raw.shape)}")
+        ntok = m.sum(dim=1)
+        if bool((ntok == 0).any()):
+            raise ValueError("an example has no non-padded token: its token-mean loss is undefined")
+        kept = torch.where(m, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
+        if not torch.isfinite(kept.detach()).all():
+            raise ValueError("the loss is NaN or Inf on the probe; cannot take gradients")
+        per_example = kept.sum(dim=1) / ntok.to(raw.dtype)
+        return per_example.sum(), float(per_example.detach().sum())
+    raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+
+
+def _update_masked(acc, z: Tensor, g: Tensor, mask: Tensor | None, key: str) -> None:
+    """``acc.update(z, g)``, passing the padding mask at sequence sites (padded rows dropped)."""
+    if mask is None or z.dim() == 2:  # no mask, or a per-example vector site (no positions)
+        acc.update(z, g)
+        return
+    if z.dim() != 3 or tuple(mask.shape) != tuple(z.shape[:2]):
+        raise SiteError(f"site {key!r} has tensors of shape {tuple(z.shape)}; a padding mask "
+                        f"{tuple(mask.shape)} applies to sequence sites (B, T, d) only")
+    mask = mask.to(z.device).bool()
+    if "mask" not in inspect.signature(acc.update).parameters:
+        if bool(mask.all()):
+            acc.update(z, g)
+            return
+        raise SiteError(f"the accumulator {type(acc).__name__} at site {key!r} cannot drop padded "
+                        f"rows: its update() takes no mask= keyword")
+    try:
+        acc.update(z, g, mask=mask)
+    except StatisticsError as exc:
+        raise SiteError(f"site {key!r}: {exc}") from None
+
+
+def accumulate(model: nn.Module, sites: Sequence[str], batches: Iterable[tuple],
                loss_fn: Callable[[Tensor, Tensor], Tensor], stats: dict,
-               *, on_batch: Callable[[int], None] | None = None) -> float:
+               *, on_batch: Callable[[int], None] | None = None, reduction: str = "none",
+               mask_fn: Callable | None = None, calls: str = "error", output_key=None,
+               batchnorm: str = "error") -> float:
     """Stream site statistics over a probe: one forward and one backward per batch.
+
+    Every accumulator receives ``z`` and ``g`` with ``g`` the gradient of each
+    example's *own* loss ``ℓ_i`` (nats per example, MATH.md §1), whatever the
+    reduction ``loss_fn`` uses:
+
+    * ``"none"`` (default): ``loss_fn`` returns per-example losses ``(B,)``; the
+      backward pass uses their sum.
+    * ``"sum"``: ``loss_fn`` returns ``Σ_i ℓ_i`` (a scalar); used as is.
+    * ``"mean"``: ``loss_fn`` returns the batch mean ``(1/B) Σ_i ℓ_i``; its gradient
+      is ``g / B``, so it is multiplied by ``B`` (the batch size of the inputs).
+    * ``"token_mean"``: ``loss_fn`` returns per-token losses ``(B, T)``; each example's
+      loss is the mean over its own non-padded tokens, ``ℓ_i = Σ_t m_it ℓ_it / Σ_t m_it``
+      (MATH.md §1).  This is **not** the Hugging Face reduction, the mean over all
+      non-padded tokens of the batch, ``Σ_{i,t} m ℓ / Σ_{i,t} m``, which weights each
+      example by its token count (a different objective from ``E_D ℓ``); a scalar
+      returned under ``"token_mean"`` is rejected because ``ℓ_i`` cannot be recovered
+      from it.
+
+    Padding: ``batches`` may yield ``(inputs, targets, mask)``, or ``mask_fn(inputs,
+    targets)`` may give the mask: bool ``(B, T)``, ``True`` at real (non-padded)
+    tokens.  The loss must ignore padded positions (``loss_fn`` does it for
+    ``"none"``; ``"token_mean"`` applies the mask to the per-token losses).  At every
+    sequence site ``(B, T, d)`` ``g`` must then be exactly ``0`` at padded positions
+    (else the model or the loss reads padding: :class:`SiteError`), and the padded rows
+    are dropped from the statistics, so their units count only real tokens.  Rows are
+    dropped by passing ``mask=`` to accumulators whose ``update`` takes it, else (for
+    :mod:`depthsat_theory.tangent` accumulators of row-wise families) by accumulating
+    the selected rows and merging; other accumulators raise :class:`SiteError` when
+    a batch has padding.  Vector sites ``(B, d)`` are not masked.
 
     Args:
         model: the reference network (eval mode for BatchNorm).
-        sites: site names.
-        batches: iterable of ``(inputs, targets)``.
-        loss_fn: per-example losses ``(B,)`` (nats per example); the backward pass
-            uses their sum so that ``g`` is the gradient of each example's own loss.
+        sites: site names (``"name"`` or ``"name#k"``, see :class:`SiteRecorder`).
+        batches: iterable of ``(inputs, targets)`` or ``(inputs, targets, mask)``.
+        loss_fn: ``loss_fn(model(inputs), targets)``, reduced as ``reduction`` says.
         stats: ``{site: accumulator}`` with an ``update(z, g)`` method (several
-            families per site: pass a list of accumulators).
+            families per site: pass a list of accumulators).  With ``calls="each"`` the
+            keys are the occurrences ``"name#k"``.
         on_batch: optional callback with the batch size (progress bars).
+        reduction: one of :data:`REDUCTIONS` (above).
+        mask_fn: optional ``mask_fn(inputs, targets) -> (B, T) bool`` (``True`` = keep),
+            used when a batch has no mask of its own.
+        calls: ``"error"`` or ``"each"``, as in :class:`SiteRecorder`.
+        output_key: as in :class:`SiteRecorder`.
+        batchnorm: as in :class:`SiteRecorder`.
 
     Returns:
-        The probe's mean loss ``J`` (nats per example).
+        The probe's mean loss ``J`` (nats per example, ``ℓ_i`` as above).
 
     Raises:
-        SiteError: on unknown sites; StatisticsError from the accumulators on bad values.
-        ValueError: if a loss is NaN/Inf or has the wrong shape.
+        SiteError: on unknown sites, a site without statistics, padding read by the
+            model, train-mode BatchNorm, or padded rows an accumulator cannot drop.
+        StatisticsError: from the accumulators on bad values.
+        ValueError: if a loss is NaN/Inf, has the wrong shape for ``reduction``, an
+            example has no real token, or ``reduction`` is unknown.
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     total, count = 0.0, 0
-    with SiteRecorder(model, sites) as rec:
-        for x, y in batches:
-            losses = loss_fn(model(x), y)
-            if losses.dim() != 1 or losses.shape[0] != _batch_size(x):
-                raise ValueError(
-                    f"loss_fn must return per-example losses of shape (B,), got {tuple(losses.shape)}")
-            if not torch.isfinite(losses).all():
-                raise ValueError("the loss is NaN or Inf on the probe; cannot take gradients")
-            rec.backward(losses.sum())
-            for s in sites:
-                accs = stats[s] if isinstance(stats[s], (list, tuple)) else [stats[s]]
+    with SiteRecorder(model, sites, calls=calls, output_key=output_key, batchnorm=batchnorm) as rec:
+        for batch in batches:
+            if len(batch) == 3:
+                x, y, mask = batch
+            else:
+                x, y = batch
+                mask = mask_fn(x, y) if mask_fn is not None else None
+            if mask is not None:
+                mask = torch.as_tensor(mask).bool()
+                if mask.dim() != 2:
+                    raise ValueError(f"the padding mask must be (B, T) bool, got {tuple(mask.shape)}")
+            bsz = _batch_size(x)
+            rec.reset()
+            raw = loss_fn(model(x), y)
+            scalar, batch_total = _reduce_losses(raw, reduction, bsz, mask)
+            rec.backward(scalar)
+            for key in rec.names:
+                if key not in stats:
+                    raise SiteError(f"no statistics for site {key!r} (recorded sites: "
+                                    f"{', '.join(rec.names)})")
+                z, g = rec.z[key], rec.g[key]
+                if mask is not None and z.dim() == 3 and tuple(mask.shape) == tuple(z.shape[:2]):
+                    pad = ~mask.to(g.device)
+                    if bool((g[pad] != 0).any()):
+                        raise SiteError(
+                            f"the activation gradient at site {key!r} is nonzero at padded "
+                            f"positions: the model or the loss reads padding (pass the attention "
+                            f"mask to the model and ignore padded tokens in the loss)")
+                accs = stats[key] if isinstance(stats[key], (list, tuple)) else [stats[key]]
                 for acc in accs:
-                    acc.update(rec.z[s], rec.g[s])
-            total += float(losses.detach().sum())
-            count += int(losses.shape[0])
+                    _update_masked(acc, z, g, mask, key)
+            total += batch_total
+            count += bsz
             if on_batch is not None:
-                on_batch(int(losses.shape[0]))
+                on_batch(bsz)
     return total / max(count, 1)
 
 
 def _batch_size(x) -> int:
     if isinstance(x, Tensor):
         return int(x.shape[0])
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return _batch_size(next(iter(x.values())))
     return _batch_size(x[0])
 
 
 class ResidualInsertion(nn.Module):
-    """Wraps a site module ``f`` as ``x ↦ f(x) + h(f(x))`` (tuple outputs: first element)."""
+    """Wraps a site module ``f`` as ``x ↦ f(x) + h(f(x))``.
 
-    def __init__(self, site: nn.Module, block: nn.Module):
+    Structured outputs (tuples, mappings, ``ModelOutput``): the block acts on the site
+    tensor (index 0 / first key, or ``output_key``) and the result is put back in place.
+    With ``occurrence = k`` the block acts only on the ``k``-th call of ``f`` in a
+    forward pass of the root model (the counter is reset by a forward pre-hook on the
+    root that :func:`insert_block` installs); other calls pass through unchanged.
+    """
+
+    def __init__(self, site: nn.Module, block: nn.Module, *, occurrence: int | None = None,
+                 output_key=None):
         super().__init__()
         self.site = site
         self.block = block
+        self.occurrence = occurrence
+        self.output_key = output_key
+        self.calls = 0
+
+    def reset_calls(self, *args) -> None:
+        """Reset the occurrence counter (a forward pre-hook of the root model)."""
+        self.calls = 0
 
     def forward(self, *args, **kwargs):
         out = self.site(*args, **kwargs)
-        if isinstance(out, tuple):
-            return (out[0] + self.block(out[0]),) + tuple(out[1:])
-        return out + self.block(out)
+        k = self.calls
+        self.calls += 1
+        if self.occurrence is not None and k != self.occurrence:
+            return out
+        t, rebuild = _split_output(out, self.output_key, "the wrapped site")
+        return rebuild(t + self.block(t))
 
 
-def insert_block(model: nn.Module, site: str, block: nn.Module) -> tuple[nn.Module, nn.Module]:
+def insert_block(model: nn.Module, site: str, block: nn.Module, *,
+                 output_key=None) -> tuple[nn.Module, nn.Module]:
     """Insert ``block`` after ``site`` in a deep copy of ``model``.
+
+    Args:
+        model: the reference model (not modified).
+        site: a module name; ``"name#k"`` inserts after the ``k``-th call only of a module
+            run several times per forward (a bare name inserts after every call, sharing
+            the block's parameters between the calls).
+        block: the residual block ``h`` (``z ↦ z + h(z)``).
+        output_key: where the site tensor is in a structured output (as in
+            :class:`SiteRecorder`).
 
     Returns:
         ``(new_model, block)`` where ``block`` is the inserted module inside the copy
@@ -220,18 +602,21 @@ def insert_block(model: nn.Module, site: str, block: nn.Module) -> tuple[nn.Modu
     Raises:
         SiteError: if ``site`` does not exist or is the model itself.
     """
-    _resolve(model, site)
-    if site == "":
+    base, occ = parse_site(site)
+    _resolve(model, base)
+    if base == "":
         raise SiteError("cannot insert after the whole model; name a submodule")
     new = copy.deepcopy(model)
-    parent_name, _, child = site.rpartition(".")
+    parent_name, _, child = base.rpartition(".")
     parent = _resolve(new, parent_name) if parent_name else new
     old = getattr(parent, child) if not child.isdigit() else parent[int(child)]
-    wrapped = ResidualInsertion(old, block)
+    wrapped = ResidualInsertion(old, block, occurrence=occ, output_key=output_key)
     if child.isdigit() and isinstance(parent, (nn.ModuleList, nn.Sequential)):
         parent[int(child)] = wrapped
     else:
         setattr(parent, child, wrapped)
+    if occ is not None:
+        new.register_forward_pre_hook(wrapped.reset_calls)
     return new, wrapped.block
 
 
@@ -247,7 +632,8 @@ def check_function_preserving(model: nn.Module | Tensor, new_model: nn.Module, i
             whose output is an exact zero; pass a rounding bound otherwise).
 
     Returns:
-        The max absolute deviation of the outputs.
+        The max absolute deviation of the outputs (tuple outputs: the first element;
+        mappings/``ModelOutput``: ``logits`` if present, else the first value).
 
     Raises:
         NotFunctionPreservingError: if the deviation exceeds ``atol`` or is NaN.
@@ -265,8 +651,10 @@ def check_function_preserving(model: nn.Module | Tensor, new_model: nn.Module, i
 
 
 def _first(out):
-    if isinstance(out, tuple):
+    if isinstance(out, (tuple, list)):
         return out[0]
+    if isinstance(out, Mapping):
+        return out["logits"] if "logits" in out else next(iter(out.values()))
     if hasattr(out, "logits"):
         return out.logits
     return out

@@ -191,7 +191,27 @@ class _Accumulator:
         self.dtype: torch.dtype | None = None
         self._ties: dict[bytes, list] = {}
 
-    def _common(self, z: Tensor, g: Tensor) -> None:
+    def _row_mask(self, z: Tensor, g: Tensor, mask: Tensor | None) -> Tensor | None:
+        """Validate a padding mask; ``None`` when there is nothing to drop."""
+        if mask is None:
+            return None
+        mask = torch.as_tensor(mask, device=z.device)
+        if mask.dtype != torch.bool:
+            raise StatisticsError(f"the padding mask must be bool (True at real tokens), got {mask.dtype}")
+        if self.layout != "sequence" or self.family.unit != "row":
+            raise StatisticsError(
+                f"a padding mask drops rows of sequence sites for row-wise families; this site "
+                f"has layout {self.layout!r} and family {self.family.spec!r} (unit "
+                f"{self.family.unit!r}): a sequence-level family must mask padding itself")
+        if tuple(mask.shape) != tuple(z.shape[:2]):
+            raise StatisticsError(f"the padding mask {tuple(mask.shape)} does not match the site "
+                                  f"tensors' (B, T) = {tuple(z.shape[:2])}")
+        if bool((g.detach()[~mask] != 0).any()):
+            raise StatisticsError("the activation gradient is nonzero at padded positions: the model "
+                                  "or the loss reads padding (MATH.md §1: padding is excluded)")
+        return None if bool(mask.all()) else mask
+
+    def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         _check_pair(z, g)
         if tuple(z.shape[1:]) != self.shape:
             raise StatisticsError(
@@ -208,10 +228,11 @@ class _Accumulator:
                 "rescale g (every score is homogeneous of degree 1 in g)")
         self.g_sq += float(per_ex.sum())
         self.g_max = max(self.g_max, float(per_ex.max().sqrt()))
-        self.z_sq += float(z.detach().to(torch.float64).pow(2).sum())
+        z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
+        self.z_sq += float(z_kept.to(torch.float64).pow(2).sum())
         self.n += int(z.shape[0])
         if self.pool_ties:
-            self._pool(z.detach(), g64)
+            self._pool(z_kept, g64 if mask is None else g64[mask].unsqueeze(1))
 
     def _pool(self, z: Tensor, g64: Tensor) -> None:
         if self.family.unit == "row":
@@ -390,19 +411,26 @@ class FeatureStatistics(_Accumulator):
         with torch.no_grad():
             return self.family.augmented_features(self._fmap, z.detach().to(torch.float64))
 
-    def update(self, z: Tensor, g: Tensor) -> None:
+    def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch of site tensors ``z`` and activation gradients ``g``.
 
         Args:
             z: ``(B, *shape)`` activations, float32/float64.
             g: ``(B, *shape)`` gradients of the *per-example* losses w.r.t. ``z``.
+            mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens, for
+                sequence sites of row-wise families: padded rows are left out of every
+                sum (MATH.md §1, padding excluded); ``n`` still counts examples.
 
         Raises:
-            StatisticsError: on shape mismatch, NaN/Inf or an empty batch.
+            StatisticsError: on shape mismatch, NaN/Inf, an empty batch, or a mask of the
+                wrong shape/dtype/site, or with ``g ≠ 0`` at a padded position.
         """
-        self._common(z, g)
+        mask = self._row_mask(z, g, mask)
+        self._common(z, g, mask)
         phi = self._features(z)
         rows_g = to_rows(g.detach().to(torch.float64), self.layout)
+        if mask is not None:
+            phi, rows_g = phi[mask], rows_g[mask]
         phi2 = phi.reshape(-1, self.k)
         self.sigma += phi2.T @ phi2
         self.cross += rows_g.reshape(-1, self.d).T @ phi2
@@ -543,15 +571,19 @@ class GeneralStatistics(_Accumulator):
         self.k_mat = torch.zeros(self.p, self.p, dtype=torch.float64)
         self.b = torch.zeros(self.p, dtype=torch.float64)
 
-    def update(self, z: Tensor, g: Tensor) -> None:
-        """Add a batch (see :meth:`FeatureStatistics.update`)."""
-        self._common(z, g)
+    def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
+        """Add a batch (see :meth:`FeatureStatistics.update`, including ``mask``)."""
+        mask = self._row_mask(z, g, mask)
+        self._common(z, g, mask)
         z64 = z.detach().to(torch.float64)
         g64 = g.detach().to(torch.float64)
+        layout = self.layout
+        if mask is not None:  # row-wise family: the kept rows as a batch of vectors
+            z64, g64, layout = z64[mask], g64[mask], "vector"
         theta0 = torch.zeros(self.p, dtype=torch.float64, device=z.device)
 
         def h(theta):
-            return self.family.functional(theta, z64, self.layout)
+            return self.family.functional(theta, z64, layout)
 
         _, vjp_fn = torch.func.vjp(h, theta0)
         self.b = self.b.to(z.device) + vjp_fn(g64)[0]
@@ -563,7 +595,10 @@ class GeneralStatistics(_Accumulator):
         chunk = max(1, min(self.p, _CHUNK_ELEMENTS // max(z.numel(), 1)))
         cols = torch.func.vmap(gram_column, chunk_size=chunk)(eye)
         self.k_mat = self.k_mat.to(z.device) + 0.5 * (cols + cols.T)
-        self.units += int(z.shape[0]) * (to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1)
+        if mask is not None:
+            self.units += int(mask.sum())
+        else:
+            self.units += int(z.shape[0]) * (to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1)
 
     def merge(self, other: GeneralStatistics) -> GeneralStatistics:
         """Add another accumulator's sums; returns self."""

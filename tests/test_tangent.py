@@ -868,3 +868,56 @@ def test_family_on_unfit_layout_raises_family_error():
         statistics_for(parse_family("linear"), (4, 3), "vector")  # shape does not fit layout
     with pytest.raises(FamilyError):
         FeatureStatistics(general_tanh_sq(), (3,), "vector")
+
+
+@pytest.mark.parametrize("spec", ["linear", "relu:6:1", "product:2"])
+def test_padding_mask_drops_rows_like_the_unpadded_examples(spec):
+    """A masked (B, T, d) batch gives the sums of its real rows only.
+
+    Independent expectation: each example's real rows fed alone as an unpadded
+    (1, T_i, d) sequence (T_i = its length), summed by ``merge``; ``n`` counts the
+    examples in both. ``g`` is zero at padded positions, as the per-example loss
+    ignores them.
+    """
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 2, 4]
+    B, T, d = len(lengths), max(lengths), 3
+    z = torch.randn(B, T, d, generator=gen, dtype=torch.float64)
+    g = torch.randn(B, T, d, generator=gen, dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    g = g * mask[..., None]
+    fam = parse_family(spec)
+    masked = statistics_for(fam, (T, d), "sequence")
+    masked.update(z, g, mask=mask)
+    parts = []
+    for i, t in enumerate(lengths):
+        acc = statistics_for(fam, (t, d), "sequence")
+        acc.update(z[i:i + 1, :t], g[i:i + 1, :t])
+        parts.append(acc)
+    assert masked.units == sum(lengths) and masked.n == B
+    # the raw sums: every score is computed from them
+    if hasattr(masked, "k_mat"):
+        np.testing.assert_allclose(masked.b.numpy(), sum(p.b.numpy() for p in parts), atol=1e-12)
+        np.testing.assert_allclose(masked.k_mat.numpy(), sum(p.k_mat.numpy() for p in parts), atol=1e-12)
+    else:
+        np.testing.assert_allclose(masked.sigma.numpy(), sum(p.sigma.numpy() for p in parts), atol=1e-12)
+        np.testing.assert_allclose(masked.cross.numpy(), sum(p.cross.numpy() for p in parts), atol=1e-12)
+    assert masked.g_sq == pytest.approx(float((g**2).sum()), rel=1e-12)
+    assert masked.z_sq == pytest.approx(float((z[mask] ** 2).sum()), rel=1e-12)
+
+
+def test_padding_mask_errors():
+    fam = parse_family("linear")
+    acc = statistics_for(fam, (4, 2), "sequence")
+    z = torch.randn(2, 4, 2, dtype=torch.float64)
+    g = torch.randn(2, 4, 2, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    with pytest.raises(StatisticsError, match="nonzero at padded positions"):
+        acc.update(z, g, mask=mask)
+    with pytest.raises(StatisticsError, match="does not match"):
+        acc.update(z, g * 0, mask=mask[:, :3])
+    with pytest.raises(StatisticsError, match="must be bool"):
+        acc.update(z, g * 0, mask=mask.long())
+    att = statistics_for(parse_family("attention:4"), (4, 2), "sequence")
+    with pytest.raises(StatisticsError, match="sequence-level family must mask padding itself"):
+        att.update(z, g * mask[..., None], mask=mask)
