@@ -784,11 +784,15 @@ class BoundStatistics(FeatureStatistics):
         self.feat_sq_max = 0.0
         self._rows: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def update(self, z: Tensor, g: Tensor) -> None:
-        """Add a batch ``z``, ``g`` of shape ``(B, *shape)`` (see :meth:`FeatureStatistics.update`)."""
-        super().update(z, g)
+    def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
+        """Add a batch ``z``, ``g`` of shape ``(B, *shape)``, optionally with a padding ``mask``
+        ``(B, T)`` (see :meth:`FeatureStatistics.update`): padded rows enter no moment."""
+        super().update(z, g, mask)
         with torch.no_grad():
-            phi = self._features(z).reshape(z.shape[0], -1, self.k).cpu().numpy()
+            phi = self._features(z)
+            if mask is not None:  # validated by the parent; zero rows drop out of every moment
+                phi = phi * torch.as_tensor(mask, device=phi.device)[..., None].to(phi.dtype)
+            phi = phi.reshape(z.shape[0], -1, self.k).cpu().numpy()
         rows_g = to_rows(g.detach().to(torch.float64), self.layout).reshape(z.shape[0], -1, self.d)
         rows_g = rows_g.cpu().numpy()
         if phi.shape[1] == 1:

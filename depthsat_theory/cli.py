@@ -336,6 +336,120 @@ def _load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return z, g
 
 
+# ----------------------------------------------------------------------------- diagnose
+@app.command("diagnose")
+def diagnose_cmd(
+    model: str = typer.Option(..., "--model", help="Model: mlp, cnn, gpt (trained here, cached), or a zoo name."),
+    sites: Optional[str] = typer.Option(None, "--sites", help="Comma-separated site module names (default: discovered)."),
+    family: str = typer.Option("linear", "--family", help=f"Residual family spec: {family_specs()}."),
+    delta: Optional[float] = typer.Option(None, "--delta", help="Add (1-δ) intervals, union-bounded over the sites."),
+    rho: bool = typer.Option(False, "--rho", help="Also r̂ and ρ̂ (pools exactly equal units)."),
+    n_batches: Optional[int] = typer.Option(None, "--batches", help="Probe batches (default: the whole probe set)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Examples per probe batch (default: "
+                                             "64 for mlp/cnn/gpt, the zoo model's own otherwise)."),
+    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the diagnosis as JSON (atomically)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write PATH.png and PATH.svg: score against depth."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Save partial statistics here; resume from it."),
+    checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Batches between checkpoint writes."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
+    from . import distributed as dist
+    from .bounds import BoundError
+    from .diagnose import DiagnoseError, diagnose
+    from .sites import SiteError
+
+    dist.init_from_env()
+    main_rank = dist.is_main()
+    try:
+        for opt, path in (("--json", json_path), ("--plot", plot)):
+            if path is not None and (path.is_dir() or not path.resolve().parent.is_dir()):
+                raise UserError(f"{opt} {path}: not a file path in an existing folder")
+        net, loss_fn, batches, default_sites, layout, desc, extra = _diagnose_target(
+            model, seed, n_batches, batch_size)
+        site_list = [x.strip() for x in sites.split(",") if x.strip()] if sites else default_sites
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
+                      disable=quiet or not main_rank, transient=False) as bar:
+            task = bar.add_task("probe batches", total=None)
+            res = diagnose(net, loss_fn, batches, sites=site_list, family=family, delta=delta,
+                           realizability=rho, layout=layout, checkpoint=checkpoint, description=desc,
+                           checkpoint_every=checkpoint_every,
+                           config={"model": model, "seed": seed, "batch_size": batch_size},
+                           progress=lambda k, tot: bar.update(task, completed=k, total=tot), **extra)
+        if main_rank:
+            if json_path is not None:
+                res.write_json(json_path)
+            plots = res.plot(plot) if plot is not None else []
+    except (UserError, DiagnoseError, FamilyError, StatisticsError, SiteError, BoundError, OSError) as exc:
+        _fail(str(exc))
+    if not main_rank:
+        return
+    out = console if sys.stdout.isatty() else Console(width=160)
+    out.print(res.table())
+    for note in res.notes:
+        out.print(f"  note: {note}", markup=False, highlight=False)
+    if res.resumed_from:
+        out.print(f"resumed from checkpoint after {res.resumed_from} batches", markup=False)
+    for p in ([json_path] if json_path else []) + plots:
+        out.print(f"wrote {p}", markup=False, highlight=False)
+
+
+def _diagnose_target(name: str, seed: int, n_batches: Optional[int], batch_size: Optional[int]):
+    """``(model, loss_fn, batches, sites, layout, description, diagnose kwargs)`` for ``diagnose --model``."""
+    from .training import KINDS, trained_task
+
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    if n_batches is not None and n_batches < 1:
+        raise UserError(f"--batches must be >= 1, got {n_batches}")
+    if name in KINDS:
+        batch_size = batch_size or 64
+        task = trained_task(name, seed)
+        x, y = task.inputs, task.targets
+        avail = -(-x.shape[0] // batch_size)
+        if n_batches is not None and n_batches > avail:
+            raise UserError(f"--batches {n_batches} exceeds the {name} probe set: {x.shape[0]} examples "
+                            f"make {avail} batches of {batch_size}")
+        count = avail if n_batches is None else n_batches
+        batches = [(x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size])
+                   for i in range(count)]
+        desc = f"{name} (seed {seed}, {task.data} probe, {sum(b[0].shape[0] for b in batches)} examples)"
+        return task.model, task.loss, batches, task.model.site_names(), task.layout, desc, {}
+    try:
+        from . import zoo
+    except ImportError:
+        zoo = None
+    names = tuple(getattr(zoo, "NAMES", ())) if zoo is not None else ()
+    if name not in names:
+        raise UserError(f"unknown --model {name!r}; valid: {', '.join(tuple(KINDS) + names)}")
+    try:
+        zm = _zoo_load(zoo, name, n_batches, batch_size, seed)
+    except (ImportError, ValueError) as exc:  # zoo.ZooUnavailableError is an ImportError
+        raise UserError(f"--model {name}: {exc}") from None
+    batches = list(zm.batches)
+    if n_batches is not None:
+        if n_batches > len(batches):
+            raise UserError(f"--batches {n_batches} exceeds the {name} probe: {len(batches)} batches")
+        batches = batches[:n_batches]
+    extra = {k: getattr(zm, k) for k in ("reduction", "mask_fn", "output_key") if getattr(zm, k, None) is not None}
+    if isinstance(getattr(zm, "loss_units", None), str):
+        extra["loss_units"] = zm.loss_units if "example" in zm.loss_units else f"{zm.loss_units} per example"
+    return zm.model, zm.loss_fn, batches, list(zm.sites), zm.layout, zm.description, extra
+
+
+def _zoo_load(zoo, name: str, n_batches: Optional[int], batch_size: Optional[int], seed: int):
+    """``zoo.load`` with ``--batches N`` mapped to ``n_examples = N · batch size``."""
+    kw: dict = {"seed": seed}
+    if batch_size is not None:
+        kw["batch_size"] = batch_size
+    if n_batches is not None:
+        per = batch_size or getattr(zoo, "_DEFAULTS", {}).get(name, (None, 8))[1]
+        kw["n_examples"] = n_batches * per
+    return zoo.load(name, **kw)
+
+
 # ----------------------------------------------------------------------------- proofs
 @app.command()
 def proofs(

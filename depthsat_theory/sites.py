@@ -373,8 +373,24 @@ class SiteRecorder:
         self._anchors.clear()
 
 
-def _reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None):
-    """``(backward_scalar, total_loss)`` for one batch; see :func:`accumulate`."""
+def reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None):
+    """The scalar to backpropagate so that site gradients are per-example gradients.
+
+    Args:
+        raw: what ``loss_fn`` returned: per-example losses ``(B,)`` (``"none"``), a scalar
+            batch sum (``"sum"``) or batch mean (``"mean"``), or per-token losses ``(B, T)``
+            (``"token_mean"``: each example's loss is the mean over its own real tokens).
+        reduction: one of :data:`REDUCTIONS` (MATH.md §1: reductions matter).
+        batch: the batch size ``B``.
+        mask: optional padding mask ``(B, T)`` bool, ``True`` at real tokens.
+
+    Returns:
+        ``(backward_scalar, total_loss)``: the tensor whose gradient is the sum of the
+        per-example gradients, and the batch's summed per-example loss (float, nats).
+
+    Raises:
+        ValueError: wrong shape for the reduction, an unknown reduction, NaN/Inf losses.
+    """
     if not isinstance(raw, Tensor):
         raise ValueError(f"loss_fn must return a tensor, got {type(raw).__name__}")  # noqa: TRY004
     if not torch.isfinite(raw.detach()).all() and reduction != "token_mean":
@@ -417,8 +433,19 @@ def _reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None)
     raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
 
 
-def _update_masked(acc, z: Tensor, g: Tensor, mask: Tensor | None, key: str) -> None:
-    """``acc.update(z, g)``, passing the padding mask at sequence sites (padded rows dropped)."""
+def update_statistics(acc, z: Tensor, g: Tensor, mask: Tensor | None, key: str) -> None:
+    """``acc.update(z, g)``, passing the padding mask at sequence sites (padded rows dropped).
+
+    Args:
+        acc: a statistics accumulator (``update(z, g[, mask])``).
+        z, g: the site's ``(B, *shape)`` activations and per-example activation gradients.
+        mask: optional ``(B, T)`` bool padding mask (ignored at vector sites).
+        key: the site name, for error messages.
+
+    Raises:
+        SiteError: a mask that does not fit the site, or an accumulator that cannot drop
+            padded rows (no ``mask=`` keyword, or a sequence-level family).
+    """
     if mask is None or z.dim() == 2:  # no mask, or a per-example vector site (no positions)
         acc.update(z, g)
         return
@@ -517,7 +544,7 @@ def accumulate(model: nn.Module, sites: Sequence[str], batches: Iterable[tuple],
             bsz = _batch_size(x)
             rec.reset()
             raw = loss_fn(model(x), y)
-            scalar, batch_total = _reduce_losses(raw, reduction, bsz, mask)
+            scalar, batch_total = reduce_losses(raw, reduction, bsz, mask)
             rec.backward(scalar)
             for key in rec.names:
                 if key not in stats:
@@ -533,7 +560,7 @@ def accumulate(model: nn.Module, sites: Sequence[str], batches: Iterable[tuple],
                             f"mask to the model and ignore padded tokens in the loss)")
                 accs = stats[key] if isinstance(stats[key], (list, tuple)) else [stats[key]]
                 for acc in accs:
-                    _update_masked(acc, z, g, mask, key)
+                    update_statistics(acc, z, g, mask, key)
             total += batch_total
             count += bsz
             if on_batch is not None:

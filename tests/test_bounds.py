@@ -366,3 +366,31 @@ def test_bad_delta_subprocess_one_line():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: delta")
+
+
+def test_bound_statistics_padding_mask_matches_unpadded_examples():
+    """Padded rows enter no moment: a masked batch equals its examples fed unpadded.
+
+    Independent expectation: each example's real rows as its own (1, T_i, d) sequence,
+    merged; ``g`` is zero at the padded positions.
+    """
+    from depthsat_theory.bounds import BoundStatistics
+    from depthsat_theory.families import parse_family
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [4, 1, 3]
+    B, T, d = len(lengths), max(lengths), 2
+    z = torch.randn(B, T, d, generator=gen, dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    g = torch.randn(B, T, d, generator=gen, dtype=torch.float64) * mask[..., None]
+    fam = parse_family("relu:3:2")
+    masked = BoundStatistics(fam, (T, d), "sequence")
+    masked.update(z, g, mask=mask)
+    parts = []
+    for i, t in enumerate(lengths):
+        acc = BoundStatistics(fam, (t, d), "sequence")
+        acc.update(z[i:i + 1, :t], g[i:i + 1, :t])
+        parts.append(acc)
+    np.testing.assert_allclose(masked.q_sum, sum(p.q_sum for p in parts), atol=1e-12)
+    assert masked.feat_sq_max == pytest.approx(max(p.feat_sq_max for p in parts), rel=1e-12)
+    np.testing.assert_allclose(masked.sigma.numpy(), sum(p.sigma.numpy() for p in parts), atol=1e-12)
