@@ -72,6 +72,8 @@ def check(
     try:
         cfg.validate()
         _writable(report)
+        if Path(cache).exists() and not Path(cache).is_dir():
+            raise OSError(f"the cache folder {cache} is a file, not a folder")
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     t0 = time.perf_counter()
@@ -478,8 +480,13 @@ def main() -> None:
     if os.environ.get("DEPTHSAT_DEBUG"):
         app()
         return
+    from .training import CacheDirError
+
     try:
         status = app(standalone_mode=False)
+    except CacheDirError as exc:  # raised wherever a command trains or loads a model
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
     except _USAGE_ERROR as exc:  # unknown option, unparsable value: one line too
         msg = exc.format_message()
         if msg:  # (an empty message: typer already printed the help of a bare command)

@@ -307,7 +307,11 @@ class _Accumulator:
         raw = rho = float("nan")
         if self.pool_ties and self._ties:
             r2, defect2 = self._pooled_quantities()
+            # r̂ ≤ AG_rms holds exactly on the probe (Jensen on each tie class); the two are
+            # summed in different orders, so clamp a rounding-level excess (|Δ| ≤ 1e-12 r̂)
             raw = math.sqrt(r2)
+            if ag_rms < raw <= ag_rms * (1 + 1e-12):
+                raw = ag_rms
             if raw > 0:
                 rho = math.sqrt(defect2) / raw
         degenerate = rank == 0

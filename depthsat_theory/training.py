@@ -219,11 +219,22 @@ def _mean_loss(model: nn.Module, loss: Callable[[Tensor, Tensor], Tensor], x: Te
     return float(loss(model(x), y).mean())
 
 
+class CacheDirError(ValueError):
+    """The weight-cache location is not a usable folder."""
+
+
 def _resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path | None:
     if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get(CACHE_ENV_VAR)
-    return Path(env) if env else None
+        path, what = Path(cache_dir), "the cache folder"
+    else:
+        env = os.environ.get(CACHE_ENV_VAR)
+        if not env:
+            return None
+        path, what = Path(env), f"${CACHE_ENV_VAR}"
+    if path.exists() and not path.is_dir():
+        raise CacheDirError(f"{what} {path} is a file, not a folder; point it at a folder for the "
+                            f"trained weights")
+    return path
 
 
 def trained_task(
@@ -255,6 +266,7 @@ def trained_task(
 
     Raises:
         ValueError: on an unknown kind.
+        CacheDirError: if the cache location exists and is not a folder.
         depthsat_theory.data.DataUnavailableError: if the data cannot be loaded.
     """
     _check_kind(kind)

@@ -12,8 +12,17 @@ def run_and_report(ctx: Context, *, only: list[str] | None = None, json_path: st
                    console: Console | None = None, quiet: bool = False) -> int:
     """Run the checks, print the table (claim, check, method, instances, counterexamples,
     converse evidence) and return the exit status: 0 if every check passed, 1 otherwise."""
-    console = console or Console()
+    import os
+    import sys
+
+    console = console or (Console() if sys.stdout.isatty() else Console(width=200))
     err = Console(stderr=True)
+    if json_path:  # refuse a bad --json before minutes of checks, not after
+        folder = os.path.dirname(os.path.abspath(json_path))
+        if os.path.isdir(json_path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            err.print(f"error: --json {json_path}: not a writable file path (the folder must exist "
+                      f"and be writable)", markup=False, highlight=False, soft_wrap=True)
+            return 2
 
     def progress(chk):
         if not quiet:

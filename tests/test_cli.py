@@ -219,3 +219,23 @@ def test_usage_errors_are_one_line(args, needle):
     assert proc.returncode == 2
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_bad_paths_are_user_errors_not_internal_errors(tmp_path):
+    """A --json folder that does not exist, or a cache location that is a file, is bad
+    input (exit 2, one line) and is refused before any work starts."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (["proofs", "--quick", "--json", str(tmp_path / "no" / "x.json")], {}, "not a writable file path"),
+        (["check", "-n", "1", "--cache-dir", str(afile)], {}, "is a file, not a folder"),
+        (["diagnose", "--model", "mlp"], {"DEPTHSAT_CACHE": str(afile)}, "is a file, not a folder"),
+    ]
+    import os
+
+    for args, env, needle in cases:
+        proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", *args], capture_output=True,
+                              text=True, check=False, env={**os.environ, **env})
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and ln.startswith("error")]
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr

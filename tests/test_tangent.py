@@ -921,3 +921,17 @@ def test_padding_mask_errors():
     att = statistics_for(parse_family("attention:4"), (4, 2), "sequence")
     with pytest.raises(StatisticsError, match="sequence-level family must mask padding itself"):
         att.update(z, g * mask[..., None], mask=mask)
+
+
+def test_chain_holds_exactly_on_continuous_rows():
+    """With no ties r̂ equals AG_rms in exact arithmetic; the reported values keep the
+    documented order s ≤ r̂ ≤ AG_rms ≤ AG_max exactly (this probe once gave r̂ one ulp
+    above AG_rms)."""
+    r = np.random.default_rng(0)
+    z = r.standard_normal((2000, 8))
+    g = 0.1 * np.tanh(z @ r.standard_normal((8, 8))) + 0.01 * r.standard_normal((2000, 8))
+    acc = statistics_for(parse_family("linear"), (8,), "vector", pool_ties=True)
+    acc.update(torch.from_numpy(z), torch.from_numpy(g))
+    res = acc.result()
+    assert res.score <= res.raw_score <= res.ag_rms <= res.ag_max
+    assert res.raw_score == pytest.approx(float(np.sqrt((g**2).sum(1).mean())), rel=1e-12)
