@@ -1,4 +1,4 @@
-"""The theorem checker behind ``depthsat check`` (MATH.md T2, with T1, T3, T5, T6).
+"""The theorem checker behind ``depthsat check`` (theory label thm-iff, with T1, T3, T5, T6).
 
 For each randomly drawn *instance* — a model on its probe, an insertion site, a
 residual family and a zero-state update — the checker

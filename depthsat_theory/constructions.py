@@ -1,4 +1,4 @@
-"""Exact saturated constructions (MATH.md §4; theory label ``ex-saturated``).
+"""Exact saturated constructions (theory label ``ex-saturated``).
 
 Each builds a :class:`~depthsat_theory.training.Task` in float64 together with the
 sites and families at which the saturation score is *exactly* zero, so that the

@@ -1,7 +1,7 @@
 r"""Diagnose a whole network: the saturation score at every residual-stream site in one pass.
 
 :func:`diagnose` streams, for every insertion site of a model at once, the float64
-tangent statistics of one residual family (MATH.md §2) over a probe, with **one
+tangent statistics of one residual family (theory/definitions.md) over a probe, with **one
 forward and one backward pass per probe batch for all sites**
 (:class:`~depthsat_theory.sites.SiteRecorder`), and reports per site
 
@@ -17,9 +17,9 @@ forward and one backward pass per probe batch for all sites**
   number of sites), with plug-in constants from the probe unless given.
 
 Units: ``g`` is the gradient of the *per-example* loss (nats per example; for token
-models the example's mean over its own tokens, MATH.md §1), so every score is in nats
+models the example's mean over its own tokens, theory/definitions.md, def-setting), so every score is in nats
 per example per unit function-space step.  Scores are not comparable across sites
-(MATH.md §4): compare ``s / AG_rms`` or ``s · z_rms``.
+(theory label ``def-score``): compare ``s / AG_rms`` or ``s · z_rms``.
 
 Memory per site is ``O(d k̃ + k̃²)`` (``O(p²)`` for general families) whatever the
 probe size; only tie pooling grows with the number of distinct units.
@@ -246,7 +246,7 @@ def _unpack(batch, mask_fn):
     x, y = batch[0], batch[1]
     mask = batch[2] if len(batch) == 3 else (mask_fn(x, y) if mask_fn is not None else None)
     if mask is None and isinstance(x, Mapping) and isinstance(x.get("attention_mask"), Tensor):
-        mask = x["attention_mask"]  # Hugging Face keyword inputs: padding is excluded (MATH.md §1)
+        mask = x["attention_mask"]  # Hugging Face keyword inputs: padding is excluded (theory/definitions.md, def-setting)
     if mask is not None:
         mask = torch.as_tensor(mask).bool()
         if mask.dim() != 2:
@@ -601,7 +601,7 @@ def diagnose(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor],
     Args:
         model: the reference network (put BatchNorm models in eval mode).
         loss_fn: per-example losses ``(B,)``; a batch-mean reduction would rescale
-            ``g`` by ``1/B`` (MATH.md §1), so it is rejected by the shape check.
+            ``g`` by ``1/B`` (theory/definitions.md, def-setting), so it is rejected by the shape check.
         batches: iterable of ``(inputs, targets)`` in a fixed order (resuming and
             sharding address batches by their index).  Inputs may be a tensor or a
             dict of keyword tensors.

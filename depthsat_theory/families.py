@@ -2,7 +2,7 @@
 
 A *residual family* at an *insertion site* is a map ``(θ, z) ↦ h_θ(z)`` with
 ``θ ∈ R^p`` and the function-preservation property ``h_0(z) = 0`` for every site
-tensor ``z`` (MATH.md §1; theory label ``def-family``).  Inserting it turns the site
+tensor ``z`` (theory/definitions.md, def-setting; theory label ``def-family``).  Inserting it turns the site
 ``z ↦ z + h_θ(z)``.  Its *tangent map* at the origin is ``A(z) = ∂_θ h_θ(z)|_{θ=0}``
 and its *tangent space* is ``T = {z ↦ A(z) v : v ∈ R^p}``.
 
@@ -16,7 +16,7 @@ layout      site tensor      rows (positions) used by row-wise families
 ``image``   ``(B, C, H, W)`` ``H·W`` rows (pixels) of ``C``
 =========== ================ ====================================================
 
-Most practical blocks are *zero-output feature families* (MATH.md §2)
+Most practical blocks are *zero-output feature families* (theory/definitions.md)
 
 .. math::
 
@@ -231,7 +231,7 @@ class _Conv1x1Block(nn.Module):
 
 
 class FeatureFamily(ResidualFamily):
-    """Zero-output feature family ``h(z)_r = W φ_ψ(z)_r + c`` (MATH.md §2).
+    """Zero-output feature family ``h(z)_r = W φ_ψ(z)_r + c`` (theory/definitions.md).
 
     Subclasses implement :meth:`feature_map`, an ``nn.Module`` mapping site tensors
     ``(B, *shape)`` to feature rows ``(B, R, k)``.  The tangent coordinates are
@@ -499,7 +499,7 @@ def random_features(width: int, activation: str = "relu", seed: int = 0) -> Feat
     """Random-feature block ``φ(u) = act(Ω u + β)``, ``Ω ~ N(0, 1/d)``, ``β ~ N(0, 1/4)``.
 
     The feature seed ``ψ_0`` is part of the family (``T`` is random through it,
-    MATH.md T4).  ``activation`` is ``relu``, ``gelu`` or ``tanh``.
+    theory label thm-reparameterization).  ``activation`` is ``relu``, ``gelu`` or ``tanh``.
 
     Raises:
         FamilyError: on an unknown activation or ``width < 1``.
@@ -514,7 +514,7 @@ def random_features(width: int, activation: str = "relu", seed: int = 0) -> Feat
 
 
 def even_features(kind: str = "abs") -> FeatureFamily:
-    """Even elementwise features ``|u|`` or ``u²`` (used by the odd construction, MATH.md §4b)."""
+    """Even elementwise features ``|u|`` or ``u²`` (used by the odd construction, theory label ex-saturated)."""
     if kind not in ("abs", "square"):
         raise FamilyError(f"even features are 'abs' or 'square', got {kind!r}")
     return _SimpleFeatureFamily(f"even:{kind}", lambda d, lay: _Even(lay, kind), lambda d: d)
@@ -547,7 +547,7 @@ def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily
 
     Features are the concatenated head outputs ``(B, T, k)``; the unit is the whole
     sequence.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
-    ``out_proj``'s hooks, MATH.md §2).
+    ``out_proj``'s hooks, theory/definitions.md).
     """
     _check_width(width)
     if heads < 1:
@@ -626,7 +626,7 @@ def product(rank: int) -> GeneralFamily:
     """Degenerate product family ``h(u) = U V u`` with ``U ∈ R^{d×R}``, ``V ∈ R^{R×d}`` both zero.
 
     Its tangent map vanishes at the origin (``A ≡ 0``), so ``T = {0}``: the family is
-    *degenerate* and must never be reported as saturated (MATH.md T4).
+    *degenerate* and must never be reported as saturated (theory label thm-reparameterization).
     """
     if rank < 1:
         raise FamilyError(f"product rank must be >= 1, got {rank}")

@@ -10,9 +10,9 @@ The gradient is taken at an identity autograd node placed on the site's output;
 it receives the gradient with respect to the site's output *before* any later
 in-place operation, and works when the site's input does not require grad.  It is
 the gradient with respect to an explicit additive perturbation ``δ = 0`` of the
-site's output, ``g_i = ∂ℓ_i/∂δ_i`` (MATH.md §2).
+site's output, ``g_i = ∂ℓ_i/∂δ_i`` (theory/definitions.md).
 
-Conventions (MATH.md §1–2):
+Conventions (theory/definitions.md):
 
 * **Site names.**  ``"blocks.3"`` names a module that runs exactly once per forward
   pass (``calls="error"``, the default).  A module that runs several times per
@@ -30,7 +30,7 @@ Conventions (MATH.md §1–2):
   that everything downstream uses it.
 * **BatchNorm.**  A BatchNorm that normalizes with batch statistics (train mode, or
   ``track_running_stats=False``) makes ``z``, ``g`` and the tangent map depend on
-  the whole batch (MATH.md §2): a :class:`SiteError` by default.
+  the whole batch (theory/definitions.md): a :class:`SiteError` by default.
 * **Reductions and padding** (see :func:`accumulate`): ``g`` is the gradient of the
   per-example loss ``ℓ_i`` (nats per example); padded positions are excluded from
   the losses and from the units of the statistics.
@@ -188,7 +188,7 @@ def _check_batchnorm(model: nn.Module, policy: str) -> None:
         return
     msg = (f"BatchNorm module(s) {', '.join(bad)} normalize with the statistics of the batch "
            f"(train mode or track_running_stats=False): z, g and the tangent map A then depend "
-           f"on the whole batch, not on the example (MATH.md §2); call model.eval()")
+           f"on the whole batch, not on the example (theory/definitions.md); call model.eval()")
     if policy == "error":
         raise SiteError(msg + " or pass batchnorm='warn'/'ignore'")
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -208,7 +208,7 @@ class SiteRecorder:
     ``z`` is a detached copy of the site output ``(B, *shape)`` in the model's dtype
     and device; ``g`` has the same shape and dtype: the gradient of the scalar passed
     to :meth:`backward` with respect to an additive perturbation of that output
-    (MATH.md §2; pass the *sum* of per-example losses so that ``g_i = ∂ℓ_i/∂z_i``).
+    (theory/definitions.md; pass the *sum* of per-example losses so that ``g_i = ∂ℓ_i/∂z_i``).
 
     Repeated modules: occurrence ``k`` of a module (its ``k``-th call since the last
     :meth:`backward`/:meth:`reset`, ``k = 0, 1, …``) is the site ``"name#k"``; with
@@ -346,7 +346,7 @@ class SiteRecorder:
         """Backpropagate ``loss`` to the sites and fill :attr:`g` (then reset the counters).
 
         Args:
-            loss: a scalar: the *sum* of the per-example losses (MATH.md §1), so that
+            loss: a scalar: the *sum* of the per-example losses (theory/definitions.md, def-setting), so that
                 ``g[i] = ∂ℓ_i/∂z_i``.  A batch mean gives ``g / B``
                 (:func:`accumulate` handles other reductions).
 
@@ -380,7 +380,7 @@ def reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None):
         raw: what ``loss_fn`` returned: per-example losses ``(B,)`` (``"none"``), a scalar
             batch sum (``"sum"``) or batch mean (``"mean"``), or per-token losses ``(B, T)``
             (``"token_mean"``: each example's loss is the mean over its own real tokens).
-        reduction: one of :data:`REDUCTIONS` (MATH.md §1: reductions matter).
+        reduction: one of :data:`REDUCTIONS` (theory/definitions.md, def-setting: reductions matter).
         batch: the batch size ``B``.
         mask: optional padding mask ``(B, T)`` bool, ``True`` at real tokens.
 
@@ -413,7 +413,7 @@ def reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None):
                 "reduction='token_mean' needs per-token losses (B, T): a scalar mean over all "
                 "non-padded tokens of the batch (the Hugging Face reduction) weights each example "
                 "by its number of tokens and is not E_D ℓ with ℓ the example's own token mean "
-                "(MATH.md §1), and the per-example losses cannot be recovered from it; return "
+                "(theory/definitions.md, def-setting), and the per-example losses cannot be recovered from it; return "
                 "reduction='none' token losses from loss_fn")
         if raw.dim() != 2 or raw.shape[0] != batch:
             raise ValueError(f"reduction='token_mean': loss_fn must return per-token losses (B, T) "
@@ -473,7 +473,7 @@ def accumulate(model: nn.Module, sites: Sequence[str], batches: Iterable[tuple],
     """Stream site statistics over a probe: one forward and one backward per batch.
 
     Every accumulator receives ``z`` and ``g`` with ``g`` the gradient of each
-    example's *own* loss ``ℓ_i`` (nats per example, MATH.md §1), whatever the
+    example's *own* loss ``ℓ_i`` (nats per example, theory/definitions.md, def-setting), whatever the
     reduction ``loss_fn`` uses:
 
     * ``"none"`` (default): ``loss_fn`` returns per-example losses ``(B,)``; the
@@ -483,7 +483,7 @@ def accumulate(model: nn.Module, sites: Sequence[str], batches: Iterable[tuple],
       is ``g / B``, so it is multiplied by ``B`` (the batch size of the inputs).
     * ``"token_mean"``: ``loss_fn`` returns per-token losses ``(B, T)``; each example's
       loss is the mean over its own non-padded tokens, ``ℓ_i = Σ_t m_it ℓ_it / Σ_t m_it``
-      (MATH.md §1).  This is **not** the Hugging Face reduction, the mean over all
+      (theory/definitions.md, def-setting).  This is **not** the Hugging Face reduction, the mean over all
       non-padded tokens of the batch, ``Σ_{i,t} m ℓ / Σ_{i,t} m``, which weights each
       example by its token count (a different objective from ``E_D ℓ``); a scalar
       returned under ``"token_mean"`` is rejected because ``ℓ_i`` cannot be recovered

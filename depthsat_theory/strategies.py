@@ -1,6 +1,6 @@
 """Hypothesis strategies for property-testing residual families, probes and models.
 
-These strategies draw the objects of MATH.md §1–§2 at sizes small enough for dense
+These strategies draw the objects of theory/definitions.md at sizes small enough for dense
 reference computations, so that users can property-test their own families against
 the toolkit (and the toolkit against independent references):
 

@@ -2,7 +2,7 @@
 
 Everything here is computed on the *empirical measure* of a probe of ``n`` examples:
 for functions of the site tensor, ``⟨u, v⟩ = (1/n) Σ_x Σ_{units of x} u·v``
-(MATH.md §1, the intensity measure), so that ``b`` below is exactly autograd's
+(theory/definitions.md, def-setting, the intensity measure), so that ``b`` below is exactly autograd's
 gradient of the per-example-mean loss.  With ``g`` the activation gradient of the
 per-example loss (nats per example):
 
@@ -67,7 +67,7 @@ def default_rtol(dtype: torch.dtype, k: int) -> float:
 
     Two rounding sources bound what a Gram matrix can resolve: the features were
     computed in the forward pass's dtype (relative error ``ε_forward``; the numpy
-    ``matrix_rank`` convention ``k · ε``, MATH.md §4), and the float64 eigensolve of a
+    ``matrix_rank`` convention ``k · ε``), and the float64 eigensolve of a
     Gram matrix (which squares condition numbers) determines an eigendirection of
     relative eigenvalue ``λ_rel`` only to ``~ k ε64 / λ_rel``.  For float32 inputs at
     ``k = 65`` this gives ``≈ 8e-6``, for float64 ``≈ 1.4e-11``.  The Gram is first
@@ -96,7 +96,7 @@ def default_tol(dtype: torch.dtype, ag_rms: float) -> float:
 
 @dataclass
 class SaturationResult:
-    """Saturation quantities of one (site, family) on a probe (MATH.md §2).
+    """Saturation quantities of one (site, family) on a probe (theory/definitions.md).
 
     All norms use the empirical measure of the probe; ``score``, ``raw_score``,
     ``ag_rms`` and ``ag_max`` are in (loss units) per unit function-space step,
@@ -208,7 +208,7 @@ class _Accumulator:
                                   f"tensors' (B, T) = {tuple(z.shape[:2])}")
         if bool((g.detach()[~mask] != 0).any()):
             raise StatisticsError("the activation gradient is nonzero at padded positions: the model "
-                                  "or the loss reads padding (MATH.md §1: padding is excluded)")
+                                  "or the loss reads padding (theory/definitions.md, def-setting: padding is excluded)")
         return None if bool(mask.all()) else mask
 
     def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
@@ -260,7 +260,7 @@ class _Accumulator:
         raise NotImplementedError
 
     def _pooled_quantities(self) -> tuple[float, float]:
-        """``(r̂², ‖m̂ − Π m̂‖²)`` from the pooled units (``Π m̂ = Π g``, MATH.md §2)."""
+        """``(r̂², ‖m̂ − Π m̂‖²)`` from the pooled units (``Π m̂ = Π g``, theory/definitions.md)."""
         sums = torch.stack([s for s, _, _ in self._ties.values()])
         counts = torch.tensor([c for _, c, _ in self._ties.values()], dtype=torch.float64)
         units = torch.stack([u for _, _, u in self._ties.values()])
@@ -423,7 +423,7 @@ class FeatureStatistics(_Accumulator):
             g: ``(B, *shape)`` gradients of the *per-example* losses w.r.t. ``z``.
             mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens, for
                 sequence sites of row-wise families: padded rows are left out of every
-                sum (MATH.md §1, padding excluded); ``n`` still counts examples.
+                sum (theory/definitions.md, def-setting, padding excluded); ``n`` still counts examples.
 
         Raises:
             StatisticsError: on shape mismatch, NaN/Inf, an empty batch, or a mask of the

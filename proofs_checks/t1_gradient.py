@@ -1,6 +1,6 @@
 """T1: the gradient of an inserted block at its origin (``thm-gradient``, ``lem-tower``).
 
-Claim (MATH.md §3, T1): ``∇_θ J(0) = E[Aᵀ g] = E[Aᵀ m]``, and this is autograd's
+Claim (theory/gradient.md, thm-gradient): ``∇_θ J(0) = E[Aᵀ g] = E[Aᵀ m]``, and this is autograd's
 gradient of the really inserted block.
 
 Checks:
@@ -169,14 +169,14 @@ def draw_instances(rng: np.random.Generator, n: int, *, trained_kinds=("mlp",),
 
 @functools.lru_cache(maxsize=8)
 def odd_task(seed: int) -> tuple[Task, tuple[str, ...]]:
-    """The odd-network construction (MATH.md §4b; ``constructions.odd_network``), cached."""
+    """The odd-network construction (theory label ex-saturated; ``constructions.odd_network``), cached."""
     task, sites = odd_network(int(seed))
     return task, tuple(sites)
 
 
 @functools.lru_cache(maxsize=8)
 def lsq_task(seed: int) -> tuple[Task, tuple[str, ...]]:
-    """The least-squares-readout construction (MATH.md §4a) on a random MLP, cached."""
+    """The least-squares-readout construction (theory label ex-saturated) on a random MLP, cached."""
     task, sites = lsq_readout(random_task("mlp", int(seed)))
     return task, tuple(sites)
 

@@ -1,7 +1,7 @@
 """T5: zero-output families (``thm-zero-output``) and the cross-gradient identity
 (``thm-cross-gradient``).
 
-Claim (MATH.md §2 and §3, T5): for ``h(u) = W φ_ψ(u) + c`` with the final linear map zero
+Claim (theory/definitions.md and the claims of theory/, T5): for ``h(u) = W φ_ψ(u) + c`` with the final linear map zero
 at the origin, ``A(u)(δW, δc, δψ) = δW φ(u) + δc`` (zero ``ψ`` columns),
 ``b = vec(G)``, ``K = I_d ⊗ Σ``, ``s² = tr(G Σ⁺ Gᵀ)``; saturated ⇔ ``G = 0``.
 

@@ -1,6 +1,6 @@
 """T7: finite-sample bounds for the saturation score (``theory/finite-sample.md``).
 
-Claim (MATH.md T7): on an i.i.d. probe of ``n`` examples, ``ŝ_n → s`` and the interval of
+Claim (theory label thm-finite-sample): on an i.i.d. probe of ``n`` examples, ``ŝ_n → s`` and the interval of
 :func:`depthsat_theory.bounds.interval_from_moments` contains ``s`` with probability at
 least ``1 − δ`` (``thm-finite-sample``), which gives the certificates
 ``cor-certified-improvable`` and ``cor-certified-saturated``; the ``AG_rms`` upper bound

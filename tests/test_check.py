@@ -1,7 +1,7 @@
 """The theorem checker (``depthsat check``): agreement, planted failures, reports.
 
 Expected values come from the theory, not from the checker: exact constructions
-have ``s = 0`` (MATH.md §4), the product family has ``T = {0}``, a rotation has
+have ``s = 0`` (theory label ``ex-saturated``), the product family has ``T = {0}``, a rotation has
 ``⟨b, R b⟩ = 0`` so an improvable instance shows no first-order decrease under it
 (T3 converse), and the observed slope of a descent-compatible step is
 ``−⟨b, P(b)⟩`` (T1 + chain rule), recomputed here from an independent autograd
@@ -50,7 +50,7 @@ def test_sample_covers_real_data_and_constructions(report):
 def test_constructions_are_predicted_saturated_and_agree(report):
     for rec in report["records"]:
         if rec["construction"] is not None:
-            # exact constructions: s = 0 exactly in exact arithmetic (MATH.md §4)
+            # exact constructions: s = 0 exactly in exact arithmetic (theory label ``ex-saturated``)
             assert rec["score"] <= rec["tol"]
             assert rec["predicted_improvable"] is False
             assert rec["observed_decrease"] is False

@@ -114,7 +114,7 @@ def ce_per_example(out: Tensor, y: Tensor) -> Tensor:
 
 
 def token_ce_per_example(out: Tensor, y: Tensor) -> Tensor:
-    """Each example's mean over its own tokens (MATH.md §1)."""
+    """Each example's mean over its own tokens (theory/definitions.md, def-setting)."""
     return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(dim=1)
 
 

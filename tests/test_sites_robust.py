@@ -1,7 +1,7 @@
 """Robust activation capture (issue 5, item 5): each case derives ``g`` independently.
 
 The reference ``g`` is always ``∂(Σ_i ℓ_i)/∂δ`` for an explicit additive perturbation
-``δ = 0`` written into a hand-built forward pass at the site (MATH.md §2), taken with
+``δ = 0`` written into a hand-built forward pass at the site (theory/definitions.md), taken with
 autograd in float64 — never through :class:`SiteRecorder`'s hooks.  Statistics are
 checked against T1 (autograd through the inserted block) and against sums written
 out over the non-padded rows.
@@ -443,7 +443,7 @@ def tok_losses(out, y):
 
 
 def masked_mean(out, y):
-    """Each example's mean over its own non-padded tokens (MATH.md §1)."""
+    """Each example's mean over its own non-padded tokens (theory/definitions.md, def-setting)."""
     m = (y != -100).to(out.dtype)
     return (tok_losses(out, y) * m).sum(1) / m.sum(1)
 

@@ -60,7 +60,7 @@ def test_score_chain_and_projection_match_reference(fam, probe):
     z, g = probe
     n = z.shape[0]
     _, res = _stats(fam, z, g)
-    # s ≤ r̂ ≤ AG_rms ≤ AG_max on one probe (MATH.md §2)
+    # s ≤ r̂ ≤ AG_rms ≤ AG_max on one probe (theory/definitions.md)
     slack = 1 + 1e-10
     assert res.score <= res.raw_score * slack
     assert res.raw_score <= res.ag_rms * slack and res.ag_rms <= res.ag_max * slack

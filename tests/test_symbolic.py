@@ -250,7 +250,7 @@ def test_rank_deficient_gram_min_norm_coefficients():
 
 
 def test_odd_construction_is_saturated_but_not_degenerate():
-    """Even features (u², 1), odd gradient m = u, symmetric measure (MATH.md §4b):
+    """Even features (u², 1), odd gradient m = u, symmetric measure (theory label ex-saturated):
     b = (E u³, E u) = 0, so s = 0 (saturated) while r > 0 and ρ = 1 (T6 converse)."""
     fam = SymbolicFamily.parse("t1*u**2 + t2")
     for mu in (FiniteMeasure([-2, -1, 1, 2], [1, 3, 3, 1]), [sps.Normal("Z", 0, 3)]):
@@ -285,7 +285,7 @@ def test_projection_is_an_orthogonal_projector():
 
 
 def test_zero_output_relu_features_match_cross_gradient_formula():
-    """T5 / MATH.md §2: for h = V φ̃, K = I_d ⊗ Σ (in (vec_row V, c) order after
+    """T5 / theory/definitions.md: for h = V φ̃, K = I_d ⊗ Σ (in (vec_row V, c) order after
     permutation) and s² = tr(G Σ⁺ Gᵀ) with G = E[m φ̃ᵀ], Σ = E[φ̃ φ̃ᵀ], both summed
     here by hand over the points."""
     w = [[1, -1], [sp.Rational(1, 2), 2], [0, 1]]
@@ -351,7 +351,7 @@ def test_measure_errors():
 
 def test_total_mass_matches_sequence_sites():
     """μ of mass 3 = three units per example: a sequence site with T = 3 tokens whose
-    tokens, over the probe, are every support row three times (MATH.md §1)."""
+    tokens, over the probe, are every support row three times (theory/definitions.md, def-setting)."""
     mu1 = FiniteMeasure([(0, 1), (1, -1), (2, 0)], [1, 2, 1])
     mu3 = FiniteMeasure(mu1.points, [1, 2, 1], total_mass=3)
     fam = S.linear(2)
@@ -457,7 +457,7 @@ def test_first_step_closed_forms():
     # symbolic hyperparameters: Adam's ε stays a symbol
     e = sp.Symbol("epsilon", positive=True)
     assert sp.simplify(zero_state_step("adam", [x], {"eps": e})[0] - x / (sp.Abs(x) + e)) == 0
-    # NAdam's first step is ≈ 1.0565 × Adam's (MATH.md §2)
+    # NAdam's first step is ≈ 1.0565 × Adam's (theory/definitions.md)
     ratio = zero_state_step("nadam", [sp.Integer(1)])[0] / zero_state_step("adam", [sp.Integer(1)])[0]
     assert abs(float(ratio) - 1.0565) < 5e-5
 

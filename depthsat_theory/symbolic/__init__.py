@@ -2,7 +2,7 @@
 
 Mirrors :mod:`depthsat_theory.families`, :mod:`depthsat_theory.tangent` and
 :mod:`depthsat_theory.optimizers` with exact sympy arithmetic so results can be
-cross-checked (MATH.md §2; theory labels thm-gradient T1, thm-iff T2,
+cross-checked (theory/definitions.md; theory labels thm-gradient T1, thm-iff T2,
 thm-update-invariance T3, thm-reparameterization T4, thm-zero-output T5,
 thm-realizability T6):
 

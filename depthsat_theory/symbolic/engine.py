@@ -1,4 +1,4 @@
-"""Exact tangent objects and saturation quantities (MATH.md §2, T1, T2, T4, T6).
+"""Exact tangent objects and saturation quantities (theory/definitions.md, T1, T2, T4, T6).
 
 For a :class:`~depthsat_theory.symbolic.family.SymbolicFamily` ``h(θ, u)``, a unit
 measure ``μ`` (:mod:`~depthsat_theory.symbolic.measures`) and a conditional activation
@@ -100,7 +100,7 @@ def _rank(mat: sp.Matrix) -> int:
 
 # ----------------------------------------------------------------------------- tangent map
 def is_function_preserving(fam: SymbolicFamily) -> tuple[bool, sp.Matrix]:
-    """Decide ``h(0, u) ≡ 0`` symbolically (MATH.md §1, ``def-family``).
+    """Decide ``h(0, u) ≡ 0`` symbolically (theory/definitions.md, def-setting, ``def-family``).
 
     Args:
         fam: the family.
@@ -118,14 +118,14 @@ def is_function_preserving(fam: SymbolicFamily) -> tuple[bool, sp.Matrix]:
 
 
 def tangent_map(fam: SymbolicFamily) -> sp.Matrix:
-    """The tangent map ``A(u) = ∂_θ h(θ, u)|_{θ=0}`` (MATH.md §2).
+    """The tangent map ``A(u) = ∂_θ h(θ, u)|_{θ=0}`` (theory/definitions.md).
 
     Returns:
         A ``d × p`` Matrix of expressions in the unit symbols; column ``j`` is the
         tangent direction of ``θ_j`` (zero columns for parameters that enter only at
         higher order).  Where ``h`` has a kink *in θ* at 0 (e.g. ``relu(θ u)``), sympy's
         convention ``Heaviside(0) = 1/2`` applies while torch's autograd uses
-        ``relu'(0) = 0``: such a family is not differentiable at the origin (MATH.md §1)
+        ``relu'(0) = 0``: such a family is not differentiable at the origin (theory/definitions.md, def-setting)
         and the two engines need not agree.
 
     Raises:
@@ -160,7 +160,7 @@ def tangent_gram(fam: SymbolicFamily, measure, *, tangent: sp.Matrix | None = No
 
 
 def cross_gradient(fam: SymbolicFamily, measure, m, *, tangent: sp.Matrix | None = None) -> sp.Matrix:
-    """``b = E_μ[A^T m] = ∇_θ J(0)`` (MATH.md T1, ``thm-gradient``).
+    """``b = E_μ[A^T m] = ∇_θ J(0)`` (theory label thm-gradient, ``thm-gradient``).
 
     Args:
         fam: the family.
@@ -204,7 +204,7 @@ def _min_norm_solve(k: sp.Matrix, b: sp.Matrix) -> sp.Matrix:
 
 
 def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
-    """The orthogonal projection of ``m`` onto ``T = {A v}`` in ``L²(μ)`` (MATH.md §2).
+    """The orthogonal projection of ``m`` onto ``T = {A v}`` in ``L²(μ)`` (theory/definitions.md).
 
     .. math::
 
@@ -228,7 +228,7 @@ def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
 
 
 def saturation_score(fam: SymbolicFamily, measure, m) -> tuple[sp.Expr, sp.Expr]:
-    """The saturation score ``s = ‖Π m‖ = sqrt(bᵀ K⁺ b)`` (MATH.md §2, T2 ``thm-iff``).
+    """The saturation score ``s = ‖Π m‖ = sqrt(bᵀ K⁺ b)`` (theory/definitions.md, T2 ``thm-iff``).
 
     Returns:
         ``(s, s²)`` as exact sympy values.
@@ -241,7 +241,7 @@ def saturation_score(fam: SymbolicFamily, measure, m) -> tuple[sp.Expr, sp.Expr]
 
 
 def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
-    """``r = ‖m‖ = sqrt(E_μ |m|²)`` (MATH.md §2)."""
+    """``r = ‖m‖ = sqrt(E_μ |m|²)`` (theory/definitions.md)."""
     _check_family(fam)
     mu = _measure(fam, measure)
     mm = fam.coerce(m)
@@ -249,7 +249,7 @@ def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
 
 
 def realizability_defect(fam: SymbolicFamily, measure, m) -> sp.Expr:
-    """``ρ = ‖m − Π m‖ / ‖m‖`` (MATH.md §2, T6 ``thm-realizability``); ``nan`` if ``m = 0``."""
+    """``ρ = ‖m − Π m‖ / ‖m‖`` (theory/definitions.md, T6 ``thm-realizability``); ``nan`` if ``m = 0``."""
     _check_family(fam)
     mu = _measure(fam, measure)
     mm = fam.coerce(m)
@@ -362,7 +362,7 @@ def tangent_rank(fam: SymbolicFamily, measure=None) -> int:
 
 
 def is_degenerate(fam: SymbolicFamily) -> bool:
-    """``A ≡ 0`` symbolically, so ``T = {0}`` (MATH.md T4): report *degenerate*, never saturated."""
+    """``A ≡ 0`` symbolically, so ``T = {0}`` (theory label thm-reparameterization): report *degenerate*, never saturated."""
     return all(_is_zero(e) for e in tangent_map(fam))
 
 
@@ -377,12 +377,12 @@ def _chi_matrix(fam: SymbolicFamily, chi, xi) -> tuple[sp.Matrix, tuple]:
         raise FamilyError(f"chi contains symbols {sorted(map(str, extra))} that are not in xi")
     at0 = chi_m.xreplace({x: 0 for x in xi})
     if not all(_is_zero(e) for e in at0):
-        raise FamilyError(f"chi(0) = {list(at0)} must be 0 (MATH.md T4: the origin maps to the origin)")
+        raise FamilyError(f"chi(0) = {list(at0)} must be 0 (theory label thm-reparameterization: the origin maps to the origin)")
     return chi_m, xi
 
 
 def reparameterize(fam: SymbolicFamily, chi, xi) -> SymbolicFamily:
-    """The family in new coordinates: ``h̃(ξ, u) = h(χ(ξ), u)`` (MATH.md T4).
+    """The family in new coordinates: ``h̃(ξ, u) = h(χ(ξ), u)`` (theory label thm-reparameterization).
 
     Args:
         fam: the family.
@@ -426,7 +426,7 @@ def is_regular_reparameterization(fam: SymbolicFamily, chi, xi_symbols, measure=
 # ----------------------------------------------------------------------------- result
 @dataclass
 class SymbolicSaturation:
-    """Exact saturation quantities of a (family, measure, ``m``) (MATH.md §2).
+    """Exact saturation quantities of a (family, measure, ``m``) (theory/definitions.md).
 
     Field names follow :class:`depthsat_theory.tangent.SaturationResult` where they
     apply; values are exact sympy objects.
@@ -497,7 +497,7 @@ class SymbolicSaturation:
 
 
 def saturation(fam: SymbolicFamily, measure, m) -> SymbolicSaturation:
-    """All exact saturation quantities at once (MATH.md §2; T2, T4, T6).
+    """All exact saturation quantities at once (theory/definitions.md; T2, T4, T6).
 
     Args:
         fam: the family.

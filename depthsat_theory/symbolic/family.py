@@ -1,4 +1,4 @@
-"""Symbolic residual families ``h(θ, u)`` as sympy expressions (MATH.md §1–§2).
+"""Symbolic residual families ``h(θ, u)`` as sympy expressions (theory/definitions.md).
 
 A :class:`SymbolicFamily` is the exact counterpart of a row-wise
 :class:`~depthsat_theory.families.ResidualFamily`: an output column of ``d`` sympy
@@ -113,7 +113,7 @@ def to_matrix(expr) -> sp.Matrix:
 
 
 class SymbolicFamily:
-    """A residual family given by sympy expressions (MATH.md §1, ``def-family``).
+    """A residual family given by sympy expressions (theory/definitions.md, def-setting, ``def-family``).
 
     Args:
         expr: the output, a sympy expression (scalar, ``d = 1``), a list of
@@ -477,7 +477,7 @@ def product(d: int, rank: int) -> SymbolicFamily:
     """Degenerate product family ``h(u) = U V u`` (``U ∈ R^{d×R}``, ``V ∈ R^{R×d}``, both 0).
 
     ``θ = (vec_row(U), vec_row(V))``, ``p = 2 d R``, as
-    :func:`depthsat_theory.families.product`.  ``A ≡ 0`` (MATH.md T4): degenerate.
+    :func:`depthsat_theory.families.product`.  ``A ≡ 0`` (theory label thm-reparameterization): degenerate.
 
     Raises:
         FamilyError: if ``d < 1`` or ``rank < 1``.
@@ -493,7 +493,7 @@ def product(d: int, rank: int) -> SymbolicFamily:
 
 
 def elementwise_square_param(d: int, bias: bool = True) -> SymbolicFamily:
-    """The linear family reparameterized by ``θ = ξ ⊙ ξ`` (MATH.md T4, degenerate).
+    """The linear family reparameterized by ``θ = ξ ⊙ ξ`` (theory label thm-reparameterization, degenerate).
 
     ``h(u) = W(ξ) u (+ c(ξ))`` with ``(vec_row(W), c) = ξ ⊙ ξ``; parameters are named
     ``x1..xp``.  ``Dχ(0) = 0`` so ``A ≡ 0`` and ``T = {0}``.
@@ -514,7 +514,7 @@ def random_features(d: int, k: int, activation: str, W, a, bias: bool = True) ->
     ``θ = (vec_row(V), c)``, ``V ∈ R^{d×k}`` (the numeric ``FeatureFamily`` order), so
     passing the numeric family's ``proj.weight`` and ``proj.bias`` reproduces
     :func:`depthsat_theory.families.random_features` exactly.  A zero-output family
-    (MATH.md §2, T5 ``thm-zero-output``): ``A(u) v = δV φ(u) + δc`` and saturation
+    (theory/definitions.md, T5 ``thm-zero-output``): ``A(u) v = δV φ(u) + δc`` and saturation
     holds iff ``G = E[m φ̃ᵀ] = 0``.
 
     Args:

@@ -1,4 +1,4 @@
-"""Exact unit measures ``μ`` for the symbolic engine (MATH.md §1, intensity measure).
+"""Exact unit measures ``μ`` for the symbolic engine (theory/definitions.md, def-setting, intensity measure).
 
 Two kinds of measure on unit vectors ``u ∈ R^d``:
 
@@ -8,7 +8,7 @@ Two kinds of measure on unit vectors ``u ∈ R^d``:
   ``DiscreteUniform``, ``Bernoulli``, ``FiniteRV``; other single random variables
   are handled through ``sympy.stats.E``).
 
-**Mass convention.**  MATH.md §1 uses the *intensity* measure of units, of total mass
+**Mass convention.**  theory/definitions.md, def-setting uses the *intensity* measure of units, of total mass
 ``E[#units per example]``.  Both classes hold a probability distribution ``π`` and a
 ``total_mass`` (default 1) and integrate against ``μ = total_mass · π``:
 
@@ -116,7 +116,7 @@ class FiniteMeasure(Measure):
             ``d = 1``); floats are converted to their exact binary rationals.
         weights: ``N`` nonnegative relative weights (default uniform); they are
             normalized to ``π_i = w_i / Σ w``.
-        total_mass: ``μ(R^d)`` (default 1; MATH.md §1 intensity convention).
+        total_mass: ``μ(R^d)`` (default 1; theory/definitions.md, def-setting intensity convention).
 
     Raises:
         MeasureError: on no points, ragged points, a negative or all-zero weight, or

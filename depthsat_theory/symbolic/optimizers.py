@@ -1,4 +1,4 @@
-r"""Zero-state first steps derived from optimizers' update equations (MATH.md §2, T2, T3).
+r"""Zero-state first steps derived from optimizers' update equations (theory/definitions.md, T2, T3).
 
 For each name in :data:`depthsat_theory.optimizers.UPDATES` (and ``nadam``,
 ``adamax``, ``radam``), the optimizer's **update equations** are written out
@@ -248,7 +248,7 @@ def zero_state_step(name: str, b_symbols, hyper: dict | None = None) -> sp.Matri
 
 @dataclass
 class FirstOrderChange:
-    r"""First-order change of :math:`J` along a zero-state update (MATH.md T2, T3).
+    r"""First-order change of :math:`J` along a zero-state update (theory label thm-iff, T3).
 
     Attributes:
         name: the update's name.
