@@ -598,6 +598,11 @@ class GeneralStatistics(_Accumulator):
         eye = torch.eye(self.p, dtype=torch.float64, device=z.device)
         chunk = max(1, min(self.p, _CHUNK_ELEMENTS // max(z.numel(), 1)))
         cols = torch.func.vmap(gram_column, chunk_size=chunk)(eye)
+        if not (bool(torch.isfinite(cols).all()) and bool(torch.isfinite(self.b).all())):
+            raise StatisticsError(
+                f"the tangent map ∂θ h(θ, u) at θ = 0 of family {self.family.spec!r} is NaN or Inf "
+                f"on this batch: the family is not differentiable at the origin (theory label "
+                f"asm-differentiable; e.g. sqrt(θ) or u**θ), or its tangent overflows float64")
         self.k_mat = self.k_mat.to(z.device) + 0.5 * (cols + cols.T)
         if mask is not None:
             self.units += int(mask.sum())

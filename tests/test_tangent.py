@@ -935,3 +935,13 @@ def test_chain_holds_exactly_on_continuous_rows():
     res = acc.result()
     assert res.score <= res.raw_score <= res.ag_rms <= res.ag_max
     assert res.raw_score == pytest.approx(float(np.sqrt((g**2).sum(1).mean())), rel=1e-12)
+
+
+def test_family_not_differentiable_at_origin_is_named():
+    """h(θ, u) = sqrt(θ)·u has an infinite tangent at θ = 0: the error says so instead of
+    blaming the probe's scale (asm-differentiable)."""
+    fam = GeneralFamily(lambda th, u: torch.sqrt(th[0]) * u, 1, name="sqrt-theta")
+    acc = statistics_for(fam, (3,), "vector")
+    z = torch.randn(8, 3, dtype=torch.float64)
+    with pytest.raises(StatisticsError, match="not differentiable at the origin"):
+        acc.update(z, torch.randn(8, 3, dtype=torch.float64))
