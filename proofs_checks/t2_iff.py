@@ -1,6 +1,6 @@
 """T2: the iff theorem (``thm-iff``) and the variational form of ``s`` (``lem-variational``).
 
-Claim (MATH.md §3, T2): strict first-order decrease under a descent-compatible zero-state
+Claim (theory/iff.md, thm-iff): strict first-order decrease under a descent-compatible zero-state
 update ⇔ ``Π m ≠ 0`` ⇔ ``b ≠ 0`` ⇔ ``s > 0``; if ``Π m = 0`` no direction has a
 first-order change.
 

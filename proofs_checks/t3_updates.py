@@ -1,7 +1,7 @@
 """T3: every descent-compatible zero-state update has the same improvable set
 (``thm-update-invariance``); the first steps of the usual optimizers (``prop-adam-first-step``).
 
-Claim (MATH.md §3, T3): the improvable set is the same for every descent-compatible
+Claim (theory/updates.md, thm-update-invariance): the improvable set is the same for every descent-compatible
 zero-state update; a map that is not descent-compatible (a rotation) can fail where ``s > 0``.
 
 Checks:
@@ -132,7 +132,7 @@ def first_steps_symbolic(ctx: Context) -> Outcome:
     kbad = abs(kappa - 1.0565) > 5e-5
     return Outcome(len(der) + 1, len(bad) + int(kbad), detail=(
         f"{len(der)} optimizers ({', '.join(der)}); RAdam ρ₁ = 1 ≤ 5 for every β₂ (unrectified); "
-        f"NAdam κ = {kappa:.6f} (MATH.md: 1.0565×Adam)" + (f"; mismatch: {bad}" if bad else "")))
+        f"NAdam κ = {kappa:.6f} (torch.optim.NAdam: 1.0565×Adam)" + (f"; mismatch: {bad}" if bad else "")))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """T4: invariance under regular reparameterization (``thm-reparameterization``).
 
-Claim (MATH.md §3, T4): if ``θ = χ(ξ)``, ``χ(0) = 0`` and ``range(A·Dχ(0)) = range(A)``
+Claim (theory/reparameterization.md, thm-reparameterization): if ``θ = χ(ξ)``, ``χ(0) = 0`` and ``range(A·Dχ(0)) = range(A)``
 (equivalently ``rank(Dχᵀ K Dχ) = rank K``), then ``T``, ``Π`` and ``s`` are unchanged and
 ``b ↦ Dχ(0)ᵀ b`` (``‖b‖`` is not invariant). Degenerate parameterizations (``W = UV`` with
 both factors zero, ``θ = ξ ⊙ ξ``) collapse ``T`` to ``{0}``: degenerate, never saturated.

@@ -1,7 +1,7 @@
 """T6: signal realizability (``thm-realizability``) and the certificate chain
 (``cor-agmax-certificate``).
 
-Claim (MATH.md §3, T6): if ``m ∈ T`` then ``s = r``, so saturation ⇔ ``m = 0``. ``g = 0``
+Claim (theory/realizability.md, thm-realizability): if ``m ∈ T`` then ``s = r``, so saturation ⇔ ``m = 0``. ``g = 0``
 a.s. is always sufficient; it is necessary only under signal realizability; with label
 noise at an optimum ``m = 0`` while ``AG_max > 0``. On one probe
 ``s ≤ r ≤ AG_rms ≤ AG_max``.
