@@ -1,4 +1,4 @@
-r"""Finite-sample confidence bounds for the saturation score (MATH.md T7).
+r"""Finite-sample confidence bounds for the saturation score (theory label ``thm-finite-sample``).
 
 A probe of ``n`` examples drawn i.i.d. from the data distribution, independently of
 training, gives the estimate ``ŝ`` of the population score ``s`` of a zero-output
@@ -32,7 +32,7 @@ Constants of the bound:
 - ``V`` (``variance``): a bound on ``E ‖G_x Σ_λ^{+1/2}‖_F² = E[‖g‖² ℓ]``-type second
   moment; when not given it is bounded from the probe by empirical Bernstein
   (rigorous given ``γ`` and ``L``);
-- ``D`` (``dim``): a bound on ``rank Σ`` (default: ``k``, and ``min(k, L)`` for
+- ``D`` (``dim``): a bound on ``rank Σ`` (default: ``k``, and ``min(k, ⌊L⌋)`` for
   ``λ = 0`` because ``rank Σ = E ℓ_0 ≤ L``).
 
 When ``γ`` or ``L`` are not given, the probe's maxima are used instead and the result
@@ -105,6 +105,10 @@ _PROBE_MAX_NOTE = ("probe maximum: a lower bound of the essential supremum (exac
 
 class BoundError(ValueError):
     """Bad input to a finite-sample bound (δ, n, ε or a constant out of range or missing)."""
+
+
+#: relative rounding slack when comparing a user's almost-sure bound with the probe's maximum
+_SLACK = 1e-9
 
 
 # ----------------------------------------------------------------------------- validation
@@ -190,8 +194,14 @@ def _resolve(*, ridge, grad_max, leverage_max, feature_norm_max, eig_floor, vari
              probe: dict | None) -> dict[str, Constant]:
     """Constants ``γ, L, D, R`` (and ``V`` when given): from the user, derived, or the probe.
 
-    ``probe`` (when there is one) has ``g_max``, ``lev_max``, ``lev_exact`` and ``k``;
-    without a probe, ``γ`` and ``L`` (or ``B`` with ``μ``/``λ``) are required.
+    ``probe`` (when there is one) has ``g_max``, ``lev_max``, ``lev_exact``, ``k`` and
+    (optionally) ``feat_max`` (``max (Σ_t ‖φ̃_t‖²)^{1/2}``) and ``rank`` (numerical rank of
+    ``Σ̂``); without a probe, ``γ`` and ``L`` (or ``B`` with ``μ``/``λ``) are required.
+
+    A user almost-sure bound the probe itself contradicts is an error: ``γ`` or ``B``
+    below the probe's own maximum, and (``λ = 0``) ``L`` or ``D`` below ``rank Σ̂``
+    (``rank Σ̂ ≤ rank Σ = E ℓ_0(x) ≤ L``).  ``D`` derived from ``L`` (``λ = 0``) is the
+    integer ``⌊L⌋``: ``rank Σ`` is an integer ``≤ L``.
     """
     ridge = _number("ridge", ridge) or 0.0
     gam = _number("grad_max", grad_max)
@@ -201,6 +211,17 @@ def _resolve(*, ridge, grad_max, leverage_max, feature_norm_max, eig_floor, vari
     var = _number("variance", variance)
     if dim is not None:
         dim = check_n(dim, "dim")
+    if lev is not None and bnorm is not None:
+        raise BoundError("give either --leverage-max or --feature-norm-max with --eig-floor/--ridge, "
+                         "not both")
+    if probe is not None:
+        if gam is not None and probe["g_max"] > gam * (1 + _SLACK):
+            raise BoundError(f"--grad-max {gam:g} is below the probe's own max ‖g(x)‖_F = "
+                             f"{probe['g_max']:.4g}, so it is not an almost-sure bound")
+        fmax = probe.get("feat_max")
+        if bnorm is not None and fmax is not None and fmax > bnorm * (1 + _SLACK):
+            raise BoundError(f"--feature-norm-max {bnorm:g} is below the probe's own max "
+                             f"(Σ_t ‖φ̃_t‖²)^{{1/2}} = {fmax:.4g}, so it is not an almost-sure bound")
     out: dict[str, Constant] = {}
     if ridge > 0:
         out["ridge"] = Constant("λ", ridge, "user", "ridge added to Σ: the interval is for s_λ ≤ s")
@@ -235,12 +256,29 @@ def _resolve(*, ridge, grad_max, leverage_max, feature_norm_max, eig_floor, vari
     big_l = out["leverage_max"].value
     if big_l <= 0:
         raise BoundError("the leverage bound L is 0: the family is degenerate (Σ = 0) on this probe")
+    rank = probe.get("rank") if probe is not None else None
+    lev_src = out["leverage_max"].source
+    if ridge == 0 and lev_src != "probe":
+        what = (f"--leverage-max {big_l:g}" if lev_src == "user" else
+                f"L = B²/μ = {big_l:.4g} (from --feature-norm-max and --eig-floor; --eig-floor is too large)")
+        if rank is not None and rank > big_l * (1 + _SLACK):
+            raise BoundError(f"{what} is below the probe's rank Σ̂ = {rank}, but rank Σ̂ ≤ rank Σ = "
+                             f"E ℓ_0(x) ≤ L, so it is not an almost-sure bound")
+        if big_l * (1 + _SLACK) < 1 and (rank is None or rank >= 1):
+            raise BoundError(f"{what} is below 1: with --ridge 0, rank Σ = E ℓ_0(x) ≤ L < 1 forces "
+                             f"Σ = 0 (a degenerate family); a non-degenerate family has L ≥ 1")
     k = probe["k"] if probe is not None else None
     if dim is not None:
+        if rank is not None and rank > dim:
+            raise BoundError(f"--dim {dim} is below the probe's rank Σ̂ = {rank} ≤ rank Σ, so it does "
+                             f"not bound rank Σ")
         out["dim"] = Constant("D", float(dim), "user", "bound on rank Σ")
     elif ridge == 0:
-        val, src = (min(float(k), big_l), "derived") if k is not None else (big_l, "derived")
-        out["dim"] = Constant("D", val, src, "rank Σ ≤ min(k̃, L) because rank Σ = E ℓ_0(x) ≤ L")
+        # rank Σ is an integer ≤ L, hence ≤ ⌊L⌋ (slack against rounding; at least 1)
+        fl = max(1, math.floor(big_l * (1 + _SLACK)))
+        val = float(min(k, fl)) if k is not None else float(fl)
+        out["dim"] = Constant("D", val, "derived",
+                              "rank Σ ≤ min(k̃, ⌊L⌋) because rank Σ = E ℓ_0(x) ≤ L is an integer")
     elif k is not None:
         out["dim"] = Constant("D", float(k), "derived", "rank Σ ≤ k̃, the number of features")
     else:
@@ -562,7 +600,7 @@ def interval_from_moments(m: ProbeMoments, delta: float, *, ridge: float = 0.0,
         eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ``; also turns the
             ridge interval into an upper bound on ``s``.
         variance: ``V`` (default: empirical Bernstein from the probe).
-        dim: ``D ≥ rank Σ`` (default ``k̃``; ``min(k̃, L)`` when ``ridge = 0``).
+        dim: ``D ≥ rank Σ`` (default ``k̃``; ``min(k̃, ⌊L⌋)`` when ``ridge = 0``).
         epsilon: the ``ε`` of the saturation certificate (``None``: no such verdict).
         candidates: number ``m ≥ 1`` of (site, family) candidates judged on this probe
             (union bound).
@@ -583,8 +621,9 @@ def interval_from_moments(m: ProbeMoments, delta: float, *, ridge: float = 0.0,
     nboot = int(_number("bootstrap", bootstrap) or 0)
     ridge = _number("ridge", ridge) or 0.0
     n = check_n(m.n)
-    est = estimate(m, ridge, leverage=leverage_max is None and feature_norm_max is None)
-    probe = {"g_max": m.g_max, "lev_max": est.lev_max, "lev_exact": est.lev_exact, "k": m.k}
+    est = estimate(m, ridge)
+    probe = {"g_max": m.g_max, "lev_max": est.lev_max, "lev_exact": est.lev_exact, "k": m.k,
+             "feat_max": math.sqrt(m.feat_sq_max), "rank": est.rank}
     const = _resolve(ridge=ridge, grad_max=grad_max, leverage_max=leverage_max,
                      feature_norm_max=feature_norm_max, eig_floor=eig_floor, variance=variance,
                      dim=dim, probe=probe)
@@ -596,6 +635,7 @@ def interval_from_moments(m: ProbeMoments, delta: float, *, ridge: float = 0.0,
     dev = _dev(n, big_l, u2)
     s_hat = math.sqrt(est.s2)
     notes: list[str] = []
+    _probe_checks(const, m, est, dev, notes)
     if "variance" in const:
         var = const["variance"].value
     elif dev < 1:
@@ -628,6 +668,10 @@ def interval_from_moments(m: ProbeMoments, delta: float, *, ridge: float = 0.0,
         upper_s = None
         notes.append("with a ridge and no eig_floor, the upper end bounds s_λ only (s ≥ s_λ); give "
                      "--eig-floor for a saturation certificate on s")
+    if lower > upper or (upper_s is not None and lower > upper_s):
+        raise BoundError(f"inconsistent constants: the interval would be inverted (lower end "
+                         f"{lower:.4g} > upper end {min(upper, upper_s if upper_s is not None else upper):.4g}); "
+                         f"check --grad-max, --leverage-max, --variance and --eig-floor against the probe")
     degenerate = not np.any(m.sigma)
     if degenerate:
         cert = DEGENERATE
@@ -667,6 +711,47 @@ def interval_from_moments(m: ProbeMoments, delta: float, *, ridge: float = 0.0,
         score_squared=est.s2, score_squared_unbiased=u_stat, variance_plugin=est.v_hat,
         ag_rms_upper=ag_up, ag_certificate=ag_cert, bootstrap_interval=boot, looseness=loose,
         tangent_rank=est.rank, notes=notes)
+
+
+def _probe_checks(const: dict[str, Constant], m: ProbeMoments, est: Estimate, dev: float,
+                  notes: list[str]) -> None:
+    """Compare user constants with the probe: errors for contradictions, notes for plug-in tension.
+
+    - ``L`` (user or derived): on the matrix event of the interval itself (probability
+      ``≥ 1 − δ_2``), ``Σ̂_λ ⪰ (1 − Δ_n) Σ_λ`` on ``range Σ``, so every probe leverage
+      ``ℓ̂(x_i) = tr(Σ̂_λ⁺ Σ_{x_i}) ≤ ℓ_λ(x_i)/(1 − Δ_n) ≤ L/(1 − Δ_n)``; a larger probe
+      leverage contradicts ``L`` at the interval's own level (error), one in
+      ``(L, L/(1 − Δ_n)]`` is only noted.
+    - ``V`` below the plug-in ``v̂`` and ``μ`` above the smallest nonzero eigenvalue of
+      ``Σ̂``: population assumptions the probe can miss by sampling (notes).
+    """
+    lev = const["leverage_max"]
+    if lev.source != "probe" and est.lev_exact and math.isfinite(est.lev_max):
+        big_l = lev.value
+        what = (f"--leverage-max {big_l:g}" if lev.source == "user" else
+                f"L = B²/(μ + λ) = {big_l:.4g} (from --feature-norm-max with --eig-floor/--ridge)")
+        if dev < 1 and est.lev_max > big_l / (1 - dev) * (1 + _SLACK):
+            raise BoundError(f"{what} is below the probe's own max leverage ℓ̂ = {est.lev_max:.4g} "
+                             f"(with Σ̂; ℓ̂ ≤ L/(1 − Δ_n) = {big_l / (1 - dev):.4g} whenever the "
+                             f"interval's matrix event holds), so it is not an almost-sure bound")
+        if est.lev_max > big_l * (1 + _SLACK):
+            notes.append(f"the probe's largest leverage ℓ̂ = {est.lev_max:.4g} (with the probe's Σ̂) "
+                         f"exceeds L = {big_l:.4g}; ℓ̂ uses Σ̂, not Σ, so this is not a contradiction, "
+                         f"but check L")
+    var = const.get("variance")
+    if var is not None and var.source == "user" and var.value < est.v_hat * (1 - _SLACK):
+        notes.append(f"--variance V = {var.value:.4g} is below the probe's plug-in v̂ = {est.v_hat:.4g}: "
+                     f"possible by sampling, but the probe does not support V (the interval's ε_n "
+                     f"rests on it)")
+    mu = const.get("eig_floor")
+    if mu is not None:
+        lam = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T)) if m.sigma.size else np.zeros(0)
+        top = float(lam.max()) if lam.size else 0.0
+        nz = lam[lam > m.rtol * top] if top > 0 else lam[:0]
+        if nz.size and float(nz.min()) < mu.value * (1 - _SLACK):
+            notes.append(f"--eig-floor μ = {mu.value:.4g} is above the smallest nonzero eigenvalue of "
+                         f"the probe's Σ̂ ({float(nz.min()):.4g}): μ is an assumption on the population "
+                         f"Σ, which the probe does not support")
 
 
 def unbiased_score_squared(m: ProbeMoments, *, ridge: float = 0.0,
@@ -727,7 +812,8 @@ def bootstrap_interval(m: ProbeMoments, delta: float, *, resamples: int = 200, r
     if m.phi is None:
         raise BoundError("the bootstrap needs the probe's rows in memory (keep_probe=True)")
     if method == "ustat" and m.n < 2:
-        raise BoundError("the U-statistic bootstrap needs n >= 2 examples")
+        raise BoundError(f"the U-statistic bootstrap needs n >= 2 examples (the probe has n = {m.n}); "
+                         f"pass --bootstrap 0 (bootstrap=0) for no bootstrap interval")
     rng = np.random.default_rng(seed)
     w = np.ones(m.phi.shape[0]) if m.weights is None else m.weights
     p = w / w.sum()
@@ -855,6 +941,8 @@ class BoundPlan:
         n_nonvacuous: smallest ``n`` with ``Δ_n < 1``.
         constants: each constant with its source.
         formulas: the formulas in words.
+        vacuous: ``Δ_n ≥ 1`` at ``n`` (the half-width is infinite, ``None`` in JSON).
+        notes: further remarks (e.g. the smallest non-vacuous ``n``).
     """
 
     n: int
@@ -870,6 +958,8 @@ class BoundPlan:
     n_nonvacuous: int
     constants: dict[str, Constant]
     formulas: dict[str, str]
+    vacuous: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready dictionary (``inf`` becomes ``None``)."""
@@ -953,13 +1043,22 @@ def plan_bound(*, delta: float, n: int | None = None, epsilon: float | None = No
         n = n_req
     eps_n = _eps(n, var, r, u1)
     dev = _dev(n, big_l, u2)
+    half = _half(n, var, r, u1, l1, u2, smax)
+    notes: list[str] = []
+    vacuous = not math.isfinite(half)
+    if vacuous:
+        notes.append(f"vacuous: Δ_n = {dev:.3g} ≥ 1 at n = {n} (the leverage bound L = {big_l:.4g} needs "
+                     f"more examples); the smallest non-vacuous n is {n_nonvac}")
+    if eig_floor is not None and leverage_max is not None:
+        notes.append("--eig-floor is not used: L is given directly (--leverage-max)")
     return BoundPlan(
         n=n, delta=delta, candidates=candidates, epsilon_n=eps_n, relative_deviation=dev,
-        halfwidth=_half(n, var, r, u1, l1, u2, smax), score_max=smax, target=target,
+        halfwidth=half, score_max=smax, target=target, vacuous=vacuous, notes=notes,
         n_required=n_req, n_epsilon_only=n_eps, n_nonvacuous=n_nonvac, constants=const,
         formulas={
             "epsilon_n": "sqrt(2 V u1 / n) + 2 R u1 / n,  u1 = ln(2/δ1),  R = γ sqrt(L)",
             "Delta_n": "sqrt(2 L1 u2 / n) + 2 L1 u2 / (3 n),  u2 = ln(2 D/δ2),  L1 = max(L, 1)",
+            "D": "given (--dim), else min(k, floor(L)) for λ = 0 (rank Σ = E ℓ_0 ≤ L is an integer)",
             "halfwidth": "(epsilon_n + S Delta_n) / sqrt(1 - Delta_n)  (Delta_n < 1)",
             "split": "δ1 = δ2 = δ / (2 m)",
             "n_required": "unique positive root x of the quartic (ε + SΔ)² = E²(1 − Δ) in x = sqrt(n)"

@@ -149,6 +149,16 @@ def score(
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
     from .bounds import BoundError, score_report
 
+    if delta is None:  # the bound options only act on the interval: refuse them silently ignored
+        given = [flag for flag, val, default in (
+            ("--epsilon", epsilon, None), ("--grad-max", grad_max, None),
+            ("--leverage-max", leverage_max, None), ("--feature-norm-max", feature_norm_max, None),
+            ("--eig-floor", eig_floor, None), ("--ridge", ridge, 0.0), ("--variance", variance, None),
+            ("--candidates", candidates, 1), ("--bootstrap", bootstrap, 200)) if val != default]
+        if given:
+            names = given[0] if len(given) == 1 else ", ".join(given[:-1]) + " and " + given[-1]
+            _fail(f"{names} need{'s' if len(given) == 1 else ''} --delta (the bound options only "
+                  f"apply to the interval)")
     try:
         z, g = _load_probe(probe)
         fam = parse_family(family)
@@ -219,7 +229,7 @@ def bound(
     eig_floor: Optional[float] = typer.Option(None, "--eig-floor", help="μ ≤ every nonzero eigenvalue of Σ."),
     ridge: float = typer.Option(0.0, "--ridge", help="λ ≥ 0 (ridge score s_λ)."),
     variance: Optional[float] = typer.Option(None, "--variance", help="V ≥ E‖G_x Σ^{+1/2}‖² (default: γ²L)."),
-    dim: Optional[int] = typer.Option(None, "--dim", help="D ≥ rank Σ (default L; required with --ridge)."),
+    dim: Optional[int] = typer.Option(None, "--dim", help="D ≥ rank Σ (default ⌊L⌋; required with --ridge)."),
     score_max: Optional[float] = typer.Option(None, "--score-max", help="S ≥ s_λ (default min(γ, √V))."),
     candidates: int = typer.Option(1, "--candidates", help="Union bound over this many candidates."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),

@@ -211,7 +211,7 @@ def test_sympy_sample_size_matches_root_finding(seed):
     plan = plan_bound(delta=delta, epsilon=target, grad_max=gam, leverage_max=big_l, variance=var,
                       score_max=smax)
     u1 = math.log(4 / delta)
-    u2 = math.log(4 * big_l / delta)  # D = L by default when λ = 0
+    u2 = math.log(4 * math.floor(big_l) / delta)  # D = ⌊L⌋ by default when λ = 0 (rank is an integer)
     r = gam * math.sqrt(big_l)
     args = (var, r, u1, big_l, u2, smax)
     lo = brentq(lambda x: math.sqrt(2 * big_l * u2 / x) + 2 * big_l * u2 / (3 * x) - 1, 1e-6, 1e12)
@@ -310,7 +310,7 @@ def test_score_delta_adds_interval_keys(tmp_path):
     path = _probe(tmp_path, n=3000)
     res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json",
                               "--delta", "0.1", "--epsilon", "0.05", "--grad-max", "10",
-                              "--leverage-max", "10", "--bootstrap", "20"])
+                              "--leverage-max", "20", "--bootstrap", "20"])  # probe's max leverage ≈ 18
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     for key in ("score_lower", "score_upper", "certificate", "assumptions", "constants",
@@ -394,3 +394,149 @@ def test_bound_statistics_padding_mask_matches_unpadded_examples():
     np.testing.assert_allclose(masked.q_sum, sum(p.q_sum for p in parts), atol=1e-12)
     assert masked.feat_sq_max == pytest.approx(max(p.feat_sq_max for p in parts), rel=1e-12)
     np.testing.assert_allclose(masked.sigma.numpy(), sum(p.sigma.numpy() for p in parts), atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- constants vs the probe
+def _user_probe(tmp_path, n=2000, rows=None):
+    """The reported probe: g = 0.1 tanh(z A) + noise; AG_max ≈ 0.29, max leverage ≈ 28, rank 9."""
+    r = np.random.default_rng(0)
+    z = r.standard_normal((2000, 8))
+    g = 0.1 * np.tanh(z @ r.standard_normal((8, 8))) + 0.01 * r.standard_normal((2000, 8))
+    z, g = z[:n], g[:n]
+    path = tmp_path / "user_probe.npz"
+    np.savez(path, z=z, g=g)
+    return path, z, g
+
+
+def _one_line_error(res, *needles):
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--grad-max", "0.01", "--leverage-max", "30"],
+     ["--grad-max 0.01 is below the probe's own max ‖g(x)‖_F = 0.29", "not an almost-sure bound"]),
+    (["--grad-max", "1", "--leverage-max", "1"], ["--leverage-max 1 is below", "rank Σ̂ = 9"]),
+    (["--grad-max", "1", "--leverage-max", "10"], ["--leverage-max 10 is below", "max leverage"]),
+    (["--grad-max", "1", "--feature-norm-max", "1", "--eig-floor", "0.5"],
+     ["--feature-norm-max 1 is below the probe's own max"]),
+])
+def test_score_rejects_constants_the_probe_contradicts(tmp_path, extra, needles):
+    path, z, g = _user_probe(tmp_path)
+    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--delta", "0.05",
+                              "--epsilon", "0.1", "--bootstrap", "0", "--json", *extra])
+    _one_line_error(res, *needles)
+
+
+def test_score_accepts_constants_above_the_probe_maxima(tmp_path):
+    path, z, g = _user_probe(tmp_path)
+    gmax = float(np.linalg.norm(g, axis=1).max())
+    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--delta", "0.05",
+                              "--grad-max", repr(gmax), "--leverage-max", "30", "--bootstrap", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["guaranteed"] is True and out["score_lower"] <= out["score"] <= out["score_upper"]
+    assert out["score_upper"] <= gmax * (1 + 1e-12)
+
+
+def test_probe_tension_notes_for_variance_eig_floor_and_leverage():
+    """V below v̂, μ above Σ̂'s smallest nonzero eigenvalue, L in (ℓ̂_max(1 − Δ_n), ℓ̂_max): notes only."""
+    phi, g = _population(signal=0.5)
+    m = ProbeMoments.from_arrays(phi, g, np.full(phi.shape[0], 50))  # n = 10000
+    est = estimate(m, 0.0)
+    lam_min = float(np.linalg.eigvalsh(m.sigma).min())
+    gam = float(np.linalg.norm(g, axis=1).max())
+    it = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=est.lev_max * 0.99,
+                               variance=0.5 * est.v_hat, eig_floor=2 * lam_min, ridge=0.0)
+    text = " | ".join(it.notes)
+    assert "--variance" in text and "plug-in v̂" in text
+    assert "--eig-floor" in text and "smallest nonzero eigenvalue" in text
+    assert "largest leverage" in text
+    clean = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=est.lev_max,
+                                  variance=2 * est.v_hat, eig_floor=0.5 * lam_min)
+    assert clean.notes == []
+    with pytest.raises(BoundError, match="max leverage"):  # far below ℓ̂_max: contradiction
+        interval_from_moments(m, 0.1, grad_max=gam, leverage_max=0.5 * est.lev_max)
+    with pytest.raises(BoundError, match="--dim 2 is below the probe's rank"):
+        interval_from_moments(m, 0.1, grad_max=gam, leverage_max=est.lev_max, dim=2)
+
+
+def test_inverted_interval_is_refused():
+    """With the probe maximum tampered (so the γ check passes), γ below ŝ would invert the interval."""
+    phi, g = _population(signal=0.8)
+    m = ProbeMoments.from_arrays(phi, g, np.full(phi.shape[0], 50))
+    _, gam, big_l, _, _ = _exact(phi, g)
+    s_hat = math.sqrt(estimate(m, 0.0).s2)
+    m.g_max = 0.1 * s_hat
+    with pytest.raises(BoundError, match="inconsistent constants"):
+        interval_from_moments(m, 0.05, grad_max=0.2 * s_hat, leverage_max=big_l)
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--grad-max", "1"], "--grad-max needs --delta"),
+    (["--epsilon", "0.1"], "--epsilon needs --delta"),
+    (["--leverage-max", "3"], "--leverage-max needs --delta"),
+    (["--feature-norm-max", "3"], "--feature-norm-max needs --delta"),
+    (["--eig-floor", "1"], "--eig-floor needs --delta"),
+    (["--ridge", "0.5"], "--ridge needs --delta"),
+    (["--variance", "1"], "--variance needs --delta"),
+    (["--candidates", "3"], "--candidates needs --delta"),
+    (["--bootstrap", "0"], "--bootstrap needs --delta"),
+    (["--grad-max", "1", "--epsilon", "0.1"], "--epsilon and --grad-max need --delta"),
+])
+def test_score_bound_options_need_delta(tmp_path, extra, flag):
+    res = runner.invoke(app, ["score", "--probe", str(_probe(tmp_path, n=30)), "--family", "linear", *extra])
+    _one_line_error(res, flag, "only apply to the interval")
+
+
+@pytest.mark.parametrize("cmd", ["bound", "score"])
+def test_leverage_and_feature_norm_not_both(tmp_path, cmd):
+    both = ["--leverage-max", "5", "--feature-norm-max", "3", "--eig-floor", "1", "--grad-max", "100"]
+    if cmd == "bound":
+        args = ["bound", "--delta", "0.05", "--n", "1000", *both]
+    else:
+        args = ["score", "--probe", str(_probe(tmp_path, n=30)), "--family", "linear", "--delta", "0.05", *both]
+    _one_line_error(runner.invoke(app, args),
+                    "give either --leverage-max or --feature-norm-max with --eig-floor/--ridge, not both")
+
+
+def test_bound_dim_is_an_integer_floor_of_l():
+    base = ["bound", "--delta", "0.05", "--grad-max", "1", "--json"]
+    _one_line_error(runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "0.5"]),
+                    "--leverage-max 0.5 is below 1")
+    out = json.loads(runner.invoke(app, [*base, "--n", "100000", "--leverage-max", "5.7"]).stdout)
+    assert out["constants"]["dim"]["value"] == 5.0  # rank Σ is an integer ≤ L = 5.7
+    out = json.loads(runner.invoke(app, [*base, "--n", "100000", "--feature-norm-max", "3",
+                                         "--eig-floor", "1"]).stdout)  # L = 9 exactly
+    assert out["constants"]["dim"]["value"] == 9.0
+    # with a ridge, E ℓ_λ < rank Σ: no rank bound from L (D must be given)
+    _one_line_error(runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "5", "--ridge", "0.1"]),
+                    "missing constant dim")
+
+
+def test_bound_vacuous_flag_and_note():
+    base = ["bound", "--delta", "0.05", "--grad-max", "1", "--leverage-max", "5.7", "--json"]
+    res = runner.invoke(app, [*base, "--n", "100"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["halfwidth"] is None and out["vacuous"] is True
+    n0 = out["n_nonvacuous"]
+    assert n0 > 100 and any(f"smallest non-vacuous n is {n0}" in x for x in out["notes"])
+    ok = json.loads(runner.invoke(app, [*base, "--n", str(n0)]).stdout)
+    assert ok["vacuous"] is False and ok["halfwidth"] is not None and ok["notes"] == []
+    prev = json.loads(runner.invoke(app, [*base, "--n", str(n0 - 1)]).stdout)
+    assert prev["vacuous"] is True
+
+
+def test_one_row_probe_suggests_bootstrap_0(tmp_path):
+    path, _, _ = _user_probe(tmp_path, n=1)
+    args = ["score", "--probe", str(path), "--family", "linear", "--delta", "0.1", "--json"]
+    _one_line_error(runner.invoke(app, args), "n >= 2", "--bootstrap 0")
+    res = runner.invoke(app, [*args, "--bootstrap", "0"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["n"] == 1 and out["vacuous"] is True and out["score_squared_unbiased"] is None
