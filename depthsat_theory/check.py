@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._io import atomic_write
 from .constructions import LSQ_FAMILIES, ODD_FAMILIES, lsq_readout, odd_network
 from .families import GeneralFamily, ResidualFamily, parse_family
 from .optimizers import DESCENT_COMPATIBLE, ZeroStateUpdate, get_update, threshold
@@ -467,19 +467,8 @@ def write_report_atomic(report: dict, path: str | os.PathLike) -> None:
     Raises:
         OSError: if the folder is not writable (no partial file is left behind).
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".depthsat-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(_finite(report), fh, indent=1, allow_nan=False, default=_json_default)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda fh: json.dump(_finite(report), fh, indent=1, allow_nan=False,
+                                            default=_json_default))
 
 
 def _finite(o):

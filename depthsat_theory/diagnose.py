@@ -39,7 +39,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -50,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed as _dist
+from ._io import atomic_write
 from .families import FamilyError, FeatureFamily, ResidualFamily, parse_family
 from .sites import REDUCTIONS, SiteError, SiteRecorder, reduce_losses, update_statistics
 from .tangent import SaturationResult, StatisticsError, statistics_for
@@ -355,7 +355,7 @@ class Diagnosis:
             OSError: if the folder is not writable (no partial file is left).
         """
         data = json.dumps(self.to_dict(), indent=1, ensure_ascii=False, allow_nan=False).encode()
-        _atomic_write(Path(path), lambda fh: fh.write(data))
+        atomic_write(Path(path), lambda fh: fh.write(data), binary=True)
 
     def table(self):
         """A :class:`rich.table.Table` of the per-site quantities."""
@@ -426,7 +426,7 @@ class Diagnosis:
         out = []
         for ext in (".png", ".svg"):
             target = base.with_name(base.name + ext)
-            _atomic_write(target, lambda fh, e=ext: fig.savefig(fh, format=e[1:]))
+            atomic_write(target, lambda fh, e=ext: fig.savefig(fh, format=e[1:]), binary=True)
             out.append(target)
         return out
 
@@ -444,22 +444,6 @@ def _g(v) -> str:
 
 def _finite(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
-
-
-def _atomic_write(path: Path, write: Callable) -> None:
-    folder = path.resolve().parent
-    fd, tmp = tempfile.mkstemp(prefix=".depthsat-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
 
 # ----------------------------------------------------------------------------- state
 _SUM_TENSORS = ("sigma", "cross", "k_mat", "b")
@@ -561,7 +545,7 @@ def _write_checkpoint(path: Path, header: dict, stats: dict, loss: list) -> None
         for k, v in _ties_state(acc).items():
             tensors[f"{site}/{k}"] = v
     blob = save(tensors, metadata={"depthsat_diagnose": json.dumps(header, sort_keys=True)})
-    _atomic_write(path, lambda fh: fh.write(blob))
+    atomic_write(path, lambda fh: fh.write(blob), binary=True)
 
 
 def _restore(stats: dict, tensors: dict[str, Tensor]) -> None:

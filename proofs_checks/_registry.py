@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
+
+from depthsat_theory._io import atomic_write
 
 METHODS = ("symbolic", "numeric", "converse", "coverage")
 
@@ -174,13 +175,4 @@ def write_json_atomic(rows: list[Row], ctx: Context, path: str) -> None:
     """Write the rows as JSON via a temporary file and ``os.replace`` (never half-written)."""
     doc = {"seed": ctx.seed, "quick": ctx.quick, "passed": all(r.passed for r in rows),
            "rows": [asdict(r) for r in rows]}
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".proofs-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda fh: json.dump(doc, fh, indent=1))
