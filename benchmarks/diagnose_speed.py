@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import math
 import os
@@ -80,7 +79,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 

@@ -91,7 +91,7 @@ def random_task(kind: str, seed: int) -> Task:
         elif kind == "gpt":
             model = CharGPT(vocab_size=9, d_model=12, n_layers=2, n_heads=2, seq_len=8)
             with torch.no_grad():
-                for name, prm in model.named_parameters():
+                for _name, prm in model.named_parameters():
                     if prm.dim() > 1:
                         prm.copy_(torch.randn(prm.shape, generator=gen) / math.sqrt(prm.shape[-1]))
             x = torch.randint(0, 9, (6, 8), generator=gen)

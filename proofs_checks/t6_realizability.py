@@ -242,7 +242,7 @@ def finite_population(ctx: Context) -> Outcome:
             ok &= res.ag_rms > res.raw_score * (1 + 1e-9)
         bad += not ok
     m_models = ctx.count(3, 1)
-    for j in range(m_models):
+    for _j in range(m_models):
         task, site = _affine_target_task(int(rng.integers(1 << 30)))
         for spec in ("linear", "linear-nobias"):
             ins = insertion(task, site, spec, pool_ties=True)

@@ -167,7 +167,7 @@ def check_t1(model, site, family, shape, layout, batches, loss_fn, device):
     assert res.gradient.shape == b_ref.shape
     scale = max(1.0, float(abs(b_ref).max()))
     assert abs(res.gradient - b_ref).max() <= 1e-10 * scale
-    for p, gr in zip(features, grads[len(tangent):]):
+    for _p, gr in zip(features, grads[len(tangent):]):
         assert gr is None or bool((gr == 0).all()), "feature parameters must get exactly zero gradient"
     # the original model is untouched by insertion
     assert new_model is not model
