@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -413,8 +414,11 @@ class Diagnosis:
             lo = np.array([np.nan if iv is None or iv.vacuous else iv.score_lower for iv in ivs])
             hi = np.array([np.nan if iv is None or iv.vacuous else iv.score_upper for iv in ivs])
             ax1.fill_between(xs, lo, hi, alpha=0.2, label=f"{1 - self.delta:g} interval (non-vacuous)")
-        ax1.set_ylabel(f"score ({self.loss_units} per unit step)", fontsize=8)
-        ax1.set_title(f"{self.description or 'model'}: family {self.family}, n = {self.n}")
+        ax1.set_ylabel("score s", fontsize=9)
+        width = max(60, int(fig.get_figwidth() * 11))  # characters per title line at 9 pt
+        title = (f"{self.description or 'model'}: family {self.family}, n = {self.n}; "
+                 f"s in {self.loss_units} per unit function-space step")
+        ax1.set_title(textwrap.fill(title, width), fontsize=9)
         ax1.legend(fontsize=8)
         ax2.plot(xs, rel, "o-", color="C2")
         ax2.set_ylim(0, 1.05)
