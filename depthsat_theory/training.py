@@ -178,7 +178,11 @@ def _load_weights(path: Path, model: nn.Module) -> bool:
 
 
 def _train_digits(kind: str, model: nn.Module, x: Tensor, y: Tensor, seed: int) -> None:
-    cfg = _CONFIGS[kind]
+    _train_classifier(model, x, y, seed, _CONFIGS[kind])
+
+
+def _train_classifier(model: nn.Module, x: Tensor, y: Tensor, seed: int, cfg: dict) -> None:
+    """Adam with a one-cycle schedule on mean cross-entropy; ``cfg`` gives epochs, batch_size, lr."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     n = x.shape[0]

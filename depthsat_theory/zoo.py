@@ -567,7 +567,7 @@ def _mnist_resnet_1thread(x: Tensor, y: Tensor, n: int, batch_size: int, seed: i
         path = tr._cache_path(cdir, "mnist-resnet", seed, chash) if cdir is not None else None
         loaded = path is not None and path.is_file() and tr._load_weights(path, model)
         if not loaded:
-            _train_classifier(model, x[trn], y[trn], seed)
+            tr._train_classifier(model, x[trn], y[trn], seed, _MNIST_CONFIG)
             if path is not None:
                 tr._save_weights(path, model, {"kind": "mnist-resnet", "seed": str(seed),
                                                "config": json.dumps(cfg, sort_keys=True)})
@@ -591,26 +591,6 @@ def _mnist_resnet_1thread(x: Tensor, y: Tensor, n: int, batch_size: int, seed: i
     with torch.no_grad():
         zm.info["probe_accuracy"] = float((model(x[pr]).argmax(1) == y[pr]).float().mean())
     return zm
-
-
-def _train_classifier(model: nn.Module, x: Tensor, y: Tensor, seed: int) -> None:
-    cfg = _MNIST_CONFIG
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
-    n, bs = x.shape[0], cfg["batch_size"]
-    total = cfg["epochs"] * ((n + bs - 1) // bs)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg["lr"], total_steps=total)
-    model.train()
-    for _ in range(cfg["epochs"]):
-        perm = torch.randperm(n, generator=gen)
-        for i in range(0, n, bs):
-            idx = perm[i : i + bs]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    model.eval()
 
 
 # ----------------------------------------------------------------------------
