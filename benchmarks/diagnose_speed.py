@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Speed and memory of the one-pass saturation diagnosis against baselines in the same process.
 
-Setting (issue 5, item 4): a :class:`~depthsat_theory.models.ResidualMLP` with 8 blocks,
+Setting (issue 5, item 4): a :class:`~depthsat_theory.tasks.models.ResidualMLP` with 8 blocks,
 width ``d = 256`` (hidden ``2d``, GELU), float32, eval mode, random weights (seed 0); a
 synthetic probe of ``n = 8192`` examples (``x ~ N(0, I_64)``, 10 classes) in batches of
 1024; all 8 block outputs ``blocks.0 … blocks.7`` as sites; 2 CPU threads.
@@ -22,11 +22,11 @@ floor            one forward + ``loss.sum().backward()`` per batch (parameter gr
 floor-nograd     one forward + ``torch.autograd.grad(loss, x)`` per batch, parameters
                  frozen: the least backward that reaches every site.  This is the real
                  lower bound of any method that needs ``g`` at the lowest site.
-depthsat         ``depthsat_theory.sites.accumulate`` with a
-                 :class:`~depthsat_theory.tangent.FeatureStatistics` per site: one
+depthsat         ``depthsat_theory.capture.sites.accumulate`` with a
+                 :class:`~depthsat_theory.statistics.tangent.FeatureStatistics` per site: one
                  forward + one backward for all 8 sites, float64 ``G``, ``Σ`` (the pass).
 depthsat+finish  the same plus ``result()`` at every site (eigh of ``Σ``, ``s² = tr(GΣ⁺Gᵀ)``).
-diagnose()       ``depthsat_theory.diagnose.diagnose`` end to end (pass + finish), if the
+diagnose()       ``depthsat_theory.diagnose.run.diagnose`` end to end (pass + finish), if the
                  module imports.
 naive            one full pass over the probe per site (``accumulate`` with one site).
 gromo-min        GroMo 0.1.0: a ``LinearGrowingBlock`` inserted after each site (a
@@ -43,7 +43,7 @@ gromo-full       the same blocks with GroMo's own ``block.init_computation()`` /
                  ``block.update_computation()`` defaults: also the gradient covariance
                  E = Σ g gᵀ and, for relu:K, the growth statistics (S_growth, M_prev and the
                  cross covariance P).
-dense            ``depthsat_theory.reference.dense_saturation`` (torch.func Jacobian +
+dense            ``depthsat_theory.engines.dense.dense_saturation`` (torch.func Jacobian +
                  lstsq) at small sizes, against FeatureStatistics on the same ``z, g``.
 
 Memory: the peak resident set (``VmHWM`` after ``clear_refs``) above the resident set
@@ -82,16 +82,16 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from depthsat_theory.families import parse_family  # noqa: E402
-from depthsat_theory.models import ResidualMLP, classification_loss  # noqa: E402
-from depthsat_theory.reference import dense_saturation  # noqa: E402
-from depthsat_theory.sites import accumulate  # noqa: E402
-from depthsat_theory.tangent import FeatureStatistics  # noqa: E402
+from depthsat_theory.capture import accumulate
+from depthsat_theory.engines import dense_saturation
+from depthsat_theory.families import parse_family
+from depthsat_theory.statistics import FeatureStatistics
+from depthsat_theory.tasks import ResidualMLP, classification_loss
 
 torch.set_num_threads(THREADS)
 
 try:
-    from depthsat_theory.diagnose import diagnose as _diagnose  # noqa: E402
+    from depthsat_theory.diagnose import diagnose as _diagnose
 except Exception as exc:  # the module is being written concurrently
     _diagnose = None
     _DIAGNOSE_ERR = f"{type(exc).__name__}: {exc}"
@@ -99,8 +99,8 @@ else:
     _DIAGNOSE_ERR = ""
 
 try:
-    import gromo  # noqa: E402,F401
-    from gromo.containers.growing_block import LinearGrowingBlock  # noqa: E402
+    import gromo  # noqa: F401
+    from gromo.containers.growing_block import LinearGrowingBlock
 except Exception as exc:
     LinearGrowingBlock = None
     _GROMO_ERR = f"{type(exc).__name__}: {exc}"
@@ -118,8 +118,7 @@ def make_model(d: int, depth: int = DEPTH) -> nn.Module:
 
 def batch(i: int, bs: int):
     gen = torch.Generator().manual_seed(1000 + i)
-    return (torch.randn(bs, IN_DIM, generator=gen),
-            torch.randint(0, CLASSES, (bs,), generator=gen))
+    return (torch.randn(bs, IN_DIM, generator=gen), torch.randint(0, CLASSES, (bs,), generator=gen))
 
 
 class Probe:
@@ -219,12 +218,20 @@ def gromo_model(model, fam, sites, d):
     for s in sites:
         idx = int(s.split(".")[1])
         if fam.spec == "linear":
-            blk = LinearGrowingBlock(d, d, hidden_features=0, activation=nn.Identity(),
-                                     kwargs_layer={"use_bias": True}, name=s)
+            blk = LinearGrowingBlock(
+                d, d, hidden_features=0, activation=nn.Identity(), kwargs_layer={"use_bias": True}, name=s
+            )
         else:
             k = fam.feature_dim((d,), "vector")
-            blk = LinearGrowingBlock(d, d, hidden_features=k, pre_activation=nn.Identity(),
-                                     mid_activation=nn.ReLU(), kwargs_layer={"use_bias": True}, name=s)
+            blk = LinearGrowingBlock(
+                d,
+                d,
+                hidden_features=k,
+                pre_activation=nn.Identity(),
+                mid_activation=nn.ReLU(),
+                kwargs_layer={"use_bias": True},
+                name=s,
+            )
             proj = fam.frozen_feature_map((d,), "vector").proj
             with torch.no_grad():
                 blk.first_layer.layer.weight.copy_(proj.weight.float())
@@ -295,15 +302,19 @@ def steps_for(name, model, kw):
     """
     fam, sites, d = kw.get("fam"), kw.get("sites"), kw.get("d")
     if name == "floor":
+
         def step(x, y):
             model.zero_grad(set_to_none=True)
             classification_loss(model(x), y).sum().backward()
+
         return step, lambda: model.zero_grad(set_to_none=True)
     if name == "floor-nograd":
+
         def step(x, y):
             with frozen(model):
                 x = x.clone().requires_grad_(True)
                 torch.autograd.grad(classification_loss(model(x), y).sum(), x)
+
         return step, lambda: None
     if name in ("depthsat", "depthsat+finish"):
         stats = depthsat_stats(fam, sites, d)
@@ -315,6 +326,7 @@ def steps_for(name, model, kw):
             if name == "depthsat+finish":
                 for s in sites:
                     stats[s].result()
+
         return step, finish
     if name == "naive":
         stats = depthsat_stats(fam, sites, d)
@@ -322,6 +334,7 @@ def steps_for(name, model, kw):
         def step(x, y):
             for s in sites:
                 accumulate(model, [s], [(x, y)], classification_loss, {s: stats[s]})
+
         return step, lambda: None
     if name in ("gromo-min", "gromo-full"):
         full = name == "gromo-full"
@@ -355,6 +368,7 @@ def steps_for(name, model, kw):
                 sl = blk.second_layer
                 (sl.tensor_s_growth(), sl.tensor_m_prev()) if hidden == 0 else (sl.tensor_s(), sl.tensor_m())
                 blk.reset_computation()
+
         return step, finish
     raise KeyError(name)
 
@@ -365,9 +379,9 @@ def batch_interleaved(names, model, probe, kw, reps) -> dict:
     data = list(probe)
     for r in range(reps + 1):  # round 0 is the warm-up
         state = {k: steps_for(k, model, kw) for k in names}
-        acc = {k: 0.0 for k in names}
+        acc = dict.fromkeys(names, 0.0)
         for i, (x, y) in enumerate(data):
-            order = names[i % len(names):] + names[:i % len(names)]  # rotate the position
+            order = names[i % len(names) :] + names[: i % len(names)]  # rotate the position
             for k in order:
                 t0 = time.perf_counter()
                 state[k][0](x, y)
@@ -409,15 +423,14 @@ def med(v):
 
 def ratios(times: dict, name: str, ref: str) -> tuple[float, float]:
     """(median over rounds of t_name / t_ref in the same round, min t_name / min t_ref)."""
-    per_round = [a / b for a, b in zip(times[name], times[ref])]
+    per_round = [a / b for a, b in zip(times[name], times[ref], strict=False)]
     return med(per_round), min(times[name]) / min(times[ref])
 
 
 # ----------------------------------------------------------------------------- memory (children)
 def _rss():
     s = open("/proc/self/status").read()
-    return (int(re.search(r"VmHWM:\s+(\d+)", s).group(1)) / 1024,
-            int(re.search(r"VmRSS:\s+(\d+)", s).group(1)) / 1024)
+    return (int(re.search(r"VmHWM:\s+(\d+)", s).group(1)) / 1024, int(re.search(r"VmRSS:\s+(\d+)", s).group(1)) / 1024)
 
 
 def child_memory(args) -> None:
@@ -439,14 +452,28 @@ def child_memory(args) -> None:
     _, base = _rss()
     t = timed(METHODS[method], model, Probe(n, bs, lazy=True), **kw)
     peak, _ = _rss()
-    print(json.dumps({"peak_mib": peak - base, "base_mib": base, "time_s": t,
-                      "resettable": resettable}))
+    print(json.dumps({"peak_mib": peak - base, "base_mib": base, "time_s": t, "resettable": resettable}))
 
 
 def memory_point(method, *, d, n, bs, family, sites) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, __file__, "--_child", "--method", method, "--d", str(d), "--n", str(n),
-           "--bs", str(bs), "--family", family, "--sites", str(sites)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_child",
+        "--method",
+        method,
+        "--d",
+        str(d),
+        "--n",
+        str(n),
+        "--bs",
+        str(bs),
+        "--family",
+        family,
+        "--sites",
+        str(sites),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
@@ -473,6 +500,7 @@ def finish_times(model, probe, fam, sites, d, reps) -> dict:
 
     def blas1():
         from threadpoolctl import threadpool_limits
+
         with threadpool_limits(limits=1, user_api="blas"):
             default()
 
@@ -495,8 +523,11 @@ def check_gromo_agrees(model, probe, fam, sites, d) -> float:
 
 def dense_rows(quick: bool):
     rows = []
-    cases = [(64, 8, "linear"), (64, 8, "relu:32")] if quick else \
-        [(128, 16, "linear"), (128, 16, "relu:64"), (256, 32, "linear"), (128, 32, "relu:128")]
+    cases = (
+        [(64, 8, "linear"), (64, 8, "relu:32")]
+        if quick
+        else [(128, 16, "linear"), (128, 16, "relu:64"), (256, 32, "linear"), (128, 32, "relu:128")]
+    )
     for n, d, spec in cases:
         gen = torch.Generator().manual_seed(7)
         z = torch.randn(n, d, generator=gen)
@@ -515,10 +546,19 @@ def dense_rows(quick: bool):
         res = stream()
         ref = dense()
         t = interleaved({"stream": stream, "dense": dense}, 3)
-        rows.append({"n": n, "d": d, "family": spec, "p": p, "jacobian_mib": n * d * p * 8 / 2**20,
-                     "dense_s": med(t["dense"]), "stream_s": med(t["stream"]),
-                     "speedup": med(t["dense"]) / med(t["stream"]),
-                     "score_rel_diff": abs(res.score - ref["score"]) / ref["score"]})
+        rows.append(
+            {
+                "n": n,
+                "d": d,
+                "family": spec,
+                "p": p,
+                "jacobian_mib": n * d * p * 8 / 2**20,
+                "dense_s": med(t["dense"]),
+                "stream_s": med(t["stream"]),
+                "speedup": med(t["dense"]) / med(t["stream"]),
+                "score_rel_diff": abs(res.score - ref["score"]) / ref["score"],
+            }
+        )
     return rows
 
 
@@ -550,13 +590,17 @@ def main_table(args):
         jobs, warm = {}, {}
         one = Probe(bs, bs)
         for name in names:
-            jobs[name] = (lambda f: (lambda: f(model, probe, **kw)))(METHODS[name])
-            warm[name] = (lambda f: (lambda: f(model, one, **kw)))(METHODS[name])
-        print(f"\n## family {fam.spec} (k̃ = {fam.augmented_dim((d,), 'vector')}), d={d}, n={n}, "
-              f"batch={bs}, {len(sites)} sites, {THREADS} threads, {args.reps} rounds interleaved by {args.interleave}",
-              flush=True)
-        print(f"  {'method':16s} {'median s':>9s} {'min s':>7s} | {'x floor':>8s} {'(min)':>6s} | "
-              f"{'x nograd':>8s} {'(min)':>6s}")
+            jobs[name] = (lambda f: lambda: f(model, probe, **kw))(METHODS[name])
+            warm[name] = (lambda f: lambda: f(model, one, **kw))(METHODS[name])
+        print(
+            f"\n## family {fam.spec} (k̃ = {fam.augmented_dim((d,), 'vector')}), d={d}, n={n}, "
+            f"batch={bs}, {len(sites)} sites, {THREADS} threads, {args.reps} rounds interleaved by {args.interleave}",
+            flush=True,
+        )
+        print(
+            f"  {'method':16s} {'median s':>9s} {'min s':>7s} | {'x floor':>8s} {'(min)':>6s} | "
+            f"{'x nograd':>8s} {'(min)':>6s}"
+        )
         if args.interleave == "batch" and "diagnose()" not in names:
             times = batch_interleaved(names, model, probe, kw, args.reps)
         else:
@@ -566,14 +610,28 @@ def main_table(args):
             m = med(times[name])
             rf, rf_min = ratios(times, name, "floor")
             rn, rn_min = ratios(times, name, "floor-nograd")
-            rows.append({"method": name, "median_s": m, "min_s": min(times[name]), "ratio_floor": rf,
-                         "ratio_floor_min": rf_min, "ratio_floor_nograd": rn,
-                         "ratio_floor_nograd_min": rn_min, "times": times[name]})
-            print(f"  {name:16s} {m:9.3f} {min(times[name]):7.3f} | {rf:7.2f}x {rf_min:5.2f}x | "
-                  f"{rn:7.2f}x {rn_min:5.2f}x", flush=True)
+            rows.append(
+                {
+                    "method": name,
+                    "median_s": m,
+                    "min_s": min(times[name]),
+                    "ratio_floor": rf,
+                    "ratio_floor_min": rf_min,
+                    "ratio_floor_nograd": rn,
+                    "ratio_floor_nograd_min": rn_min,
+                    "times": times[name],
+                }
+            )
+            print(
+                f"  {name:16s} {m:9.3f} {min(times[name]):7.3f} | {rf:7.2f}x {rf_min:5.2f}x | "
+                f"{rn:7.2f}x {rn_min:5.2f}x",
+                flush=True,
+            )
         fin = finish_times(model, Probe(bs, bs), fam, sites, d, args.reps)
-        print(f"  finish only (result() at {len(sites)} sites): {fin['default'] * 1e3:.0f} ms; with numpy's "
-              f"OpenBLAS limited to 1 thread (threadpoolctl): {fin['blas1'] * 1e3:.0f} ms")
+        print(
+            f"  finish only (result() at {len(sites)} sites): {fin['default'] * 1e3:.0f} ms; with numpy's "
+            f"OpenBLAS limited to 1 thread (threadpoolctl): {fin['blas1'] * 1e3:.0f} ms"
+        )
         if LinearGrowingBlock is not None:
             agree = check_gromo_agrees(model, Probe(2 * bs, bs), fam, sites, d)
             print(f"  check: GroMo (S, M) vs depthsat (Σ, Gᵀ) max rel. diff {agree:.1e} (float32 vs float64)")
@@ -605,10 +663,14 @@ def scaling(args):
         points.append(("sites", dict(base, family="relu:4d", sites=s)))
     cache = {}
     rows = []
-    print("\n## scaling (depthsat pass / floor: median of per-round ratios, batch-interleaved; memory: peak RSS "
-          "above the pre-run RSS in a fresh child process; state = analytic float64 G, Σ)")
-    print(f"  {'vary':6s} {'n':>6s} {'d':>4s} {'family':>9s} {'sites':>5s} | {'floor s':>8s} {'depthsat s':>10s} "
-          f"{'ratio':>6s} {'(min)':>6s} | {'mem floor':>9s} {'mem depthsat':>12s} {'state':>7s} (MiB)")
+    print(
+        "\n## scaling (depthsat pass / floor: median of per-round ratios, batch-interleaved; memory: peak RSS "
+        "above the pre-run RSS in a fresh child process; state = analytic float64 G, Σ)"
+    )
+    print(
+        f"  {'vary':6s} {'n':>6s} {'d':>4s} {'family':>9s} {'sites':>5s} | {'floor s':>8s} {'depthsat s':>10s} "
+        f"{'ratio':>6s} {'(min)':>6s} | {'mem floor':>9s} {'mem depthsat':>12s} {'state':>7s} (MiB)"
+    )
     for vary, pt in points:
         d, n, bs, spec, nsites = pt["d"], pt["n"], pt["bs"], pt["family"], pt["sites"]
         key = (d, n, bs, spec, nsites)
@@ -619,12 +681,22 @@ def scaling(args):
             probe = Probe(n, bs)
             fam = family_for(spec, d)
             sites = [f"blocks.{i}" for i in range(nsites)]
-            t = batch_interleaved(["floor", "depthsat"], model, probe, dict(fam=fam, sites=sites, d=d),
-                                  args.scaling_reps)
-            row = {"vary": vary, "n": n, "d": d, "bs": bs, "family": fam.spec, "sites": nsites,
-                   "floor_s": med(t["floor"]), "depthsat_s": med(t["depthsat"]),
-                   "ratio": ratios(t, "depthsat", "floor")[0], "ratio_min": ratios(t, "depthsat", "floor")[1],
-                   "state_mib": state_mib(fam, d, nsites)}
+            t = batch_interleaved(
+                ["floor", "depthsat"], model, probe, dict(fam=fam, sites=sites, d=d), args.scaling_reps
+            )
+            row = {
+                "vary": vary,
+                "n": n,
+                "d": d,
+                "bs": bs,
+                "family": fam.spec,
+                "sites": nsites,
+                "floor_s": med(t["floor"]),
+                "depthsat_s": med(t["depthsat"]),
+                "ratio": ratios(t, "depthsat", "floor")[0],
+                "ratio_min": ratios(t, "depthsat", "floor")[1],
+                "state_mib": state_mib(fam, d, nsites),
+            }
             if not args.no_memory:
                 mf = memory_point("floor", d=d, n=n, bs=bs, family=spec, sites=nsites)
                 md = memory_point("depthsat", d=d, n=n, bs=bs, family=spec, sites=nsites)
@@ -634,10 +706,13 @@ def scaling(args):
         rows.append(row)
         mf = row.get("mem_floor_mib")
         mdp = row.get("mem_depthsat_mib")
-        print(f"  {vary:6s} {n:6d} {d:4d} {row['family']:>9s} {nsites:5d} | {row['floor_s']:8.3f} "
-              f"{row['depthsat_s']:10.3f} {row['ratio']:6.2f} {row['ratio_min']:6.2f} | "
-              f"{(f'{mf:9.1f}' if mf is not None else '      n/a')} "
-              f"{(f'{mdp:12.1f}' if mdp is not None else '         n/a')} {row['state_mib']:7.1f}", flush=True)
+        print(
+            f"  {vary:6s} {n:6d} {d:4d} {row['family']:>9s} {nsites:5d} | {row['floor_s']:8.3f} "
+            f"{row['depthsat_s']:10.3f} {row['ratio']:6.2f} {row['ratio_min']:6.2f} | "
+            f"{(f'{mf:9.1f}' if mf is not None else '      n/a')} "
+            f"{(f'{mdp:12.1f}' if mdp is not None else '         n/a')} {row['state_mib']:7.1f}",
+            flush=True,
+        )
     return rows
 
 
@@ -656,9 +731,13 @@ def memory_in_n(args):
                 r = memory_point(method, d=d, n=n, bs=bs, family=spec, sites=8)
                 vals.append(r.get("peak_mib"))
                 rows.append({"family": spec, "method": method, "n": n, **r})
-            print(f"  {spec:8s} {method:10s} " + "  ".join(
-                f"n={n}: {v:7.1f}" if v is not None else f"n={n}: failed" for n, v in zip(ns, vals)),
-                flush=True)
+            print(
+                f"  {spec:8s} {method:10s} "
+                + "  ".join(
+                    f"n={n}: {v:7.1f}" if v is not None else f"n={n}: failed" for n, v in zip(ns, vals, strict=False)
+                ),
+                flush=True,
+            )
     return rows
 
 
@@ -670,10 +749,17 @@ def main():
     ap.add_argument("--json", type=str, default=None, help="write all measurements to this file")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--finish", action="store_true", help="also time depthsat + result() at every site")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="also time depthsat_theory.diagnose.diagnose (forces pass-level interleaving)")
-    ap.add_argument("--interleave", choices=["batch", "pass"], default="batch",
-                    help="alternate methods batch by batch (default, robust to bursty load) or pass by pass")
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also time depthsat_theory.diagnose.run.diagnose (forces pass-level interleaving)",
+    )
+    ap.add_argument(
+        "--interleave",
+        choices=["batch", "pass"],
+        default="batch",
+        help="alternate methods batch by batch (default, robust to bursty load) or pass by pass",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--only", choices=["main", "dense", "scaling", "memory"], default=None)
@@ -697,20 +783,34 @@ def main():
 
     load = os.getloadavg()
     print(f"# depthsat diagnose speed — {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, load avg {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
-          f"gromo {getattr(sys.modules.get('gromo'), '__version__', 'n/a') if not _GROMO_ERR else 'missing'}")
-    res = {"config": {"d": args.d, "n": args.n, "bs": args.bs, "threads": THREADS, "reps": args.reps,
-                      "torch": torch.__version__, "loadavg_start": load, "quick": args.quick}}
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, load avg {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}, "
+        f"gromo {getattr(sys.modules.get('gromo'), '__version__', 'n/a') if not _GROMO_ERR else 'missing'}"
+    )
+    res = {
+        "config": {
+            "d": args.d,
+            "n": args.n,
+            "bs": args.bs,
+            "threads": THREADS,
+            "reps": args.reps,
+            "torch": torch.__version__,
+            "loadavg_start": load,
+            "quick": args.quick,
+        }
+    }
     if args.only in (None, "main"):
         res["main"] = main_table(args)
     if args.only in (None, "dense"):
         rows = dense_rows(args.quick)
         print("\n## dense torch.func reference vs streaming FeatureStatistics (same z, g; update + result)")
         for r in rows:
-            print(f"  n={r['n']:4d} d={r['d']:3d} {r['family']:9s} p={r['p']:5d} Jacobian {r['jacobian_mib']:6.1f} MiB: "
-                  f"dense {r['dense_s']:.3f} s, streaming {r['stream_s']:.4f} s ({r['speedup']:.0f}x faster), "
-                  f"|Δs|/s = {r['score_rel_diff']:.1e}")
+            print(
+                f"  n={r['n']:4d} d={r['d']:3d} {r['family']:9s} p={r['p']:5d} Jacobian {r['jacobian_mib']:6.1f} MiB: "
+                f"dense {r['dense_s']:.3f} s, streaming {r['stream_s']:.4f} s ({r['speedup']:.0f}x faster), "
+                f"|Δs|/s = {r['score_rel_diff']:.1e}"
+            )
         res["dense"] = rows
     if args.only in (None, "scaling") and not args.no_scaling:
         res["scaling"] = scaling(args)

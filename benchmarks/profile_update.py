@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
-from depthsat_theory.families import to_rows  # noqa: E402
-from depthsat_theory.models import classification_loss  # noqa: E402
-from depthsat_theory.sites import SiteRecorder  # noqa: E402
-from depthsat_theory.tangent import FeatureStatistics, _pinv_quadratic, default_rtol  # noqa: E402
 from diagnose_speed import DEPTH, Probe, family_for, make_model  # noqa: E402
+
+from depthsat_theory.capture import SiteRecorder
+from depthsat_theory.families import to_rows
+from depthsat_theory.statistics import FeatureStatistics, default_rtol, pinv_quadratic  # noqa: E402
+from depthsat_theory.tasks import classification_loss
 
 torch.set_num_threads(THREADS)
 
@@ -77,7 +77,7 @@ class Proto:
             if self.mode in ("f32-fused", "f64-fused"):
                 both = torch.cat([phi, rows_g], dim=1).T @ phi
                 self.sigma += both[: self.k]
-                self.cross += both[self.k:]
+                self.cross += both[self.k :]
             elif self.mode == "f32-sym":
                 h = self.k // 2
                 a, b = phi[:, :h], phi[:, h:]
@@ -95,7 +95,7 @@ class Proto:
     def score(self, rtol):
         sig = (self.sigma / self.n).numpy()
         big_g = (self.cross / self.n).numpy()
-        return _pinv_quadratic(sig, big_g, rtol)[0] ** 0.5
+        return pinv_quadratic(sig, big_g, rtol)[0] ** 0.5
 
 
 def parts(fam, d):
@@ -132,8 +132,14 @@ def parts(fam, d):
         phi = phi_cache.setdefault(id(z), features(z, g)).reshape(-1, k)
         cross.add_(g.to(torch.float64).reshape(-1, d).T @ phi)
 
-    return {"checks": checks, "norms": norms, "features f64": features, "to64 g": to64g,
-            "Σ f64 gemm": gram, "G f64 gemm": crossg}
+    return {
+        "checks": checks,
+        "norms": norms,
+        "features f64": features,
+        "to64 g": to64g,
+        "Σ f64 gemm": gram,
+        "G f64 gemm": crossg,
+    }
 
 
 def main():
@@ -149,14 +155,18 @@ def main():
     probe = Probe(n, bs)
     x, y = next(iter(probe))
     zg = capture(model, x, y, sites)
-    print(f"# update() breakdown, family {fam.spec}, d={d}, batch={bs}, {len(sites)} sites, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    print(
+        f"# update() breakdown, family {fam.spec}, d={d}, batch={bs}, {len(sites)} sites, "
+        f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}"
+    )
 
     jobs = {}
     lib = {s: FeatureStatistics(fam, (d,), "vector") for s in sites}
     jobs["library update()"] = lambda: [lib[s].update(*zg[s]) for s in sites]
-    jobs["floor fwd+bwd (1 batch)"] = lambda: (model.zero_grad(set_to_none=True),
-                                               classification_loss(model(x), y).sum().backward())
+    jobs["floor fwd+bwd (1 batch)"] = lambda: (
+        model.zero_grad(set_to_none=True),
+        classification_loss(model(x), y).sum().backward(),
+    )
     jobs["floor-nograd + taps"] = lambda: capture(model, x, y, sites)
     pf = parts(fam, d)
     for name, f in pf.items():
@@ -175,8 +185,10 @@ def main():
     med = {k: statistics.median(v) for k, v in times.items()}
     floor = med["floor fwd+bwd (1 batch)"]
     for k in jobs:
-        print(f"  {k:26s} {med[k] * 1e3:9.1f} ms  {med[k] / floor:6.2f}x floor-batch  "
-              f"{med[k] / med['library update()']:6.1%} of update()")
+        print(
+            f"  {k:26s} {med[k] * 1e3:9.1f} ms  {med[k] / floor:6.2f}x floor-batch  "
+            f"{med[k] / med['library update()']:6.1%} of update()"
+        )
 
     # accuracy over the whole probe
     ref = {s: FeatureStatistics(fam, (d,), "vector") for s in sites}

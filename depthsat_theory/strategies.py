@@ -7,7 +7,7 @@ the toolkit (and the toolkit against independent references):
 * :func:`residual_families`: built-in families with small widths (linear, polynomial,
   random features, even features, pre-LN MLP; attention/conv for sequence/image
   layouts), the degenerate ``product:R``, and random polynomial
-  :class:`~depthsat_theory.families.GeneralFamily` objects
+  :class:`~depthsat_theory.families.base.GeneralFamily` objects
   (:class:`PolynomialFamily`, whose tangent columns are known in closed form);
 * :func:`finite_measures` / :func:`measures`: finite weighted point sets with integer
   multiplicities (:class:`FinitePointSet`; as a probe, its empirical measure *is* the
@@ -68,13 +68,14 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "depthsat_theory.strategies needs hypothesis, a test extra: "
-        "pip install 'depthsat[test]' (or: pip install hypothesis)") from exc
+        "pip install 'depthsat[test]' (or: pip install hypothesis)"
+    ) from exc
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .families import (
+from depthsat_theory.families import (
     GeneralFamily,
     ResidualFamily,
     causal_attention,
@@ -143,6 +144,7 @@ class PolynomialFamily(GeneralFamily):
 
         With ``d`` the text is accepted by the symbolic engine's ``SymbolicFamily.parse``.
         """
+
         def comp(u: str) -> str:
             parts = []
             for c, a, al, be in self.terms:
@@ -178,13 +180,13 @@ def polynomial_families(draw, *, max_terms: int = 4, max_params: int = 3) -> Pol
     terms = []
     for j in range(n_terms):
         a = j if j < p else draw(st.integers(0, p - 1))
-        terms.append((draw(st.sampled_from(_COEFS)), a, draw(st.sampled_from((1, 1, 2))),
-                      draw(st.integers(0, 3))))
+        terms.append((draw(st.sampled_from(_COEFS)), a, draw(st.sampled_from((1, 1, 2))), draw(st.integers(0, 3))))
     return PolynomialFamily(terms, p)
 
 
-def residual_families(*, layout: str = "vector", max_width: int = 6, degenerate: bool = True,
-                      general: bool = True) -> st.SearchStrategy[ResidualFamily]:
+def residual_families(
+    *, layout: str = "vector", max_width: int = 6, degenerate: bool = True, general: bool = True
+) -> st.SearchStrategy[ResidualFamily]:
     """Residual families that fit a ``layout`` site, with small widths.
 
     Args:
@@ -195,15 +197,14 @@ def residual_families(*, layout: str = "vector", max_width: int = 6, degenerate:
         general: include random :func:`polynomial_families`.
 
     Returns:
-        A strategy of :class:`~depthsat_theory.families.ResidualFamily` instances.
+        A strategy of :class:`~depthsat_theory.families.base.ResidualFamily` instances.
     """
     width = st.integers(1, max_width)
     seed = st.integers(0, 3)
     opts = [
         st.sampled_from([linear(), linear(bias=False), even_features("abs"), even_features("square")]),
         st.integers(1, 3).map(polynomial),
-        st.builds(lambda k, act, s: random_features(k, act, s), width,
-                  st.sampled_from(("relu", "gelu", "tanh")), seed),
+        st.builds(lambda k, act, s: random_features(k, act, s), width, st.sampled_from(("relu", "gelu", "tanh")), seed),
         st.builds(preln_mlp, width, seed),
     ]
     if layout == "sequence":
@@ -226,7 +227,7 @@ class FinitePointSet:
     Atoms are distinct multiples of ``1/8`` (exact in binary, so the symbolic
     conversion is exact).  :meth:`units` repeats each atom ``c_i`` times: a probe on
     those rows has *exactly* this measure as its empirical measure, so the pooled
-    ``r̂`` and ``ρ̂`` of :mod:`depthsat_theory.tangent` are the population values.
+    ``r̂`` and ``ρ̂`` of :mod:`depthsat_theory.statistics.tangent` are the population values.
 
     Attributes:
         points: ``(m, d)`` float64 distinct atoms.
@@ -255,15 +256,16 @@ class FinitePointSet:
         return np.tensordot(self.weights, vals, axes=(0, 0))
 
     def to_symbolic(self):
-        """The symbolic engine's exact ``FiniteMeasure`` (requires ``depthsat_theory.symbolic``)."""
-        from .symbolic.measures import FiniteMeasure
+        """The symbolic engine's exact ``FiniteMeasure`` (requires ``depthsat_theory.engines.symbolic``)."""
+        from depthsat_theory.engines.symbolic.measures import FiniteMeasure
 
         return FiniteMeasure([list(p) for p in self.points.tolist()], [int(c) for c in self.counts])
 
 
 @st.composite
-def finite_measures(draw, d: int | st.SearchStrategy[int] = 2, *, max_atoms: int = 6,
-                    max_count: int = 4) -> FinitePointSet:
+def finite_measures(
+    draw, d: int | st.SearchStrategy[int] = 2, *, max_atoms: int = 6, max_count: int = 4
+) -> FinitePointSet:
     """Finite weighted point sets (:class:`FinitePointSet`) in ``R^d``.
 
     Args:
@@ -284,7 +286,7 @@ def measures(d: int | st.SearchStrategy[int] | None = None, *, symbolic: bool = 
 
     Args:
         d: dimension (default: drawn from 1..3).
-        symbolic: draw ``depthsat_theory.symbolic`` measures instead: exact
+        symbolic: draw ``depthsat_theory.engines.symbolic`` measures instead: exact
             ``FiniteMeasure`` objects, and ``ProductMeasure`` objects of independent
             ``Normal(μ, σ)`` / ``Uniform(a, b)`` coordinates with small integer
             parameters.
@@ -295,17 +297,16 @@ def measures(d: int | st.SearchStrategy[int] | None = None, *, symbolic: bool = 
     dims = st.integers(1, 3) if d is None else (d if isinstance(d, st.SearchStrategy) else st.just(d))
     if not symbolic:
         return dims.flatmap(lambda k: finite_measures(k))
-    from .symbolic.measures import ProductMeasure  # noqa: F401 - fail early without the engine
+    from depthsat_theory.engines.symbolic.measures import ProductMeasure  # noqa: F401 - fail early without the engine
 
-    return dims.flatmap(lambda k: st.one_of(finite_measures(k).map(FinitePointSet.to_symbolic),
-                                            _product_measures(k)))
+    return dims.flatmap(lambda k: st.one_of(finite_measures(k).map(FinitePointSet.to_symbolic), _product_measures(k)))
 
 
 @st.composite
 def _product_measures(draw, d: int):
     import sympy.stats as sps
 
-    from .symbolic.measures import ProductMeasure
+    from depthsat_theory.engines.symbolic.measures import ProductMeasure
 
     rvs = []
     for i in range(d):
@@ -337,11 +338,17 @@ def tangent_jacobian(family: ResidualFamily, z: np.ndarray, layout: str = "vecto
 
 
 @st.composite
-def probes(draw, d: int | st.SearchStrategy[int] = 3, n: int | st.SearchStrategy[int] = 16, *,
-           rank: int | st.SearchStrategy[int] | None = None,
-           z_scale: float | st.SearchStrategy[float] | None = None,
-           g_scale: float | st.SearchStrategy[float] | None = None,
-           family: ResidualFamily | None = None, kind: str = "generic") -> Probe:
+def probes(
+    draw,
+    d: int | st.SearchStrategy[int] = 3,
+    n: int | st.SearchStrategy[int] = 16,
+    *,
+    rank: int | st.SearchStrategy[int] | None = None,
+    z_scale: float | st.SearchStrategy[float] | None = None,
+    g_scale: float | st.SearchStrategy[float] | None = None,
+    family: ResidualFamily | None = None,
+    kind: str = "generic",
+) -> Probe:
     """Float64 probes ``(z, g)`` of ``n`` rows in ``R^d`` (vector sites).
 
     Args:
@@ -408,7 +415,7 @@ class SmallModel:
     """A tiny float64 residual MLP with its probe batch (drawn by :func:`small_models`).
 
     Attributes:
-        model: :class:`~depthsat_theory.models.ResidualMLP` in float64, eval mode.
+        model: :class:`~depthsat_theory.tasks.models.ResidualMLP` in float64, eval mode.
         sites: site names in depth order (``["embed", "blocks.0", …]``).
         inputs: ``(n, in_dim)`` float64; ``targets``: ``(n,)`` long labels.
         loss: per-example cross-entropy ``loss(logits, y) -> (n,)``.
@@ -435,7 +442,7 @@ def small_models(draw, *, max_width: int = 6, max_depth: int = 3, max_n: int = 2
         max_depth: largest number of residual blocks.
         max_n: largest probe size.
     """
-    from .models import ResidualMLP, classification_loss
+    from depthsat_theory.tasks import ResidualMLP, classification_loss
 
     seed = draw(st.integers(0, 2**31 - 1))
     cfg: dict[str, Any] = {
@@ -451,5 +458,13 @@ def small_models(draw, *, max_width: int = 6, max_depth: int = 3, max_n: int = 2
         model = ResidualMLP(**cfg).to(torch.float64).eval()
         inputs = torch.randn(n, cfg["in_dim"], dtype=torch.float64)
         targets = torch.randint(0, cfg["n_classes"], (n,))
-    return SmallModel(model=model, sites=model.site_names(), inputs=inputs, targets=targets,
-                      loss=classification_loss, width=cfg["width"], seed=seed, config=cfg)
+    return SmallModel(
+        model=model,
+        sites=model.site_names(),
+        inputs=inputs,
+        targets=targets,
+        loss=classification_loss,
+        width=cfg["width"],
+        seed=seed,
+        config=cfg,
+    )

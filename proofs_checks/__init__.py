@@ -17,4 +17,4 @@ MODULES = (
     "t7_finite_sample",
 )
 
-__all__ = ["CHECKS", "Check", "Context", "MODULES", "Outcome", "Row", "check", "run_checks"]
+__all__ = ["CHECKS", "MODULES", "Check", "Context", "Outcome", "Row", "check", "run_checks"]

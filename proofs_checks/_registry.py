@@ -20,13 +20,13 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
-from depthsat_theory._io import atomic_write
+from depthsat_theory.io import atomic_write
 
 METHODS = ("symbolic", "numeric", "converse", "coverage")
 
@@ -60,7 +60,7 @@ class Check:
     labels: tuple[str, ...]
     name: str
     method: str
-    fn: Callable[["Context"], Outcome]
+    fn: Callable[[Context], Outcome]
     module: str
 
 
@@ -143,8 +143,9 @@ def load_all() -> list[Check]:
     return CHECKS
 
 
-def run_checks(ctx: Context, *, only: Iterable[str] | None = None,
-               progress: Callable[[Check], None] | None = None) -> list[Row]:
+def run_checks(
+    ctx: Context, *, only: Iterable[str] | None = None, progress: Callable[[Check], None] | None = None
+) -> list[Row]:
     """Run the registered checks (optionally only those of some claims, e.g. ``{"T2"}``).
 
     A check that raises is recorded as failed with the exception's one-line summary;
@@ -160,19 +161,46 @@ def run_checks(ctx: Context, *, only: Iterable[str] | None = None,
         t0 = time.perf_counter()
         try:
             out = chk.fn(ctx)
-            rows.append(Row(chk.claim, list(chk.labels), chk.name, chk.method, out.instances,
-                            out.counterexamples, out.converse, out.detail, time.perf_counter() - t0,
-                            table=out.table))
-        except Exception as exc:  # noqa: BLE001 - a failing check is a result, not a crash
+            rows.append(
+                Row(
+                    chk.claim,
+                    list(chk.labels),
+                    chk.name,
+                    chk.method,
+                    out.instances,
+                    out.counterexamples,
+                    out.converse,
+                    out.detail,
+                    time.perf_counter() - t0,
+                    table=out.table,
+                )
+            )
+        except Exception as exc:
             if os.environ.get("DEPTHSAT_DEBUG"):
                 traceback.print_exc()
-            rows.append(Row(chk.claim, list(chk.labels), chk.name, chk.method, 0, 0, "", "",
-                            time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"))
+            rows.append(
+                Row(
+                    chk.claim,
+                    list(chk.labels),
+                    chk.name,
+                    chk.method,
+                    0,
+                    0,
+                    "",
+                    "",
+                    time.perf_counter() - t0,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            )
     return rows
 
 
 def write_json_atomic(rows: list[Row], ctx: Context, path: str) -> None:
     """Write the rows as JSON via a temporary file and ``os.replace`` (never half-written)."""
-    doc = {"seed": ctx.seed, "quick": ctx.quick, "passed": all(r.passed for r in rows),
-           "rows": [asdict(r) for r in rows]}
+    doc = {
+        "seed": ctx.seed,
+        "quick": ctx.quick,
+        "passed": all(r.passed for r in rows),
+        "rows": [asdict(r) for r in rows],
+    }
     atomic_write(path, lambda fh: json.dump(doc, fh, indent=1))

@@ -13,7 +13,7 @@ Checks:
   units each (the intensity measure, exact rationals),
   ``∇_θ J(0) = E[Aᵀ g] = E[Aᵀ m]`` with ``m(u) = E[g | unit = u]``.
 - ``t1-autograd-gradient`` (numeric): random and trained torch models, random sites and
-  families; the block is really inserted (:func:`depthsat_theory.sites.insert_block`)
+  families; the block is really inserted (:func:`depthsat_theory.capture.sites.insert_block`)
   and autograd's gradient of the probe loss is compared with the statistics' ``b``.
 
 This module also holds the helpers shared by the claim modules T1–T6 (small random
@@ -35,19 +35,22 @@ import numpy as np
 import sympy as sp
 import torch
 
-from depthsat_theory.check import FAMILY_POOLS, _batches, _Context, _family, _Insertion, _site_shapes
-from depthsat_theory.constructions import lsq_readout, odd_network
+from depthsat_theory.capture import accumulate
+from depthsat_theory.check.checker import FAMILY_POOLS, _batches, _Context, _family, _Insertion, _site_shapes
 from depthsat_theory.families import ResidualFamily
-from depthsat_theory.models import (
+from depthsat_theory.statistics import statistics_for
+from depthsat_theory.tasks import (
+    CACHE_ENV_VAR,
     CharGPT,
     ResidualMLP,
     ResNetCNN,
+    Task,
     classification_loss,
+    lsq_readout,
+    odd_network,
     token_loss,
+    trained_task,
 )
-from depthsat_theory.sites import accumulate
-from depthsat_theory.tangent import statistics_for
-from depthsat_theory.training import CACHE_ENV_VAR, Task, trained_task
 
 from ._registry import Context, Outcome, check
 
@@ -103,8 +106,17 @@ def random_task(kind: str, seed: int) -> Task:
     model.requires_grad_(True)
     with torch.no_grad():
         probe_loss = float(loss(model(x), y).mean())
-    return Task(kind=f"random-{kind}", data="random", model=model, inputs=x, targets=y, loss=loss,
-                layout=model.layout, train_loss=float("nan"), probe_loss=probe_loss)
+    return Task(
+        kind=f"random-{kind}",
+        data="random",
+        model=model,
+        inputs=x,
+        targets=y,
+        loss=loss,
+        layout=model.layout,
+        train_loss=float("nan"),
+        probe_loss=probe_loss,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,8 +144,8 @@ def trained(kind: str) -> Task:
 def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties: bool = False) -> _Insertion:
     """One (task, site, family) through the numeric engine, as the theorem checker does it.
 
-    Streams the probe's statistics (:func:`~depthsat_theory.tangent.statistics_for` +
-    :func:`~depthsat_theory.sites.accumulate`), then really inserts the family's zero block
+    Streams the probe's statistics (:func:`~depthsat_theory.statistics.tangent.statistics_for` +
+    :func:`~depthsat_theory.capture.sites.accumulate`), then really inserts the family's zero block
     after ``site`` in a copy of the model (``check._Insertion``): function preservation,
     autograd gradient ``b`` of the probe loss w.r.t. the block, its comparison with the
     statistics, feature-parameter gradients and the first-step evaluation.  The
@@ -151,8 +163,9 @@ def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties:
     return ins
 
 
-def draw_instances(rng: np.random.Generator, n: int, *, trained_kinds=("mlp",),
-                   random_kinds=RANDOM_KINDS, exclude=()) -> list[tuple[Task, str, str]]:
+def draw_instances(
+    rng: np.random.Generator, n: int, *, trained_kinds=("mlp",), random_kinds=RANDOM_KINDS, exclude=()
+) -> list[tuple[Task, str, str]]:
     """``n`` random ``(task, site, family spec)`` triples: random models (fresh seeds) and
     trained models, sites uniformly, families from the checker's pool of the layout."""
     kinds = [("random", k) for k in random_kinds] + [("trained", k) for k in trained_kinds]
@@ -223,25 +236,35 @@ class FiniteMeasure:
 
     @property
     def K(self) -> sp.Matrix:
-        return sum((w * a.T * a for w, a in zip(self.mu, self.A)), sp.zeros(self.A[0].shape[1]))
+        return sum((w * a.T * a for w, a in zip(self.mu, self.A, strict=False)), sp.zeros(self.A[0].shape[1]))
 
     @property
     def b(self) -> sp.Matrix:
         """``E[Aᵀ g]`` (over the joint law of unit and g)."""
         p = self.A[0].shape[1]
-        return sum((w * q * a.T * v for w, a, gs in zip(self.mu, self.A, self.g) for q, v in gs),
-                   sp.zeros(p, 1))
+        return sum(
+            (w * q * a.T * v for w, a, gs in zip(self.mu, self.A, self.g, strict=False) for q, v in gs), sp.zeros(p, 1)
+        )
 
     def inner(self, f1, f2) -> sp.Rational:
         """``⟨f1, f2⟩ = Σ_i μ_i f1(u_i)·f2(u_i)`` for lists of column vectors."""
-        return sum((w * (x.T * y)[0, 0] for w, x, y in zip(self.mu, f1, f2)), sp.Integer(0))
+        return sum((w * (x.T * y)[0, 0] for w, x, y in zip(self.mu, f1, f2, strict=False)), sp.Integer(0))
 
     def ms(self) -> list:
         return [self.m(i) for i in range(len(self.mu))]
 
 
-def random_measure(rng: np.random.Generator, *, units: int, d: int, p: int, rank: int | None = None,
-                   draws: int = 2, realizable: bool = False, conditional_noise: bool = True) -> FiniteMeasure:
+def random_measure(
+    rng: np.random.Generator,
+    *,
+    units: int,
+    d: int,
+    p: int,
+    rank: int | None = None,
+    draws: int = 2,
+    realizable: bool = False,
+    conditional_noise: bool = True,
+) -> FiniteMeasure:
     """A random rational finite measure with tangent maps ``A_i`` (``d × p``).
 
     Args:
@@ -268,9 +291,9 @@ def random_measure(rng: np.random.Generator, *, units: int, d: int, p: int, rank
             qs = rat_probs(rng, draws)
             noise = [rat_matrix(rng, d, 1) for _ in range(draws - 1)]
             # last noise value makes the conditional mean zero: Σ q_j e_j = 0
-            last = -sum((q * e for q, e in zip(qs[:-1], noise)), sp.zeros(d, 1)) / qs[-1]
+            last = -sum((q * e for q, e in zip(qs[:-1], noise, strict=False)), sp.zeros(d, 1)) / qs[-1]
             noise.append(last)
-            g.append([(q, m + e) for q, e in zip(qs, noise)])
+            g.append([(q, m + e) for q, e in zip(qs, noise, strict=False)])
         else:
             qs = rat_probs(rng, draws)
             g.append([(q, rat_matrix(rng, d, 1)) for q in qs])
@@ -289,7 +312,7 @@ def _chain_rule_generic(d: int, p: int) -> bool:
     F = [[sp.Function(f"F{i}{j}")(*th, *z) for j in range(p)] for i in range(d)]
     h = [sum(th[j] * F[i][j] for j in range(p)) for i in range(d)]  # h(0, z) = 0 identically
     ell = sp.Function("ell")
-    zero = {t: 0 for t in th}
+    zero = dict.fromkeys(th, 0)
     lhs = sp.Matrix([sp.diff(ell(*[z[i] + h[i] for i in range(d)]), t).subs(zero).doit() for t in th])
     A = sp.Matrix(d, p, lambda i, j: sp.diff(h[i], th[j]).subs(zero).doit())
     grad = sp.Matrix([sp.diff(ell(*z), zi) for zi in z])
@@ -300,7 +323,7 @@ def _chain_rule_generic(d: int, p: int) -> bool:
 def _chain_rule_polynomial(rng: np.random.Generator, d: int, p: int) -> bool:
     th = sp.symbols(f"theta1:{p + 1}")
     z = sp.symbols(f"z1:{d + 1}")
-    zero = {t: 0 for t in th}
+    zero = dict.fromkeys(th, 0)
     h = []
     for _ in range(d):  # every monomial carries a θ factor: h(0, z) = 0
         expr = sum(rat(rng) * th[j] * z[int(rng.integers(d))] ** int(rng.integers(0, 3)) for j in range(p))
@@ -311,7 +334,7 @@ def _chain_rule_polynomial(rng: np.random.Generator, d: int, p: int) -> bool:
     comp = ell.subs({w[i]: z[i] + h[i] for i in range(d)}, simultaneous=True)
     lhs = sp.Matrix([sp.diff(comp, t).subs(zero) for t in th])
     A = sp.Matrix(d, p, lambda i, j: sp.diff(h[i], th[j]).subs(zero))
-    grad = sp.Matrix([sp.diff(ell, wi).subs(dict(zip(w, z)), simultaneous=True) for wi in w])
+    grad = sp.Matrix([sp.diff(ell, wi).subs(dict(zip(w, z, strict=False)), simultaneous=True) for wi in w])
     return sp.simplify(lhs - A.T * grad) == sp.zeros(p, 1)
 
 
@@ -324,24 +347,35 @@ def chain_rule_origin(ctx: Context) -> Outcome:
     poly = [(int(rng.integers(1, 4)), int(rng.integers(1, 4))) for _ in range(ctx.count(8, 2))]
     bad += sum(not _chain_rule_polynomial(rng, d, p) for d, p in poly)
     n = len(shapes) + len(poly)
-    return Outcome(n, bad, detail=f"{len(shapes)} generic (undefined F_ij, ℓ; h=Σθ_j F_ij) + "
-                                  f"{len(poly)} random polynomial h with a log-sum-exp ℓ; exact difference 0")
+    return Outcome(
+        n,
+        bad,
+        detail=f"{len(shapes)} generic (undefined F_ij, ℓ; h=Σθ_j F_ij) + "
+        f"{len(poly)} random polynomial h with a log-sum-exp ℓ; exact difference 0",
+    )
 
 
 def _tower_instance(rng: np.random.Generator) -> tuple[bool, bool]:
     d, p = int(rng.integers(1, 3)), int(rng.integers(1, 4))
     th = sp.symbols(f"theta1:{p + 1}")
-    zero = {t: 0 for t in th}
+    zero = dict.fromkeys(th, 0)
     n_units = int(rng.integers(2, 4))
     units = [rat_matrix(rng, d, 1) for _ in range(n_units)]
     u_sym = sp.symbols(f"u1:{d + 1}")
     # a general family h(θ, u) with h(0, u) = 0 (nonlinear in θ and u)
-    h = sp.Matrix([sum(th[j] * (rat(rng) * u_sym[i] + rat(rng) * u_sym[int(rng.integers(d))] ** 2 + rat(rng))
-                       for j in range(p)) + rat(rng) * th[0] ** 2 * u_sym[i] for i in range(d)])
+    h = sp.Matrix(
+        [
+            sum(
+                th[j] * (rat(rng) * u_sym[i] + rat(rng) * u_sym[int(rng.integers(d))] ** 2 + rat(rng)) for j in range(p)
+            )
+            + rat(rng) * th[0] ** 2 * u_sym[i]
+            for i in range(d)
+        ]
+    )
     jac = h.jacobian(th).subs(zero)
 
     def A(u):
-        return jac.subs(dict(zip(u_sym, u)), simultaneous=True)
+        return jac.subs(dict(zip(u_sym, u, strict=False)), simultaneous=True)
 
     # examples: each has T units (with repeats) and a per-unit gradient; rational probabilities
     n_ex, T = int(rng.integers(2, 5)), int(rng.integers(1, 4))
@@ -354,20 +388,21 @@ def _tower_instance(rng: np.random.Generator) -> tuple[bool, bool]:
     for x in range(n_ex):
         for t in range(T):
             u = units[ex_units[x][t]]
-            hu = h.subs(dict(zip(u_sym, u)), simultaneous=True)
+            hu = h.subs(dict(zip(u_sym, u, strict=False)), simultaneous=True)
             w = u + hu
             J += px[x] * ((ex_g[x][t].T * w)[0, 0] + c * ((w - u).T * (w - u))[0, 0])
     grad_j = sp.Matrix([sp.diff(J, t) for t in th]).subs(zero)
-    e_ag = sum((px[x] * A(units[ex_units[x][t]]).T * ex_g[x][t] for x in range(n_ex) for t in range(T)),
-               sp.zeros(p, 1))
+    e_ag = sum((px[x] * A(units[ex_units[x][t]]).T * ex_g[x][t] for x in range(n_ex) for t in range(T)), sp.zeros(p, 1))
     # intensity μ(u) = E_x #{t: u_t = u}; m(u) = E_x Σ_{t: u_t = u} g_t / μ(u)
     e_am = sp.zeros(p, 1)
     for k in range(n_units):
         mass = sum(px[x] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k)
         if mass == 0:
             continue
-        m = sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k),
-                sp.zeros(d, 1)) / mass
+        m = (
+            sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k), sp.zeros(d, 1))
+            / mass
+        )
         e_am += mass * A(units[k]).T * m
     return sp.simplify(grad_j - e_ag) == sp.zeros(p, 1), sp.simplify(e_ag - e_am) == sp.zeros(p, 1)
 
@@ -382,9 +417,12 @@ def tower_property(ctx: Context) -> Outcome:
         ok_grad, ok_tower = _tower_instance(rng)
         bad_grad += not ok_grad
         bad_tower += not ok_tower
-    return Outcome(n, bad_grad + bad_tower,
-                   detail=f"examples with 1–3 units (ties across/within examples), rational laws: "
-                          f"∇J(0) ≠ E[Aᵀg] in {bad_grad}, E[Aᵀg] ≠ E[Aᵀm] in {bad_tower} (exact)")
+    return Outcome(
+        n,
+        bad_grad + bad_tower,
+        detail=f"examples with 1–3 units (ties across/within examples), rational laws: "
+        f"∇J(0) ≠ E[Aᵀg] in {bad_grad}, E[Aᵀg] ≠ E[Aᵀm] in {bad_tower} (exact)",
+    )
 
 
 # ============================================================================ numeric check
@@ -410,7 +448,12 @@ def autograd_gradient(ctx: Context) -> Outcome:
         dev_max = max(dev_max, ins.deviation)
         if ins.gradient_error > ins.gradient_tol or ins.feature_grad_max != 0.0 or ins.deviation != 0.0:
             bad += 1
-    return Outcome(len(draws), bad, detail=(
-        f"{len(families)} families on random mlp/cnn/gpt + trained models; max|Δb|/max|b| = {fmt(worst_rel)}, "
-        f"max|Δb|/tol = {fmt(worst_ratio)} (tol = 1e3·eps64·AG_rms·max√K_ii + 1e-9·max|b|); "
-        f"max|∂J/∂ψ| = {fmt(feat_max)}; max|Δf| at origin = {fmt(dev_max)}"))
+    return Outcome(
+        len(draws),
+        bad,
+        detail=(
+            f"{len(families)} families on random mlp/cnn/gpt + trained models; max|Δb|/max|b| = {fmt(worst_rel)}, "
+            f"max|Δb|/tol = {fmt(worst_ratio)} (tol = 1e3·eps64·AG_rms·max√K_ii + 1e-9·max|b|); "
+            f"max|∂J/∂ψ| = {fmt(feat_max)}; max|Δf| at origin = {fmt(dev_max)}"
+        ),
+    )

@@ -12,7 +12,7 @@ Checks:
   ``s² K − b bᵀ ⪰ 0`` (so no ``v`` does better: the sup equals ``s``); the Lagrange
   conditions ``b = s K v̂``, ``v̂ᵀ K v̂ = 1`` at ``v̂ = v*/s``; ``Π m = A K⁺ b`` satisfies
   the normal equations and ``‖Π m‖² = ‖Π g‖² = bᵀK⁺b``.
-- ``t2-iff-checker`` (numeric): the theorem checker (:mod:`depthsat_theory.check`) on
+- ``t2-iff-checker`` (numeric): the theorem checker (:mod:`depthsat_theory.check.checker`) on
   random instances of trained models and the exact saturated constructions: ``s > tol``
   ⇔ a Richardson-measured first-order slope ``−⟨b, P(b)⟩ < 0``.  Its models are trained
   with the run's seed (cached in ``$DEPTHSAT_CACHE``; a seed not in the cache trains
@@ -44,7 +44,7 @@ def _variational_instance(rng: np.random.Generator) -> tuple[bool, bool]:
     fm = random_measure(rng, units=int(rng.integers(2, 5)), d=d, p=p, rank=rank, draws=2)
     K, b = fm.K, fm.b
     Kp = K.pinv()
-    ok = K * Kp * K == K and Kp * K * Kp == Kp and (K * Kp).T == K * Kp
+    ok = K * Kp * K == K and Kp * K * Kp == Kp and K * Kp == (K * Kp).T
     ok &= K * Kp * b == b  # b ∈ range K
     s2 = sp.simplify((b.T * Kp * b)[0, 0])
     vstar = Kp * b
@@ -60,14 +60,20 @@ def _variational_instance(rng: np.random.Generator) -> tuple[bool, bool]:
         ok &= sp.simplify((vhat.T * K * vhat)[0, 0] - 1) == 0
     # Π m = A K⁺ E[Aᵀ m]: normal equations ⟨m − Π m, A e_j⟩ = 0 and ‖Π m‖² = s²; same for g
     ms = fm.ms()
-    bm = sum((w * a.T * m for w, a, m in zip(fm.mu, fm.A, ms)), sp.zeros(p, 1))
+    bm = sum((w * a.T * m for w, a, m in zip(fm.mu, fm.A, ms, strict=False)), sp.zeros(p, 1))
     ok &= bm == b
     pim = [a * (Kp * bm) for a in fm.A]
     for j in range(p):
         col = [a[:, j] for a in fm.A]
-        ok &= fm.inner([m - q for m, q in zip(ms, pim)], col) == 0
-        resid_g = sum((w * qq * (a[:, j].T * (v - a * vstar))[0, 0]
-                       for w, a, gs in zip(fm.mu, fm.A, fm.g) for qq, v in gs), sp.Integer(0))
+        ok &= fm.inner([m - q for m, q in zip(ms, pim, strict=False)], col) == 0
+        resid_g = sum(
+            (
+                w * qq * (a[:, j].T * (v - a * vstar))[0, 0]
+                for w, a, gs in zip(fm.mu, fm.A, fm.g, strict=False)
+                for qq, v in gs
+            ),
+            sp.Integer(0),
+        )
         ok &= sp.simplify(resid_g) == 0
     ok &= sp.simplify(fm.inner(pim, pim) - s2) == 0
     return bool(ok), rank is not None
@@ -83,8 +89,12 @@ def variational(ctx: Context) -> Outcome:
         ok, dfc = _variational_instance(rng)
         bad += not ok
         deficient += dfc
-    return Outcome(n, bad, detail=f"{deficient}/{n} with singular K; Penrose, b∈range K, attainment by "
-                                  f"v*=K⁺b, s²K−bbᵀ⪰0, Lagrange, normal equations: exact")
+    return Outcome(
+        n,
+        bad,
+        detail=f"{deficient}/{n} with singular K; Penrose, b∈range K, attainment by "
+        f"v*=K⁺b, s²K−bbᵀ⪰0, Lagrange, normal equations: exact",
+    )
 
 
 # ============================================================================ numeric
@@ -93,24 +103,33 @@ def _summarize(records: list[dict]) -> str:
     sat = [r for r in records if r["verdict"] == "agree" and not r["predicted_improvable"]]
     deg = sum(r["verdict"] == "degenerate" for r in records)
     und = sum(r["verdict"] == "undecided" for r in records)
-    slope = max((abs(r["observed_slope"] - r["predicted_slope"]) / abs(r["predicted_slope"]) for r in imp),
-                default=0.0)
+    slope = max((abs(r["observed_slope"] - r["predicted_slope"]) / abs(r["predicted_slope"]) for r in imp), default=0.0)
     ratios = [r["ratio"] for r in sat if r["ratio"] == r["ratio"]]
     rtxt = f", ΔJ(η)/ΔJ(η/2) at saturated {min(ratios):.3g}–{max(ratios):.3g}" if ratios else ""
-    return (f"{len(imp)} improvable (max |slope−(−⟨b,P(b)⟩)|/|⟨b,P(b)⟩| = {fmt(slope)}), {len(sat)} saturated"
-            f"{rtxt}, {deg} degenerate, {und} undecided")
+    return (
+        f"{len(imp)} improvable (max |slope−(−⟨b,P(b)⟩)|/|⟨b,P(b)⟩| = {fmt(slope)}), {len(sat)} saturated"
+        f"{rtxt}, {deg} degenerate, {und} undecided"
+    )
 
 
 @check("T2", "thm-iff", "t2-iff-checker", "numeric")
 def iff_checker(ctx: Context) -> Outcome:
     """The theorem checker's random instances (trained models + exact constructions)."""
-    cfg = CheckConfig(instances=ctx.count(60, 6), seed=ctx.seed,
-                      kinds=("mlp", "gpt", "cnn") if not ctx.quick else ("mlp",),
-                      construction_fraction=0.3, cnn_probe_size=32, cache_dir=weights_cache())
+    cfg = CheckConfig(
+        instances=ctx.count(60, 6),
+        seed=ctx.seed,
+        kinds=("mlp", "gpt", "cnn") if not ctx.quick else ("mlp",),
+        construction_fraction=0.3,
+        cnn_probe_size=32,
+        cache_dir=weights_cache(),
+    )
     rep = run_check(cfg)
     recs = rep["records"]
-    return Outcome(rep["instances"], rep["counterexamples"],
-                   detail=f"depthsat.check (seed {ctx.seed}, {','.join(cfg.kinds)} + lsq/odd): " + _summarize(recs))
+    return Outcome(
+        rep["instances"],
+        rep["counterexamples"],
+        detail=f"depthsat.check (seed {ctx.seed}, {','.join(cfg.kinds)} + lsq/odd): " + _summarize(recs),
+    )
 
 
 @check("T2", "thm-iff", "t2-iff-random-models", "numeric")
@@ -159,7 +178,12 @@ def saturated_no_first_order(ctx: Context) -> Outcome:
             slope_rel = max(slope_rel, abs(ev["observed_slope"]) / scale)
         bad += not ok
     rt = f"{min(ratios):.3g}–{max(ratios):.3g}" if ratios else "n/a"
-    return Outcome(len(cases), bad, detail=(
-        f"lsq readout (linear, linear-nobias) + odd network (even features) × {len(updates)} updates: "
-        f"max|b|/τ = {fmt(bmax_rel)}; ΔJ(η)/ΔJ(η/2) ∈ {rt} (4 = no first-order term); "
-        f"max |slope|/(AG_rms·‖A‖) = {fmt(slope_rel)}"))
+    return Outcome(
+        len(cases),
+        bad,
+        detail=(
+            f"lsq readout (linear, linear-nobias) + odd network (even features) × {len(updates)} updates: "
+            f"max|b|/τ = {fmt(bmax_rel)}; ΔJ(η)/ΔJ(η/2) ∈ {rt} (4 = no first-order term); "
+            f"max |slope|/(AG_rms·‖A‖) = {fmt(slope_rel)}"
+        ),
+    )

@@ -13,7 +13,7 @@ Checks:
   schedule, RAdam, RMSprop, Adagrad, SGD, momentum, Nesterov, signSGD, Lion).
 - ``t3-first-steps-torch`` (numeric): the derived formulas, evaluated at the default
   hyperparameters, against one real ``torch.optim`` step (and the engine's
-  :class:`~depthsat_theory.optimizers.ZeroStateUpdate`) on random gradients.
+  :class:`~depthsat_theory.optimizers.updates.ZeroStateUpdate`) on random gradients.
 - ``t3-descent-compatible-symbolic`` (symbolic): ``P(0) = 0`` and ``b P(b) > 0`` for
   ``b ≠ 0`` (elementwise maps) decided by sympy's assumptions;
   ``d/dη J(−η P(b))|₀ = −⟨∇J(0), P(b)⟩`` for a generic ``J``; the rotation has
@@ -56,8 +56,7 @@ def _nadam_kappa():
 def nadam_kappa_default() -> float:
     """NAdam's first-step factor ``κ = 1 + μ₂(1 − β₁)/(1 − μ₁μ₂)`` at β₁ = 0.9, ψ = 0.004."""
     mu1, mu2 = _nadam_kappa()
-    return float((1 + mu2 * (1 - beta1) / (1 - mu1 * mu2)).subs({beta1: sp.Rational(9, 10),
-                                                                 psi: sp.Rational(4, 1000)}))
+    return float((1 + mu2 * (1 - beta1) / (1 - mu1 * mu2)).subs({beta1: sp.Rational(9, 10), psi: sp.Rational(4, 1000)}))
 
 
 def derivations() -> dict[str, tuple[sp.Expr, sp.Expr, dict]]:
@@ -86,13 +85,19 @@ def derivations() -> dict[str, tuple[sp.Expr, sp.Expr, dict]]:
     # AdamW: θ ← θ − ηλθ first (inert at θ₀ = 0), then the Adam step on the raw gradient
     th_w = th0 - lr * lam * th0
     m1w, v1w = (1 - beta1) * b, (1 - beta2) * b**2
-    out["adamw"] = (th_w - lr * (m1w / (1 - beta1)) / (sp.sqrt(v1w / (1 - beta2)) + eps), adam_claim,
-                    {**dflt, lam: sp.Rational(1, 100)})
+    out["adamw"] = (
+        th_w - lr * (m1w / (1 - beta1)) / (sp.sqrt(v1w / (1 - beta2)) + eps),
+        adam_claim,
+        {**dflt, lam: sp.Rational(1, 100)},
+    )
     # AMSGrad (Adam, amsgrad=True): ν̂ uses max(ν^max_0 = 0, ν₁) = ν₁
     # (written with 1 − β₂ = omb2 > 0 so that sympy can decide the max)
     v1a = beta2 * 0 + one_m_beta2 * g**2
-    out["amsgrad"] = (th0 - lr * mhat / (sp.sqrt(sp.Max(0, v1a) / one_m_beta2) + eps), adam_claim,
-                      {**dflt, lam: 0, one_m_beta2: sp.Rational(1, 1000)})
+    out["amsgrad"] = (
+        th0 - lr * mhat / (sp.sqrt(sp.Max(0, v1a) / one_m_beta2) + eps),
+        adam_claim,
+        {**dflt, lam: 0, one_m_beta2: sp.Rational(1, 1000)},
+    )
     # Adamax: u₁ = max(β₂·0, |g| + ε), θ₁ = −(η/(1 − β₁)) m₁/u₁
     u1_max = sp.Max(beta2 * 0, sp.Abs(g) + eps)
     out["adamax"] = (th0 - lr / (1 - beta1) * m1 / u1_max, adam_claim, {**dflt, lam: 0})
@@ -100,8 +105,11 @@ def derivations() -> dict[str, tuple[sp.Expr, sp.Expr, dict]]:
     mu1, mu2 = _nadam_kappa()
     mhat_n = mu2 * m1 / (1 - mu1 * mu2) + (1 - mu1) * g / (1 - mu1)
     kappa = 1 + mu2 * (1 - beta1) / (1 - mu1 * mu2)
-    out["nadam"] = (th0 - lr * mhat_n / (sp.sqrt(vhat) + eps), -lr * kappa * b / (sp.Abs(b) + eps),
-                    {**dflt, lam: 0, psi: sp.Rational(4, 1000)})
+    out["nadam"] = (
+        th0 - lr * mhat_n / (sp.sqrt(vhat) + eps),
+        -lr * kappa * b / (sp.Abs(b) + eps),
+        {**dflt, lam: 0, psi: sp.Rational(4, 1000)},
+    )
     # RAdam: ρ_∞ = 2/(1 − β₂) − 1, ρ₁ = ρ_∞ − 2β₂/(1 − β₂) = 1 ≤ 5: un-rectified step θ − η m̂
     rho_inf = 2 / (1 - beta2) - 1
     rho1 = sp.simplify(rho_inf - 2 * 1 * beta2**1 / (1 - beta2**1))
@@ -109,12 +117,18 @@ def derivations() -> dict[str, tuple[sp.Expr, sp.Expr, dict]]:
     out["radam"] = (th0 - lr * mhat, -lr * b, {**dflt, lam: 0})
     # RMSprop (α = 1 − oma): v₁ = α·0 + (1 − α) g², θ₁ = −η g/(√v₁ + ε)
     v1r = (1 - one_m_alpha) * 0 + one_m_alpha * g**2
-    out["rmsprop"] = (th0 - lr * g / (sp.sqrt(v1r) + eps), -lr * b / (sp.sqrt(one_m_alpha) * sp.Abs(b) + eps),
-                      {one_m_alpha: sp.Rational(1, 100), eps: sp.Rational(1, 10**8), lam: 0})
+    out["rmsprop"] = (
+        th0 - lr * g / (sp.sqrt(v1r) + eps),
+        -lr * b / (sp.sqrt(one_m_alpha) * sp.Abs(b) + eps),
+        {one_m_alpha: sp.Rational(1, 100), eps: sp.Rational(1, 10**8), lam: 0},
+    )
     # Adagrad: state sum = a₀; sum₁ = a₀ + g²; step η g/(√sum₁ + ε) (lr decay inert at t = 1)
     s1 = a0 + g**2
-    out["adagrad"] = (th0 - lr * g / (sp.sqrt(s1) + eps), -lr * b / (sp.sqrt(a0 + b**2) + eps),
-                      {a0: sp.Rational(1, 10), eps: sp.Rational(1, 10**10), lam: 0})
+    out["adagrad"] = (
+        th0 - lr * g / (sp.sqrt(s1) + eps),
+        -lr * b / (sp.sqrt(a0 + b**2) + eps),
+        {a0: sp.Rational(1, 10), eps: sp.Rational(1, 10**10), lam: 0},
+    )
     # signSGD
     out["signsgd"] = (th0 - lr * sp.sign(g), -lr * sp.sign(b), {lam: 0})
     # Lion: c = β₁ m₀ + (1 − β₁) g with 1 − β₁ = omb1 > 0; θ ← θ − η(sign(c) + λθ)
@@ -130,9 +144,14 @@ def first_steps_symbolic(ctx: Context) -> Outcome:
     bad = [n for n, (d, c, _) in der.items() if sp.simplify(d - c) != 0]
     kappa = nadam_kappa_default()
     kbad = abs(kappa - 1.0565) > 5e-5
-    return Outcome(len(der) + 1, len(bad) + int(kbad), detail=(
-        f"{len(der)} optimizers ({', '.join(der)}); RAdam ρ₁ = 1 ≤ 5 for every β₂ (unrectified); "
-        f"NAdam κ = {kappa:.6f} (torch.optim.NAdam: 1.0565×Adam)" + (f"; mismatch: {bad}" if bad else "")))
+    return Outcome(
+        len(der) + 1,
+        len(bad) + int(kbad),
+        detail=(
+            f"{len(der)} optimizers ({', '.join(der)}); RAdam ρ₁ = 1 ≤ 5 for every β₂ (unrectified); "
+            f"NAdam κ = {kappa:.6f} (torch.optim.NAdam: 1.0565×Adam)" + (f"; mismatch: {bad}" if bad else "")
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -193,8 +212,12 @@ def _nadam_update() -> _NAdam:
 
 #: descent-compatible updates used by the numeric checks: the engine's plus torch NAdam, RAdam
 def _all_updates() -> list[ZeroStateUpdate]:
-    return [get_update(n) for n in DESCENT_COMPATIBLE] + [_nadam_update(), _RAdam(), _AdamLike("adamax"),
-                                                           _AdamLike("amsgrad")]
+    return [get_update(n) for n in DESCENT_COMPATIBLE] + [
+        _nadam_update(),
+        _RAdam(),
+        _AdamLike("adamax"),
+        _AdamLike("amsgrad"),
+    ]
 
 
 #: relative tolerance of a float64 torch first step against the formula (a few ulps of the
@@ -246,10 +269,15 @@ def first_steps_torch(ctx: Context) -> Outcome:
             tol = NADAM_TOL if name == "nadam" else STEP_TOL
             worst[name == "nadam"] = max(worst[name == "nadam"], float(dev))
             bad += not dev <= tol
-    return Outcome(per * len(funcs), bad, detail=(
-        f"{len(funcs)} optimizers × {per} random gradients (|b_i| 1e-12…1e3, exact zeros): "
-        f"max relative |torch step − formula| = {fmt(worst[0])} (tol {STEP_TOL:g}); NAdam {fmt(worst[1])} "
-        f"(tol {NADAM_TOL:g}: torch keeps NAdam's μ-product in float32)"))
+    return Outcome(
+        per * len(funcs),
+        bad,
+        detail=(
+            f"{len(funcs)} optimizers × {per} random gradients (|b_i| 1e-12…1e3, exact zeros): "
+            f"max relative |torch step − formula| = {fmt(worst[0])} (tol {STEP_TOL:g}); NAdam {fmt(worst[1])} "
+            f"(tol {NADAM_TOL:g}: torch keeps NAdam's μ-product in float32)"
+        ),
+    )
 
 
 @check("T3", "thm-update-invariance", "t3-descent-compatible-symbolic", "symbolic")
@@ -277,12 +305,17 @@ def descent_compatible_symbolic(ctx: Context) -> Outcome:
     # rotation: ⟨b, R b⟩ = 0 identically (4 coordinates)
     bs = sp.symbols("c1:5", real=True)
     rot = [-bs[1], bs[0], -bs[3], bs[2]]
-    ok_rot = sp.expand(sum(x * y for x, y in zip(bs, rot))) == 0
+    ok_rot = sp.expand(sum(x * y for x, y in zip(bs, rot, strict=False))) == 0
     n = len(der) + 2
-    return Outcome(n, len(bad) + (not ok_rate) + (not ok_rot), detail=(
-        f"{len(der)} maps: P(0) = 0 and b·P(b) > 0 proved by sympy assumptions (b real ≠ 0, ε, 1−α, 1−β₁ > 0; "
-        f"NAdam's κ > 0 at β₁ = 0.9, ψ = 0.004); "
-        f"d/dη J(−ηP)|₀ = −⟨∇J(0), P⟩ (generic J); rotation ⟨b, Rb⟩ ≡ 0" + (f"; {bad}" if bad else "")))
+    return Outcome(
+        n,
+        len(bad) + (not ok_rate) + (not ok_rot),
+        detail=(
+            f"{len(der)} maps: P(0) = 0 and b·P(b) > 0 proved by sympy assumptions (b real ≠ 0, ε, 1−α, 1−β₁ > 0; "
+            f"NAdam's κ > 0 at β₁ = 0.9, ψ = 0.004); "
+            f"d/dη J(−ηP)|₀ = −⟨∇J(0), P⟩ (generic J); rotation ⟨b, Rb⟩ ≡ 0" + (f"; {bad}" if bad else "")
+        ),
+    )
 
 
 # ============================================================================ numeric
@@ -292,8 +325,12 @@ def _instances(ctx: Context, name: str, n: int, *, constructions: int = 0):
     if constructions:
         task, sites = lsq_task(int(rng.integers(1 << 30)))
         otask, osites = odd_task(ctx.seed)
-        extra = [(task, sites[0], "linear"), (otask, osites[-1], "even:abs"),
-                 (task, sites[0], "linear-nobias"), (otask, osites[0], "even:square")]
+        extra = [
+            (task, sites[0], "linear"),
+            (otask, osites[-1], "even:abs"),
+            (task, sites[0], "linear-nobias"),
+            (otask, osites[0], "even:square"),
+        ]
         cases += extra[:constructions]
     return rng, cases
 
@@ -320,11 +357,16 @@ def same_improvable_set(ctx: Context) -> Outcome:
             bad += 1
         imp += improvable
         sat += not improvable
-    return Outcome(len(cases), bad, detail=(
-        f"{len(updates)} updates (engine's {len(DESCENT_COMPATIBLE)} + torch NAdam, RAdam, Adamax, AMSGrad) "
-        f"per instance: "
-        f"{imp} improvable (all decrease at first order), {sat} saturated (none moves J at first order); "
-        f"{undecided} undecided evaluations"))
+    return Outcome(
+        len(cases),
+        bad,
+        detail=(
+            f"{len(updates)} updates (engine's {len(DESCENT_COMPATIBLE)} + torch NAdam, RAdam, Adamax, AMSGrad) "
+            f"per instance: "
+            f"{imp} improvable (all decrease at first order), {sat} saturated (none moves J at first order); "
+            f"{undecided} undecided evaluations"
+        ),
+    )
 
 
 @check("T3", "thm-update-invariance", "t3-rotation", "converse")
@@ -345,6 +387,12 @@ def rotation(ctx: Context) -> Outcome:
         worst = max(worst, abs(ev["observed_slope"]) / abs(ref["predicted_slope"]))
         if ev["observed_decrease"] or not ref["observed_decrease"]:
             bad += 1
-    return Outcome(n, bad, converse=f"rotation: {n - bad}/{n} improvable instances show no first-order decrease",
-                   detail=(f"improvable (s > tol) instances on random/trained models; max |rotation slope| / "
-                           f"SGD's ‖b‖² = {fmt(worst)}; SGD decreased at first order on all {n}"))
+    return Outcome(
+        n,
+        bad,
+        converse=f"rotation: {n - bad}/{n} improvable instances show no first-order decrease",
+        detail=(
+            f"improvable (s > tol) instances on random/trained models; max |rotation slope| / "
+            f"SGD's ‖b‖² = {fmt(worst)}; SGD decreased at first order on all {n}"
+        ),
+    )

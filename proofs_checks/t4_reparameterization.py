@@ -13,13 +13,13 @@ Checks:
   ``b̃ = Cᵀb``, ``rank K̃ = rank K``, the projector matrices ``Π̃ = Π`` and ``s̃ = s``
   exactly, for square invertible ``C`` and for wide surjective ``C`` (more parameters);
   and that ``‖b̃‖ ≠ ‖b‖`` in general.
-- ``t4-symbolic-engine`` (symbolic): the exact engine :mod:`depthsat_theory.symbolic`
+- ``t4-symbolic-engine`` (symbolic): the exact engine :mod:`depthsat_theory.engines.symbolic`
   (``saturation_score``, ``reparameterize``, ``is_regular_reparameterization``,
   ``is_degenerate``) agrees with an independent ``bᵀK⁺b`` and with the claim on
   rational finite measures.
 - ``t4-reparam-numeric`` (numeric): a family reparameterized through
   ``χ(ξ) = C tanh(ξ) + 0.3 (Eξ)⊙(Eξ)`` (random well-conditioned ``C``) as a
-  :class:`~depthsat_theory.families.GeneralFamily` gives the same ``s`` and rank as the
+  :class:`~depthsat_theory.families.base.GeneralFamily` gives the same ``s`` and rank as the
   original on random/trained models, and ``b̃ = Cᵀ b``.
 - ``t4-degenerate`` (converse): ``W = UV`` (``product:R``) and ``θ = ξ ⊙ ξ`` have exactly
   zero tangent maps (sympy) and the engine reports them degenerate (rank 0, not
@@ -33,12 +33,12 @@ import numpy as np
 import sympy as sp
 import torch
 
-import depthsat_theory.symbolic as S
-from depthsat_theory.check import CheckConfig, _batches, _family, _site_shapes
+import depthsat_theory.engines.symbolic as S
+from depthsat_theory.capture import accumulate
+from depthsat_theory.check.checker import CheckConfig, _batches, _family, _site_shapes
 from depthsat_theory.families import FeatureFamily, GeneralFamily, ResidualFamily, linear
 from depthsat_theory.optimizers import get_update
-from depthsat_theory.sites import accumulate
-from depthsat_theory.tangent import statistics_for
+from depthsat_theory.statistics import statistics_for
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import fmt, insertion, random_measure, random_task, rat, rat_matrix, trained
@@ -64,14 +64,15 @@ def _reparam_instance(rng: np.random.Generator, wide: bool) -> tuple[bool, bool]
         C = rat_matrix(rng, p, q)
         if C.rank() == p:
             break
-    chi = C * sp.Matrix(xi) + sp.Matrix([rat(rng) * xi[int(rng.integers(q))] * xi[int(rng.integers(q))]
-                                         for _ in range(p)])
-    zero = {x: 0 for x in xi}
+    chi = C * sp.Matrix(xi) + sp.Matrix(
+        [rat(rng) * xi[int(rng.integers(q))] * xi[int(rng.integers(q))] for _ in range(p)]
+    )
+    zero = dict.fromkeys(xi, 0)
     ok = True
     new_a = []
     for a in fm.A:
         h = a * sp.Matrix(th) + sp.Matrix([rat(rng) * th[0] * th[int(rng.integers(p))] for _ in range(d)])
-        h_rep = h.subs(dict(zip(th, chi)), simultaneous=True)
+        h_rep = h.subs(dict(zip(th, chi, strict=False)), simultaneous=True)
         at = h_rep.jacobian(xi).subs(zero)
         ok &= at == a * C
         new_a.append(at)
@@ -95,26 +96,33 @@ def reparam_symbolic(ctx: Context) -> Outcome:
         ok, changed = _reparam_instance(rng, wide=bool(i % 3 == 2))
         bad += not ok
         norm_changed += changed
-    return Outcome(n, bad, detail=(f"square invertible and wide surjective Dχ(0), quadratic terms in h and χ: "
-                                   f"Ã=AC, K̃=CᵀKC, b̃=Cᵀb, rank, Π matrix, s equal (exact); "
-                                   f"‖b̃‖ ≠ ‖b‖ in {norm_changed}/{n}"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            f"square invertible and wide surjective Dχ(0), quadratic terms in h and χ: "
+            f"Ã=AC, K̃=CᵀKC, b̃=Cᵀb, rank, Π matrix, s equal (exact); "
+            f"‖b̃‖ ≠ ‖b‖ in {norm_changed}/{n}"
+        ),
+    )
 
 
 def _engine_instance(rng: np.random.Generator, i: int) -> tuple[bool, str]:
-    """One cross-check of the symbolic engine (:mod:`depthsat_theory.symbolic`) against T4."""
+    """One cross-check of the symbolic engine (:mod:`depthsat_theory.engines.symbolic`) against T4."""
     fam = (S.linear(2), S.polynomial(1, 2), S.linear(2, bias=False))[i % 3]
     u = fam.units
     pts = [tuple(rat(rng) for _ in u) for _ in range(int(rng.integers(3, 6)))]
-    mu = S.FiniteMeasure(pts, [int(w) for w in rng.integers(1, 4, size=len(pts))],
-                         total_mass=sp.Rational(int(rng.integers(1, 5)), 2))
+    mu = S.FiniteMeasure(
+        pts, [int(w) for w in rng.integers(1, 4, size=len(pts))], total_mass=sp.Rational(int(rng.integers(1, 5)), 2)
+    )
     m = [rat(rng) * u[0] ** 2 + rat(rng) * u[-1] + rat(rng) for _ in u]
     _, s2 = S.saturation_score(fam, mu, m)
     # independent: K, b from the Jacobian at each point, bᵀK⁺b
-    jac = fam.expr.jacobian(sp.Matrix(fam.params)).subs({t: 0 for t in fam.params})
+    jac = fam.expr.jacobian(sp.Matrix(fam.params)).subs(dict.fromkeys(fam.params, 0))
     K = sp.zeros(fam.p)
     bvec = sp.zeros(fam.p, 1)
-    for w, pt in zip(mu.masses, mu.points):
-        at = dict(zip(u, pt))
+    for w, pt in zip(mu.masses, mu.points, strict=False):
+        at = dict(zip(u, pt, strict=False))
         a = jac.subs(at)
         K += w * a.T * a
         bvec += w * a.T * sp.Matrix(m).subs(at)
@@ -136,7 +144,7 @@ def _engine_instance(rng: np.random.Generator, i: int) -> tuple[bool, str]:
 
 @check("T4", "thm-reparameterization", "t4-symbolic-engine", "symbolic")
 def symbolic_engine(ctx: Context) -> Outcome:
-    """The exact engine (``depthsat_theory.symbolic``) agrees: ``s`` invariant under a regular χ,
+    """The exact engine (``depthsat_theory.engines.symbolic``) agrees: ``s`` invariant under a regular χ,
     ``ξ⊙ξ`` not regular, ``UV`` and ``ξ⊙ξ`` degenerate (never saturated)."""
     rng = ctx.rng("t4-symbolic-engine")
     n = ctx.count(3, 1)
@@ -145,9 +153,15 @@ def symbolic_engine(ctx: Context) -> Outcome:
         ok, name = _engine_instance(rng, i)
         bad += not ok
         names.append(name)
-    return Outcome(n, bad, detail=(f"{', '.join(names)} on rational finite measures: engine s² = independent "
-                                   f"bᵀK⁺b ≠ 0, regular χ = Cξ + ξ₁ξ keeps s exactly, ξ⊙ξ not regular; "
-                                   f"product:1 and ξ⊙ξ degenerate, rank 0, not saturated"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            f"{', '.join(names)} on rational finite measures: engine s² = independent "
+            f"bᵀK⁺b ≠ 0, regular χ = Cξ + ξ₁ξ keeps s exactly, ξ⊙ξ not regular; "
+            f"product:1 and ξ⊙ξ degenerate, rank 0, not saturated"
+        ),
+    )
 
 
 # ============================================================================ numeric
@@ -230,10 +244,15 @@ def reparam_numeric(ctx: Context) -> Outcome:
         ratios.append(np.linalg.norm(r1.gradient) / max(np.linalg.norm(r0.gradient), 1e-300))
         if ds > REPARAM_RTOL or db > 1e-9 or r0.tangent_rank != r1.tangent_rank or r0.saturated != r1.saturated:
             bad += 1
-    return Outcome(n, bad, detail=(
-        f"χ(ξ) = C tanh ξ + 0.3(Eξ)², cond C ≤ e: max |s̃−s|/s = {fmt(worst_s)} (tol {REPARAM_RTOL:g}), "
-        f"max |b̃−Cᵀb|/|Cᵀb| = {fmt(worst_b)} (tol 1e-9), ranks equal; ‖b̃‖/‖b‖ ∈ "
-        f"[{min(ratios):.3g}, {max(ratios):.3g}] (not invariant)"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            f"χ(ξ) = C tanh ξ + 0.3(Eξ)², cond C ≤ e: max |s̃−s|/s = {fmt(worst_s)} (tol {REPARAM_RTOL:g}), "
+            f"max |b̃−Cᵀb|/|Cᵀb| = {fmt(worst_b)} (tol 1e-9), ranks equal; ‖b̃‖/‖b‖ ∈ "
+            f"[{min(ratios):.3g}, {max(ratios):.3g}] (not invariant)"
+        ),
+    )
 
 
 def _symbolic_degenerate() -> bool:
@@ -243,11 +262,11 @@ def _symbolic_degenerate() -> bool:
     V = sp.Matrix(1, 2, sp.symbols("V1:3"))
     h = U * V * u
     params = list(U) + list(V)
-    ok = h.jacobian(params).subs({x: 0 for x in params}) == sp.zeros(2, 4)
+    ok = h.jacobian(params).subs(dict.fromkeys(params, 0)) == sp.zeros(2, 4)
     xi = sp.symbols("xi1:7")
     W = sp.Matrix(2, 3, [x * x for x in xi])
     h2 = W * u.col_join(sp.Matrix([1]))
-    ok &= h2.jacobian(xi).subs({x: 0 for x in xi}) == sp.zeros(2, 6)
+    ok &= h2.jacobian(xi).subs(dict.fromkeys(xi, 0)) == sp.zeros(2, 6)
     return bool(ok)
 
 
@@ -267,17 +286,22 @@ def degenerate(ctx: Context) -> Outcome:
         shape = _site_shapes(task, [site])[site]
         p = base.param_dim(shape)
         degs = [_family("product:2"), xi_squared(base, p, _row_dim(shape))]
-        results, _ = site_results(task, site, [base] + degs)
+        results, _ = site_results(task, site, [base, *degs])
         r0 = results[0]
         s_min = min(s_min, r0.score / max(r0.tol, 1e-300))
-        for fam, res in zip(degs, results[1:]):
+        for fam, res in zip(degs, results[1:], strict=False):
             total += 1
             ok = r0.score > r0.tol and res.degenerate and res.tangent_rank == 0 and not res.saturated
             ins = insertion(task, site, fam)
             for name in ("sgd", "adam"):
                 ok &= ins.evaluate(get_update(name), cfg)["verdict"] == "degenerate"
             bad += not ok
-    return Outcome(total + 1, bad + (not sym_ok), converse=(
-        f"W=UV, θ=ξ⊙ξ: {total - bad}/{total} collapse T to {{0}} (rank 0, degenerate, not saturated, "
-        f"no first-order change) where the linear family has s > 0"),
-        detail=f"sympy: both tangent maps ≡ 0; original linear family: min s/tol = {fmt(s_min)}")
+    return Outcome(
+        total + 1,
+        bad + (not sym_ok),
+        converse=(
+            f"W=UV, θ=ξ⊙ξ: {total - bad}/{total} collapse T to {{0}} (rank 0, degenerate, not saturated, "
+            f"no first-order change) where the linear family has s > 0"
+        ),
+        detail=f"sympy: both tangent maps ≡ 0; original linear family: min s/tol = {fmt(s_min)}",
+    )

@@ -17,8 +17,8 @@ Checks:
   ``g``, even features) has ``G = 0`` and ``s = 0`` with ``g ≠ 0``, a generic one
   ``G ≠ 0`` and ``s > 0``.
 - ``t5-dense-reference`` (numeric): ``s`` and ``b`` from the streaming
-  :class:`~depthsat_theory.tangent.FeatureStatistics` equal the dense Jacobian reference
-  (:func:`depthsat_theory.reference.dense_saturation`) on random MLP/CNN/GPT models for
+  :class:`~depthsat_theory.statistics.tangent.FeatureStatistics` equal the dense Jacobian reference
+  (:func:`depthsat_theory.engines.dense.dense_saturation`) on random MLP/CNN/GPT models for
   row and tensor (conv3×3, attention) families.
 - ``t5-saturated-iff-G-zero`` (numeric): the exact constructions have ``G = 0`` and are
   saturated, random instances have ``G ≠ 0`` and ``s > tol``; in all of them
@@ -33,11 +33,11 @@ import math
 import numpy as np
 import sympy as sp
 
-from depthsat_theory.check import _family
+from depthsat_theory.capture import SiteRecorder
+from depthsat_theory.check.checker import _family
+from depthsat_theory.engines import dense_saturation
 from depthsat_theory.families import FeatureFamily
-from depthsat_theory.reference import dense_saturation
-from depthsat_theory.sites import SiteRecorder
-from depthsat_theory.tangent import FeatureStatistics
+from depthsat_theory.statistics import FeatureStatistics
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import draw_instances, fmt, insertion, lsq_task, odd_task, random_task, rat, rat_probs
@@ -57,7 +57,7 @@ def _family_tangent():
     phit = _features().col_join(sp.Matrix([1]))
     h = Wc * phit
     theta = list(Wc)  # row-major: vec_row([W | c])
-    jac = h.jacobian(theta + [psi1, psi2]).subs({w: 0 for w in theta})
+    jac = h.jacobian([*theta, psi1, psi2]).subs(dict.fromkeys(theta, 0))
     return jac, phit
 
 
@@ -92,8 +92,9 @@ def _measure(rng, n_units: int, symmetric: bool = False):
 
 def _cross_instance(rng, jac, phit, symmetric=False):
     """``(ok, G, s², Σ)`` for the polynomial family (or the even one when ``symmetric``)."""
-    units, masses, draws = _measure(rng, int(rng.integers(2, 7)) if not symmetric else 2 * int(rng.integers(1, 4)),
-                                    symmetric)
+    units, masses, draws = _measure(
+        rng, int(rng.integers(2, 7)) if not symmetric else 2 * int(rng.integers(1, 4)), symmetric
+    )
     psi0 = {psi1: rat(rng), psi2: rat(rng)}
     if symmetric:  # even features of u: (u1², u2², u1u2), bias
         feats = sp.Matrix([u1**2, u2**2, u1 * u2, 1])
@@ -104,7 +105,7 @@ def _cross_instance(rng, jac, phit, symmetric=False):
     k = feats.shape[0]
     p = D * k
     G, Sig, bvec, K = sp.zeros(D, k), sp.zeros(k, k), sp.zeros(p, 1), sp.zeros(p, p)
-    for u, w, gs in zip(units, masses, draws):
+    for u, w, gs in zip(units, masses, draws, strict=False):
         at = {u1: u[0], u2: u[1]}
         ph = feats.subs(at)
         A = amap.subs(at)
@@ -113,7 +114,7 @@ def _cross_instance(rng, jac, phit, symmetric=False):
         Sig += w * ph * ph.T
         bvec += w * A.T * m
         K += w * A.T * A
-    ok = bvec == G.reshape(p, 1) and K == sp.kronecker_product(sp.eye(D), Sig)
+    ok = bvec == G.reshape(p, 1) and sp.kronecker_product(sp.eye(D), Sig) == K
     s2 = sp.nsimplify((bvec.T * K.pinv() * bvec)[0, 0])
     ok &= sp.simplify(s2 - (G * Sig.pinv() * G.T).trace()) == 0
     ok &= G * Sig.pinv() * Sig == G  # rows of G in range Σ ⇒ (s = 0 ⇔ G = 0)
@@ -125,18 +126,23 @@ def cross_gradient_symbolic(ctx: Context) -> Outcome:
     """``b = vec G``, ``K = I⊗Σ``, ``s² = tr(GΣ⁺Gᵀ)``, zero ψ columns (exact)."""
     rng = ctx.rng("t5-cross-gradient-symbolic")
     jac, phit = _family_tangent()
-    ok_struct = jac[:, D * (KF + 1):] == sp.zeros(D, 2)
+    ok_struct = jac[:, D * (KF + 1) :] == sp.zeros(D, 2)
     ok_struct &= jac[:, : D * (KF + 1)] == sp.kronecker_product(sp.eye(D), phit.T)
     ok_gen = _identity_generic()
     n = ctx.count(10, 3)
     bad = 0
     for _ in range(n):
-        ok, G, s2 = _cross_instance(rng, jac, phit)
+        ok, _G, _s2 = _cross_instance(rng, jac, phit)
         bad += not ok
-    return Outcome(n + 2, bad + (not ok_struct) + (not ok_gen), detail=(
-        f"φ_ψ = (ψ₁u₁+u₂, (u₁−ψ₂)², u₁u₂) + bias, d = 2: A = I⊗φ̃ᵀ and ∂h/∂ψ ≡ 0 for symbolic ψ; generic "
-        f"vec(G)ᵀ(I⊗Σ)⁻¹vec(G) = tr(GΣ⁻¹Gᵀ); {n} rational measures (2–6 units, Σ often singular): "
-        f"b = vec G, K = I⊗Σ, bᵀK⁺b = tr(GΣ⁺Gᵀ) exactly"))
+    return Outcome(
+        n + 2,
+        bad + (not ok_struct) + (not ok_gen),
+        detail=(
+            f"φ_ψ = (ψ₁u₁+u₂, (u₁−ψ₂)², u₁u₂) + bias, d = 2: A = I⊗φ̃ᵀ and ∂h/∂ψ ≡ 0 for symbolic ψ; generic "
+            f"vec(G)ᵀ(I⊗Σ)⁻¹vec(G) = tr(GΣ⁻¹Gᵀ); {n} rational measures (2–6 units, Σ often singular): "
+            f"b = vec G, K = I⊗Σ, bᵀK⁺b = tr(GΣ⁺Gᵀ) exactly"
+        ),
+    )
 
 
 @check("T5", "thm-zero-output", "t5-zero-output-symbolic", "symbolic")
@@ -150,13 +156,19 @@ def zero_output_symbolic(ctx: Context) -> Outcome:
         symmetric = i % 2 == 1
         ok, G, s2 = _cross_instance(rng, jac, phit, symmetric=symmetric)
         if symmetric:
-            ok &= G == sp.zeros(*G.shape) and s2 == 0
+            ok &= sp.zeros(*G.shape) == G and s2 == 0
         else:
-            ok &= (G == sp.zeros(*G.shape)) == (s2 == 0)
+            ok &= (sp.zeros(*G.shape) == G) == (s2 == 0)
         bad += not ok
-    return Outcome(n, bad, detail=("rows of G in range Σ (GΣ⁺Σ = G) on every measure, so s² = tr(GΣ⁺Gᵀ) = 0 ⇔ G = 0; "
-                                   f"{(n + 1) // 2} generic (G ≠ 0, s > 0), {n // 2} symmetric ±u, odd g, even "
-                                   f"features: G = 0, s = 0 with g ≠ 0"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            "rows of G in range Σ (GΣ⁺Σ = G) on every measure, so s² = tr(GΣ⁺Gᵀ) = 0 ⇔ G = 0; "
+            f"{(n + 1) // 2} generic (G ≠ 0, s > 0), {n // 2} symmetric ±u, odd g, even "
+            f"features: G = 0, s = 0 with g ≠ 0"
+        ),
+    )
 
 
 # ============================================================================ numeric
@@ -169,8 +181,17 @@ def _probe(task, site):
 
 #: families compared with the dense reference (p = d·k̃ stays small at d ≤ 12)
 DENSE_FAMILIES = {
-    "vector": ("linear", "linear-nobias", "poly:2", "relu:16", "gelu:8", "tanh:8", "even:abs", "even:square",
-               "preln:8"),
+    "vector": (
+        "linear",
+        "linear-nobias",
+        "poly:2",
+        "relu:16",
+        "gelu:8",
+        "tanh:8",
+        "even:abs",
+        "even:square",
+        "preln:8",
+    ),
     "sequence": ("linear", "relu:16", "attention:8", "preln:8", "even:square"),
     "image": ("conv1x1", "conv3x3:6", "relu:8", "even:abs"),
 }
@@ -201,9 +222,15 @@ def dense_reference(ctx: Context) -> Outcome:
         db = float(np.abs(res.gradient - ref["gradient"]).max() / max(np.abs(ref["gradient"]).max(), 1e-300))
         worst_s, worst_b = max(worst_s, ds), max(worst_b, db)
         bad += not (ds <= DENSE_RTOL and db <= DENSE_RTOL and res.tangent_rank == ref["rank"])
-    return Outcome(n, bad, detail=(f"{len(fams)} families (row + conv3x3/attention tensor units): max |s−s_dense|/s = "
-                                   f"{fmt(worst_s)}, max |b−b_dense|/|b| = {fmt(worst_b)} (tol {DENSE_RTOL:g}); "
-                                   f"rank d·rank Σ = dense lstsq rank"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            f"{len(fams)} families (row + conv3x3/attention tensor units): max |s−s_dense|/s = "
+            f"{fmt(worst_s)}, max |b−b_dense|/|b| = {fmt(worst_b)} (tol {DENSE_RTOL:g}); "
+            f"rank d·rank Σ = dense lstsq rank"
+        ),
+    )
 
 
 def _feature_stats(fam, z, g, layout):
@@ -238,8 +265,12 @@ def saturated_iff_g_zero(ctx: Context) -> Outcome:
     cases += [(task, sites[0], "linear"), (task, sites[0], "linear-nobias")]
     otask, osites = odd_task(ctx.seed)
     cases += [(otask, s, f) for s in osites for f in ("even:abs", "even:square")][: ctx.count(6, 1)]
-    draws = draw_instances(rng, ctx.count(14, 4), trained_kinds=("mlp", "gpt") if not ctx.quick else ("mlp",),
-                           exclude=("product:4", "product:2", "diag-general"))
+    draws = draw_instances(
+        rng,
+        ctx.count(14, 4),
+        trained_kinds=("mlp", "gpt") if not ctx.quick else ("mlp",),
+        exclude=("product:4", "product:2", "diag-general"),
+    )
     cases += draws
     n_sat = n_imp = bad = 0
     worst_zero = 0.0
@@ -258,6 +289,11 @@ def saturated_iff_g_zero(ctx: Context) -> Outcome:
             n_imp += 1
             ok &= gn > 0.0
         bad += not ok
-    return Outcome(len(cases), bad, detail=(
-        f"{n_sat} saturated (lsq readout, odd network): max ‖G‖_F/AG_rms = {fmt(worst_zero)}; {n_imp} improvable "
-        f"(random/trained models): G ≠ 0; s√λ⁺min ≤ ‖G‖_F ≤ s√λmax (scaled Σ) in all; max |∂J/∂ψ| = {fmt(feat)}"))
+    return Outcome(
+        len(cases),
+        bad,
+        detail=(
+            f"{n_sat} saturated (lsq readout, odd network): max ‖G‖_F/AG_rms = {fmt(worst_zero)}; {n_imp} improvable "
+            f"(random/trained models): G ≠ 0; s√λ⁺min ≤ ‖G‖_F ≤ s√λmax (scaled Σ) in all; max |∂J/∂ψ| = {fmt(feat)}"
+        ),
+    )

@@ -13,7 +13,7 @@ Checks:
   exactly; for generic ``m``: ``r² = s² + ‖m − Πm‖²`` (Pythagoras) and ``s < r``.
 - ``t6-chain-symbolic`` (symbolic): ``s² ≤ r² ≤ AG_rms² ≤ AG_max²`` exactly on random
   finite laws of examples with several units each (intensity measure of units).
-- ``t6-symbolic-engine`` (symbolic): the exact engine :mod:`depthsat_theory.symbolic`
+- ``t6-symbolic-engine`` (symbolic): the exact engine :mod:`depthsat_theory.engines.symbolic`
   reports ``s = r`` and ``ρ = 0`` for ``m ∈ T`` and ``r² = s² + (ρr)²`` otherwise.
 - ``t6-finite-population`` (numeric): finite populations of units with ties where ``g``
   is a function of the unit (or ``m`` plus noise of conditional mean zero) and
@@ -33,18 +33,18 @@ Checks:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import sympy as sp
 import torch
 
-import depthsat_theory.symbolic as S
-from depthsat_theory.check import FAMILY_POOLS, _family
-from depthsat_theory.constructions import squared_error
+import depthsat_theory.engines.symbolic as S
+from depthsat_theory.capture import SiteRecorder
+from depthsat_theory.check.checker import FAMILY_POOLS, _family
 from depthsat_theory.families import GeneralFamily
-from depthsat_theory.sites import SiteRecorder
-from depthsat_theory.tangent import statistics_for
-from depthsat_theory.training import Task
+from depthsat_theory.statistics import statistics_for
+from depthsat_theory.tasks import Task, squared_error
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import (
@@ -65,15 +65,23 @@ from .t1_gradient import (
 def _realizable_instance(rng: np.random.Generator, realizable: bool) -> tuple[bool, bool]:
     d, p = int(rng.integers(1, 3)), int(rng.integers(1, 4))
     rank = int(rng.integers(1, p)) if p > 1 and rng.random() < 0.4 else None
-    fm = random_measure(rng, units=int(rng.integers(2, 5)), d=d, p=p, rank=rank, draws=int(rng.integers(1, 3)),
-                        realizable=realizable, conditional_noise=True)
+    fm = random_measure(
+        rng,
+        units=int(rng.integers(2, 5)),
+        d=d,
+        p=p,
+        rank=rank,
+        draws=int(rng.integers(1, 3)),
+        realizable=realizable,
+        conditional_noise=True,
+    )
     K, b = fm.K, fm.b
     Kp = K.pinv()
     s2 = sp.simplify((b.T * Kp * b)[0, 0])
     ms = fm.ms()
     r2 = fm.inner(ms, ms)
     pim = [a * (Kp * b) for a in fm.A]
-    resid = [m - q for m, q in zip(ms, pim)]
+    resid = [m - q for m, q in zip(ms, pim, strict=False)]
     defect2 = fm.inner(resid, resid)
     ok = sp.simplify(r2 - s2 - defect2) == 0  # Pythagoras: ‖m‖² = ‖Πm‖² + ‖m − Πm‖²
     if realizable:
@@ -95,8 +103,14 @@ def realizable_symbolic(ctx: Context) -> Outcome:
         ok, st = _realizable_instance(rng, realizable=i % 2 == 0)
         bad += not ok
         strict += st
-    return Outcome(n, bad, detail=(f"{(n + 1) // 2} measures with m = Av₀ (+ noise of conditional mean 0): s² = r², "
-                                   f"ρ = 0 exactly; {n // 2} generic: r² = s² + ‖m−Πm‖², s < r in {strict}"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            f"{(n + 1) // 2} measures with m = Av₀ (+ noise of conditional mean 0): s² = r², "
+            f"ρ = 0 exactly; {n // 2} generic: r² = s² + ‖m−Πm‖², s < r in {strict}"
+        ),
+    )
 
 
 def _chain_instance(rng: np.random.Generator) -> bool:
@@ -113,11 +127,13 @@ def _chain_instance(rng: np.random.Generator) -> bool:
     for k in range(n_units):
         mass = sum(px[x] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k)
         if mass:
-            m = sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k),
-                    sp.zeros(d, 1)) / mass
+            m = (
+                sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k), sp.zeros(d, 1))
+                / mass
+            )
             r2 += mass * (m.T * m)[0, 0]
     per_ex = [sum(((ex_g[x][t].T * ex_g[x][t])[0, 0] for t in range(T)), sp.Integer(0)) for x in range(n_ex)]
-    ag_rms2 = sum(q * e for q, e in zip(px, per_ex))
+    ag_rms2 = sum(q * e for q, e in zip(px, per_ex, strict=False))
     ag_max2 = max(per_ex)
     return bool(sp.simplify(s2) <= r2 <= ag_rms2 <= ag_max2)
 
@@ -135,8 +151,9 @@ def _engine_instance(rng: np.random.Generator, i: int) -> bool:
     fam = (S.linear(2), S.polynomial(1, 2), S.polynomial(2, 1, bias=False))[i % 3]
     u = fam.units
     pts = [tuple(rat(rng) for _ in u) for _ in range(int(rng.integers(3, 6)))]
-    mu = S.FiniteMeasure(pts, [int(w) for w in rng.integers(1, 4, size=len(pts))],
-                         total_mass=sp.Rational(int(rng.integers(1, 5)), 2))
+    mu = S.FiniteMeasure(
+        pts, [int(w) for w in rng.integers(1, 4, size=len(pts))], total_mass=sp.Rational(int(rng.integers(1, 5)), 2)
+    )
     v0 = rat_matrix(rng, fam.p, 1)
     m_in = list(S.tangent_map(fam) * v0)  # m ∈ T
     sat = S.saturation(fam, mu, m_in)
@@ -151,13 +168,19 @@ def _engine_instance(rng: np.random.Generator, i: int) -> bool:
 
 @check("T6", "thm-realizability", "t6-symbolic-engine", "symbolic")
 def symbolic_engine(ctx: Context) -> Outcome:
-    """The exact engine (``depthsat_theory.symbolic.saturation``) agrees: ``m ∈ T ⇒ s = r, ρ = 0``;
+    """The exact engine (``depthsat_theory.engines.symbolic.saturation``) agrees: ``m ∈ T ⇒ s = r, ρ = 0``;
     otherwise ``r² = s² + ρ²r²``."""
     rng = ctx.rng("t6-symbolic-engine")
     n = ctx.count(3, 1)
     bad = sum(not _engine_instance(rng, i) for i in range(n))
-    return Outcome(n, bad, detail=("linear / poly:2 / poly:1-nobias families on rational finite measures: engine "
-                                   "s = r, ρ = 0 for m = A v₀; r² = s² + (ρr)², s < r ⇔ ρ > 0 for m = u₁³ + c u_d²"))
+    return Outcome(
+        n,
+        bad,
+        detail=(
+            "linear / poly:2 / poly:1-nobias families on rational finite measures: engine "
+            "s = r, ρ = 0 for m = A v₀; r² = s² + (ρr)², s < r ⇔ ρ > 0 for m = u₁³ + c u_d²"
+        ),
+    )
 
 
 # ============================================================================ numeric
@@ -208,8 +231,17 @@ def _affine_target_task(seed: int) -> tuple[Task, str]:
     head = model.head
     M = head.weight.detach() + 0.3 * torch.randn(head.weight.shape, generator=gen, dtype=torch.float64)
     y = feats[0] @ M.T + head.bias.detach()
-    task = Task(kind="random-mlp-affine", data="random", model=model, inputs=x, targets=y, loss=squared_error,
-                layout="vector", train_loss=float("nan"), probe_loss=float("nan"))
+    task = Task(
+        kind="random-mlp-affine",
+        data="random",
+        model=model,
+        inputs=x,
+        targets=y,
+        loss=squared_error,
+        layout="vector",
+        train_loss=float("nan"),
+        probe_loss=float("nan"),
+    )
     return task, "ln_f"
 
 
@@ -251,10 +283,15 @@ def finite_population(ctx: Context) -> Outcome:
             worst, worst_rho = max(worst, dev), max(worst_rho, res.realizability_defect)
             bad += not (dev <= REAL_RTOL and res.realizability_defect <= 1e-6)
     total = n + 2 * m_models
-    return Outcome(total, bad, detail=(
-        f"{n} direct populations ({noisy} with ± label noise, AG_rms > r̂) over {len(POP_FAMILIES)} families + "
-        f"{2 * m_models} MLPs with affine targets at ln_f: max |s−r̂|/r̂ = {fmt(worst)} (tol {REAL_RTOL:g}), "
-        f"max ρ̂ = {fmt(worst_rho)}"))
+    return Outcome(
+        total,
+        bad,
+        detail=(
+            f"{n} direct populations ({noisy} with ± label noise, AG_rms > r̂) over {len(POP_FAMILIES)} families + "
+            f"{2 * m_models} MLPs with affine targets at ln_f: max |s−r̂|/r̂ = {fmt(worst)} (tol {REAL_RTOL:g}), "
+            f"max ρ̂ = {fmt(worst_rho)}"
+        ),
+    )
 
 
 def _with_repeats(task: Task, gen: torch.Generator) -> Task:
@@ -283,7 +320,7 @@ def agmax_chain(ctx: Context) -> Outcome:
         res = ins.result
         slack = 1e-12 * res.ag_max
         chain = [res.score, res.raw_score, res.ag_rms, res.ag_max]
-        ok = all(a <= b_ + slack for a, b_ in zip(chain, chain[1:]))
+        ok = all(a <= b_ + slack for a, b_ in itertools.pairwise(chain))
         bad += not ok
         strict_r += res.raw_score < res.ag_rms * (1 - 1e-12)
         if res.ag_max > 0:
@@ -294,10 +331,15 @@ def agmax_chain(ctx: Context) -> Outcome:
             token_max = float(g.norm(dim=-1).max())
             below_s += token_max < res.score
             below_rms += token_max < res.ag_rms
-    return Outcome(len(draws), bad, detail=(
-        f"random/trained models, half with repeated inputs and redrawn labels: r̂ < AG_rms strictly in {strict_r}; "
-        f"s/AG_max ∈ [{min(ratios):.2g}, {max(ratios):.2g}]; on {seq} sequence probes the per-token max ‖g_t‖ "
-        f"is < s in {below_s} and < AG_rms in {below_rms} (a per-token max is no bound)"))
+    return Outcome(
+        len(draws),
+        bad,
+        detail=(
+            f"random/trained models, half with repeated inputs and redrawn labels: r̂ < AG_rms strictly in {strict_r}; "
+            f"s/AG_max ∈ [{min(ratios):.2g}, {max(ratios):.2g}]; on {seq} sequence probes the per-token max ‖g_t‖ "
+            f"is < s in {below_s} and < AG_rms in {below_rms} (a per-token max is no bound)"
+        ),
+    )
 
 
 def _site_probe(task, site):
@@ -318,8 +360,17 @@ def _label_noise_task(seed: int) -> Task:
     delta = 0.25
     x2 = torch.cat([x, x])
     y2 = torch.cat([f + delta * e, f - delta * e])
-    return Task(kind="random-mlp-label-noise", data="random", model=base.model, inputs=x2, targets=y2,
-                loss=squared_error, layout="vector", train_loss=float("nan"), probe_loss=float("nan"))
+    return Task(
+        kind="random-mlp-label-noise",
+        data="random",
+        model=base.model,
+        inputs=x2,
+        targets=y2,
+        loss=squared_error,
+        layout="vector",
+        train_loss=float("nan"),
+        probe_loss=float("nan"),
+    )
 
 
 @check("T6", "thm-realizability", "t6-no-realizability", "converse")
@@ -350,11 +401,16 @@ def no_realizability(ctx: Context) -> Outcome:
         ag_ratio.append(res.score / res.ag_max if res.ag_max > 0 else float("inf"))
     n = sum(len(v) for v in groups.values())
     bad = sum(not x for v in groups.values() for x in v)
-    conv = "g ≠ 0 with s = 0 (saturated, AG_max > 0): " + ", ".join(
-        f"{k} {sum(v)}/{len(v)}" for k, v in groups.items())
-    return Outcome(n, bad, converse=conv, detail=(
-        f"max s/AG_max = {fmt(max(ag_ratio))} (s ≤ tol = 1e3·eps·AG_rms); label noise: each input twice with "
-        f"targets f(x) ± δe at random sites/families, r̂ ≈ 0 while AG_max > 0"))
+    conv = "g ≠ 0 with s = 0 (saturated, AG_max > 0): " + ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in groups.items())
+    return Outcome(
+        n,
+        bad,
+        converse=conv,
+        detail=(
+            f"max s/AG_max = {fmt(max(ag_ratio))} (s ≤ tol = 1e3·eps·AG_rms); label noise: each input twice with "
+            f"targets f(x) ± δe at random sites/families, r̂ ≈ 0 while AG_max > 0"
+        ),
+    )
 
 
 def _bias_family() -> GeneralFamily:
@@ -383,6 +439,12 @@ def per_token_max(ctx: Context) -> Outcome:
         ok = abs(res.score - a * t**0.5) <= 1e-12 * a * t**0.5 and abs(res.ag_max - res.score) <= 1e-12 * res.score
         broke += ok and token_max < res.score
         worst = max(worst, token_max / res.score)
-    return Outcome(n, n - broke, converse=f"per-token max ‖g_t‖ < s in {broke}/{n} N-token constructions",
-                   detail=(f"g_t = a·e₁ on N = 2…8 equal tokens, bias family: s = a√N = AG_rms = AG_max (engine, "
-                           f"rel. 1e-12) while max_t ‖g_t‖ = a; max (per-token max)/s = {worst:.3g}"))
+    return Outcome(
+        n,
+        n - broke,
+        converse=f"per-token max ‖g_t‖ < s in {broke}/{n} N-token constructions",
+        detail=(
+            f"g_t = a·e₁ on N = 2…8 equal tokens, bias family: s = a√N = AG_rms = AG_max (engine, "
+            f"rel. 1e-12) while max_t ‖g_t‖ = a; max (per-token max)/s = {worst:.3g}"
+        ),
+    )

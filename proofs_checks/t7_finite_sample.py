@@ -1,11 +1,11 @@
 """T7: finite-sample bounds for the saturation score (``theory/finite-sample.md``).
 
 Claim (theory label thm-finite-sample): on an i.i.d. probe of ``n`` examples, ``ŝ_n → s`` and the interval of
-:func:`depthsat_theory.bounds.interval_from_moments` contains ``s`` with probability at
+:func:`depthsat_theory.bounds.core.interval_from_moments` contains ``s`` with probability at
 least ``1 − δ`` (``thm-finite-sample``), which gives the certificates
 ``cor-certified-improvable`` and ``cor-certified-saturated``; the ``AG_rms`` upper bound
 ``cor-agmax-certificate-finite`` covers the population ``AG_rms ≥ s``; the checkpoint
-intervals of :class:`~depthsat_theory.bounds.SequentialCertifier` hold simultaneously
+intervals of :class:`~depthsat_theory.bounds.core.SequentialCertifier` hold simultaneously
 (``thm-sequential``).
 
 Populations are *finite*, so the exact ``s`` (and the exact essential suprema ``γ``,
@@ -74,7 +74,7 @@ from depthsat_theory.bounds import (
     plan_bound,
     unbiased_score_squared,
 )
-from depthsat_theory.tangent import default_rtol
+from depthsat_theory.statistics import default_rtol
 
 from ._registry import Context, Outcome, check
 
@@ -126,7 +126,7 @@ class Population:
         """Per-example ``vec(φ̃φ̃ᵀ)``, ``vec(g φ̃ᵀ)`` and ``‖g‖² vec(φ̃φ̃ᵀ)``."""
         outer = np.einsum("ik,il->ikl", self.phi, self.phi).reshape(self.N, -1)
         gphi = np.einsum("id,ik->idk", self.g, self.phi).reshape(self.N, -1)
-        gsq = (self.g ** 2).sum(1)
+        gsq = (self.g**2).sum(1)
         return outer, gphi, outer * gsq[:, None]
 
     def moments(self, design, counts: np.ndarray) -> list[ProbeMoments]:
@@ -138,16 +138,26 @@ class Population:
         sig = (wn @ outer).reshape(-1, k, k)
         cross = (wn @ gphi).reshape(-1, d, k)
         q = (wn @ qouter).reshape(-1, k, k)
-        gsq = (self.g ** 2).sum(1)
-        fsq = (self.phi ** 2).sum(1)
+        gsq = (self.g**2).sum(1)
+        fsq = (self.phi**2).sum(1)
         live = counts > 0
         g_sq = wn @ gsq
         g_max = np.sqrt(np.where(live, gsq, 0.0).max(1))
         f_max = np.where(live, fsq, 0.0).max(1)
         rtol = default_rtol(torch.float64, k)
-        return [ProbeMoments(n=int(n[r]), sigma=sig[r], cross=cross[r], q=q[r], g_sq=float(g_sq[r]),
-                             g_max=float(g_max[r]), feat_sq_max=float(f_max[r]), rtol=rtol)
-                for r in range(counts.shape[0])]
+        return [
+            ProbeMoments(
+                n=int(n[r]),
+                sigma=sig[r],
+                cross=cross[r],
+                q=q[r],
+                g_sq=float(g_sq[r]),
+                g_max=float(g_max[r]),
+                feat_sq_max=float(f_max[r]),
+                rtol=rtol,
+            )
+            for r in range(counts.shape[0])
+        ]
 
     def draw(self, rng: np.random.Generator, n: int, reps: int) -> np.ndarray:
         return rng.multinomial(n, np.full(self.N, 1.0 / self.N), size=reps)
@@ -162,10 +172,9 @@ def _cache_dir() -> str:
 
 def _digits_populations() -> list[Population]:
     """Per-example (z, g) of all 1,797 digits through the trained residual MLP."""
-    from depthsat_theory.data import load_digits
+    from depthsat_theory.capture import SiteRecorder
     from depthsat_theory.families import parse_family
-    from depthsat_theory.sites import SiteRecorder
-    from depthsat_theory.training import trained_task
+    from depthsat_theory.tasks import load_digits, trained_task
 
     task = trained_task("mlp", seed=0, cache_dir=_cache_dir())
     x, y = load_digits(torch.float64)
@@ -197,8 +206,7 @@ def _synthetic_populations(rng: np.random.Generator) -> list[Population]:
     g0 = raw - phi @ np.linalg.lstsq(phi, raw, rcond=None)[0]  # G = 0: s = 0 exactly
     mix = rng.normal(size=(d, d))
     g1 = 0.3 * np.tanh(z @ mix.T) + rng.normal(size=(n_pop, d))
-    return [Population("synthetic s=0", phi, g0, 0.0, sizes),
-            Population("synthetic s>0", phi, g1, 0.0, sizes)]
+    return [Population("synthetic s=0", phi, g0, 0.0, sizes), Population("synthetic s>0", phi, g1, 0.0, sizes)]
 
 
 def populations(ctx: Context) -> list[Population]:
@@ -222,8 +230,7 @@ def _fmt(x: float) -> str:
 
 
 # ============================================================================ coverage
-@check("T7", ["thm-finite-sample", "cor-certified-improvable", "cor-certified-saturated"],
-       "t7-coverage", "coverage")
+@check("T7", ["thm-finite-sample", "cor-certified-improvable", "cor-certified-saturated"], "t7-coverage", "coverage")
 def coverage(ctx: Context) -> Outcome:
     """Coverage, error decay and looseness of the (1 − δ) interval on finite populations."""
     reps = ctx.count(400, 100)
@@ -241,8 +248,9 @@ def coverage(ctx: Context) -> Outcome:
             cover = plug = nonvac = impr = sat = 0
             errs, halves = [], []
             for m in pop.moments(design, counts):
-                it = interval_from_moments(m, DELTA, ridge=pop.ridge, grad_max=pop.gamma,
-                                           leverage_max=pop.lev, epsilon=pop.eps_sat)
+                it = interval_from_moments(
+                    m, DELTA, ridge=pop.ridge, grad_max=pop.gamma, leverage_max=pop.lev, epsilon=pop.eps_sat
+                )
                 cover += it.score_lower <= pop.s <= it.score_upper
                 nonvac += not it.vacuous
                 impr += it.certificate == CERTIFIED_IMPROVABLE
@@ -253,7 +261,8 @@ def coverage(ctx: Context) -> Outcome:
                 plug += pi.score_lower <= pop.s <= pi.score_upper
             boot = ""
             if pop.name.startswith("synthetic") or (
-                    not ctx.quick and pop.name == "digits blocks.0 linear" and n == sizes[2]):
+                not ctx.quick and pop.name == "digits blocks.0 linear" and n == sizes[2]
+            ):
                 hits = 0
                 for r in range(boot_probes):
                     mb = ProbeMoments.from_arrays(pop.phi, pop.g, counts[r], keep=True)
@@ -265,10 +274,24 @@ def coverage(ctx: Context) -> Outcome:
             cov = cover / reps
             cells += 1
             bad += cov < floor
-            pop_rows.append([pop.name if first else "", _fmt(pop.s) if first else "", n, reps,
-                             _fmt(cov), _fmt(nonvac / reps), _fmt(impr / reps), _fmt(sat / reps),
-                             _fmt(plug / reps), boot or "-", _fmt(q), _fmt(float(np.median(halves))),
-                             _fmt(float(np.median(halves)) / q) if q > 0 else "-", ""])
+            pop_rows.append(
+                [
+                    pop.name if first else "",
+                    _fmt(pop.s) if first else "",
+                    n,
+                    reps,
+                    _fmt(cov),
+                    _fmt(nonvac / reps),
+                    _fmt(impr / reps),
+                    _fmt(sat / reps),
+                    _fmt(plug / reps),
+                    boot or "-",
+                    _fmt(q),
+                    _fmt(float(np.median(halves))),
+                    _fmt(float(np.median(halves)) / q) if q > 0 else "-",
+                    "",
+                ]
+            )
             first = False
         slope = float(np.polyfit(np.log(sizes), np.log(qerr), 1)[0])
         slope_tail = float(np.polyfit(np.log(sizes[-3:]), np.log(qerr[-3:]), 1)[0])
@@ -276,17 +299,33 @@ def coverage(ctx: Context) -> Outcome:
         bad += not SLOPE_RANGE[0] <= slope_tail <= SLOPE_RANGE[1]
         pop_rows[0][-1] = f"{slope:.2f} (last 3: {slope_tail:.2f})"
         rows.extend(pop_rows)
-    cols = ["population", "s (exact)", "n", "probes", "coverage", "non-vacuous", "cert. improvable",
-            "cert. ε-saturated", "plug-in cov.", "bootstrap cov.", f"q{int(100 * (1 - DELTA))} |ŝ−s|",
-            "median half-width", "looseness", "log-log slope"]
-    title = (f"coverage of the (1−δ) interval, δ = {DELTA} (exact population constants); a cell fails "
-             f"only if coverage < 1−δ−3·SE = {floor:.3f}; plug-in and bootstrap columns are not "
-             f"guarantees; ε of the saturation verdict = AG_rms/4 (s = 0) or s/2 (s > 0)")
-    detail = (f"{cells} cells (population × n) × {reps} probes; min coverage allowed {floor:.3f}; "
-              f"error-decay slopes over the 3 largest n: {', '.join(f'{s:.2f}' for s in slopes)} "
-              f"(a slope outside [{SLOPE_RANGE[0]}, {SLOPE_RANGE[1]}] counts as a counterexample)")
-    return Outcome(instances=cells + len(slopes), counterexamples=int(bad), detail=detail,
-                   table=(title, cols, rows))
+    cols = [
+        "population",
+        "s (exact)",
+        "n",
+        "probes",
+        "coverage",
+        "non-vacuous",
+        "cert. improvable",
+        "cert. ε-saturated",
+        "plug-in cov.",
+        "bootstrap cov.",
+        f"q{int(100 * (1 - DELTA))} |ŝ−s|",
+        "median half-width",
+        "looseness",
+        "log-log slope",
+    ]
+    title = (
+        f"coverage of the (1−δ) interval, δ = {DELTA} (exact population constants); a cell fails "
+        f"only if coverage < 1−δ−3·SE = {floor:.3f}; plug-in and bootstrap columns are not "
+        f"guarantees; ε of the saturation verdict = AG_rms/4 (s = 0) or s/2 (s > 0)"
+    )
+    detail = (
+        f"{cells} cells (population × n) × {reps} probes; min coverage allowed {floor:.3f}; "
+        f"error-decay slopes over the 3 largest n: {', '.join(f'{s:.2f}' for s in slopes)} "
+        f"(a slope outside [{SLOPE_RANGE[0]}, {SLOPE_RANGE[1]}] counts as a counterexample)"
+    )
+    return Outcome(instances=cells + len(slopes), counterexamples=int(bad), detail=detail, table=(title, cols, rows))
 
 
 # ============================================================================ sequential
@@ -304,8 +343,10 @@ def sequential(ctx: Context) -> Outcome:
         while checkpoints[-1] < n_last:
             checkpoints.append(2 * checkpoints[-1])
         counts = np.zeros((reps, pop.N), dtype=np.int64)
-        certs = [SequentialCertifier(DELTA, epsilon=pop.eps_sat, ridge=pop.ridge,
-                                     grad_max=pop.gamma, leverage_max=pop.lev) for _ in range(reps)]
+        certs = [
+            SequentialCertifier(DELTA, epsilon=pop.eps_sat, ridge=pop.ridge, grad_max=pop.gamma, leverage_max=pop.lev)
+            for _ in range(reps)
+        ]
         prev = 0
         for n in checkpoints:
             counts += pop.draw(rng, n - prev, reps)
@@ -313,23 +354,49 @@ def sequential(ctx: Context) -> Outcome:
             for cert, m in zip(certs, pop.moments(design, counts), strict=True):
                 cert.add_moments(m)
         cover = sum(all(h.score_lower <= pop.s <= h.score_upper for h in c.history) for c in certs)
-        wrong = sum((c.decision == CERTIFIED_IMPROVABLE and pop.s == 0.0)
-                    or (c.decision == CERTIFIED_SATURATED and pop.s > pop.eps_sat) for c in certs)
+        wrong = sum(
+            (c.decision == CERTIFIED_IMPROVABLE and pop.s == 0.0)
+            or (c.decision == CERTIFIED_SATURATED and pop.s > pop.eps_sat)
+            for c in certs
+        )
         impr = sum(c.decision == CERTIFIED_IMPROVABLE for c in certs)
         sat = sum(c.decision == CERTIFIED_SATURATED for c in certs)
         stops = [c.stopped_at for c in certs if c.stopped_at is not None]
         cov = cover / reps
         bad += cov < floor
-        rows.append([pop.name, _fmt(pop.s), f"{checkpoints[0]}…{checkpoints[-1]} ({len(checkpoints)})",
-                     reps, _fmt(cov), _fmt(impr / reps), _fmt(sat / reps), _fmt(wrong / reps),
-                     str(int(np.median(stops))) if stops else "-"])
-    cols = ["population", "s (exact)", "checkpoints n (count)", "probes", "coverage (all checkpoints)",
-            "stopped: improvable", "stopped: ε-saturated", "wrong decision", "median stopping n"]
-    title = (f"sequential (union-bound) intervals, δ = {DELTA}, δ_j = δ/(j(j+1)); a row fails only if "
-             f"coverage < {floor:.3f}")
-    return Outcome(instances=len(rows), counterexamples=int(bad),
-                   detail=f"{len(rows)} populations × {reps} growing probes; min coverage allowed {floor:.3f}",
-                   table=(title, cols, rows))
+        rows.append(
+            [
+                pop.name,
+                _fmt(pop.s),
+                f"{checkpoints[0]}…{checkpoints[-1]} ({len(checkpoints)})",
+                reps,
+                _fmt(cov),
+                _fmt(impr / reps),
+                _fmt(sat / reps),
+                _fmt(wrong / reps),
+                str(int(np.median(stops))) if stops else "-",
+            ]
+        )
+    cols = [
+        "population",
+        "s (exact)",
+        "checkpoints n (count)",
+        "probes",
+        "coverage (all checkpoints)",
+        "stopped: improvable",
+        "stopped: ε-saturated",
+        "wrong decision",
+        "median stopping n",
+    ]
+    title = (
+        f"sequential (union-bound) intervals, δ = {DELTA}, δ_j = δ/(j(j+1)); a row fails only if coverage < {floor:.3f}"
+    )
+    return Outcome(
+        instances=len(rows),
+        counterexamples=int(bad),
+        detail=f"{len(rows)} populations × {reps} growing probes; min coverage allowed {floor:.3f}",
+        table=(title, cols, rows),
+    )
 
 
 # ============================================================================ AG certificate
@@ -345,7 +412,7 @@ def ag_certificate(ctx: Context) -> Outcome:
     for pop in populations(ctx):
         if pop.s > pop.ag_rms * (1 + 1e-12):
             bad += 1  # s ≤ AG_rms must hold exactly on the population
-        gsq = (pop.g ** 2).sum(1)
+        gsq = (pop.g**2).sum(1)
         for n in _sizes(ctx, pop)[:3]:
             counts = pop.draw(rng, n, reps)
             rms = np.sqrt(counts @ gsq / n)
@@ -357,10 +424,15 @@ def ag_certificate(ctx: Context) -> Outcome:
             worst = min(worst, cov)
             cells += 1
             bad += cov < floor
-    return Outcome(instances=cells, counterexamples=int(bad),
-                   converse=(f"probe AG_max < population γ in {below}/{total} probes: the probe's maximum "
-                             f"is a lower bound of the ess-sup, not a certificate by itself"),
-                   detail=f"min coverage of the AG_rms upper bound {worst:.3f} (allowed ≥ {floor:.3f})")
+    return Outcome(
+        instances=cells,
+        counterexamples=int(bad),
+        converse=(
+            f"probe AG_max < population γ in {below}/{total} probes: the probe's maximum "
+            f"is a lower bound of the ess-sup, not a certificate by itself"
+        ),
+        detail=f"min coverage of the AG_rms upper bound {worst:.3f} (allowed ≥ {floor:.3f})",
+    )
 
 
 # ============================================================================ U-statistic and bias
@@ -400,14 +472,19 @@ def ustatistic(ctx: Context) -> Outcome:
         s2p = np.array([estimate(m, 0.0, leverage=False).s2 for m in ms])
         us = np.array([unbiased_score_squared(m) for m in ms])
         se = float(us.std(ddof=1) / math.sqrt(reps))
-        pred = (pop.v - pop.s ** 2) / n
-        notes.append(f"{pop.name} n={n}: E ŝ²−s² = {s2p.mean() - pop.s ** 2:.3g} (predicted {pred:.3g}), "
-                     f"E Û−s² = {us.mean() - pop.s ** 2:.3g} ± {se:.2g}")
+        pred = (pop.v - pop.s**2) / n
+        notes.append(
+            f"{pop.name} n={n}: E ŝ²−s² = {s2p.mean() - pop.s**2:.3g} (predicted {pred:.3g}), "
+            f"E Û−s² = {us.mean() - pop.s**2:.3g} ± {se:.2g}"
+        )
         inst += 1
         if pop.s == 0.0 or pop.s < 1e-12:
             bad += abs(us.mean()) > 4 * se  # at s = 0 the U-statistic's bias is o(1/n)
-    return Outcome(instances=inst, counterexamples=int(bad),
-                   detail=f"enumeration: max |E Û − s²|, |E ŝ² − s² − (v−s²)/n| = {worst:.2g}; " + "; ".join(notes))
+    return Outcome(
+        instances=inst,
+        counterexamples=int(bad),
+        detail=f"enumeration: max |E Û − s²|, |E ŝ² − s² − (v−s²)/n| = {worst:.2g}; " + "; ".join(notes),
+    )
 
 
 # ============================================================================ calculator
@@ -418,15 +495,22 @@ def calculator(ctx: Context) -> Outcome:
     bad = inst = 0
     worst = 0.0
     for _ in range(ctx.count(40, 12)):
-        kw = dict(grad_max=float(rng.uniform(0.1, 20)), leverage_max=float(rng.uniform(1, 500)),
-                  variance=float(rng.uniform(0.01, 50)), delta=float(rng.uniform(0.01, 0.3)),
-                  score_max=float(rng.uniform(0, 1)))
+        kw = dict(
+            grad_max=float(rng.uniform(0.1, 20)),
+            leverage_max=float(rng.uniform(1, 500)),
+            variance=float(rng.uniform(0.01, 50)),
+            delta=float(rng.uniform(0.01, 0.3)),
+            score_max=float(rng.uniform(0, 1)),
+        )
         ok, rel = _calculator_instance(kw, float(rng.uniform(0.01, 1.0)))
         worst = max(worst, rel)
         inst += 1
         bad += not ok
-    return Outcome(instances=inst, counterexamples=int(bad),
-                   detail=f"sympy quartic root vs brentq: max relative difference {worst:.2g}")
+    return Outcome(
+        instances=inst,
+        counterexamples=int(bad),
+        detail=f"sympy quartic root vs brentq: max relative difference {worst:.2g}",
+    )
 
 
 def _calculator_instance(kw: dict, target: float) -> tuple[bool, float]:
@@ -470,7 +554,7 @@ def _eps_real(x, plan):
 
 
 def _n_real(plan):
-    from depthsat_theory._bound_formula import combined_required_n
+    from depthsat_theory.bounds import combined_required_n
 
     var, r, u1, l1, u2 = _consts(plan)
     return combined_required_n(plan.target, var, r, u1, l1, u2, plan.score_max)
@@ -494,8 +578,10 @@ def assumptions_converse(ctx: Context) -> Outcome:
     phi_b[:rare] = 100.0
     g_b = np.ones((n_pop, 1))
     g_b[:rare] = 0.0
-    for name, phi, g in (("rare huge gradient (γ̂ = probe AG_max)", phi_a, g_a),
-                         ("rare large feature (L̂ = probe leverage)", phi_b, g_b)):
+    for name, phi, g in (
+        ("rare huge gradient (γ̂ = probe AG_max)", phi_a, g_a),
+        ("rare large feature (L̂ = probe leverage)", phi_b, g_b),
+    ):
         pop = Population(name, phi, g, 0.0, (n,))
         ms = pop.moments(pop.design(), pop.draw(rng, n, reps))
         plug = true = 0
@@ -518,8 +604,10 @@ def assumptions_converse(ctx: Context) -> Outcome:
     results.append(("V = 0 given at s = 0 (n = 16000)", plug / reps, true / reps))
     failed_as_expected = sum(p < floor for _, p, _ in results)
     covered_with_truth = all(t >= floor for _, _, t in results)
-    conv = "; ".join(f"{nm}: coverage {p:.2f} without the assumption, {t:.2f} with it"
-                     for nm, p, t in results)
-    return Outcome(instances=len(results),
-                   counterexamples=len(results) - failed_as_expected + (0 if covered_with_truth else 1),
-                   converse=conv, detail=f"n = {n} probes from populations of {n_pop} with {rare} rare examples")
+    conv = "; ".join(f"{nm}: coverage {p:.2f} without the assumption, {t:.2f} with it" for nm, p, t in results)
+    return Outcome(
+        instances=len(results),
+        counterexamples=len(results) - failed_as_expected + (0 if covered_with_truth else 1),
+        converse=conv,
+        detail=f"n = {n} probes from populations of {n_pop} with {rare} rare examples",
+    )

@@ -1,4 +1,4 @@
-"""``depthsat audit`` and :mod:`depthsat_theory.audit`.
+"""``depthsat audit`` and :mod:`depthsat_theory.audit.core`.
 
 Expected values are derived independently of the statistics:
 
@@ -8,7 +8,7 @@ Expected values are derived independently of the statistics:
   (``numpy.linalg.matrix_rank``);
 * general families: the tangent Jacobian is written down by hand (e.g. the columns of
   ``θ0 tanh(u) + θ1 u²`` are ``vec tanh(z)`` and ``vec z²``) or, for attention, taken
-  from the dense ``torch.func`` reference (:mod:`depthsat_theory.reference`), then
+  from the dense ``torch.func`` reference (:mod:`depthsat_theory.engines.dense`), then
   projected with ``lstsq``.
 """
 
@@ -24,21 +24,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from depthsat_theory.audit import (
-    AuditError,
-    audit_family,
-    audit_model,
-    load_family,
-    synthetic_probe,
-)
+from depthsat_theory.audit import AuditError, audit_family, audit_model, load_family, synthetic_probe
+from depthsat_theory.capture import NotFunctionPreservingError, SiteError
 from depthsat_theory.cli import app
-from depthsat_theory.families import (
-    FamilyError,
-    causal_attention,
-    parse_family,
-)
-from depthsat_theory.reference import dense_jacobian
-from depthsat_theory.sites import NotFunctionPreservingError, SiteError
+from depthsat_theory.engines import dense_jacobian
+from depthsat_theory.families import FamilyError, causal_attention, parse_family
 
 runner = CliRunner()
 
@@ -174,9 +164,9 @@ def test_synthetic_probe_is_deterministic_and_fits_the_layout():
 
 
 # ----------------------------------------------------------------------------- user modules
-_MODULE = '''
+_MODULE = """
 import torch
-from depthsat_theory.families import GeneralFamily
+from depthsat_theory.families.base import GeneralFamily
 
 def _fn(theta, u):
     return theta[0] * torch.tanh(u) + theta[1] * u * u
@@ -191,7 +181,7 @@ notfam = 3
 
 def needs_args(width):
     return fam
-'''
+"""
 
 
 @pytest.fixture
@@ -216,11 +206,14 @@ def test_user_module_family_instance_and_factory(user_module):
         assert rep.score == pytest.approx(s, rel=1e-9)
 
 
-@pytest.mark.parametrize("attr,needle", [
-    ("missing", "has no attribute 'missing'"),
-    ("notfam", "expected a depthsat_theory ResidualFamily"),
-    ("needs_args", "with no arguments raised TypeError"),
-])
+@pytest.mark.parametrize(
+    "attr,needle",
+    [
+        ("missing", "has no attribute 'missing'"),
+        ("notfam", "expected a depthsat_theory ResidualFamily"),
+        ("needs_args", "with no arguments raised TypeError"),
+    ],
+)
 def test_user_module_bad_attributes(user_module, attr, needle):
     with pytest.raises(AuditError, match=needle):
         load_family(f"{user_module}:{attr}")
@@ -247,11 +240,12 @@ def test_load_family_rules():
 
 
 # ----------------------------------------------------------------------------- sympy
-sympy_engine = pytest.importorskip("depthsat_theory.symbolic")
+sympy_engine = pytest.importorskip("depthsat_theory.engines.symbolic")
 
 
 def _needs_bridge():
-    from depthsat_theory import audit
+    from depthsat_theory.audit import core as audit
+
     try:
         audit._symbolic_module()
     except AuditError as exc:  # pragma: no cover - depends on the engine's progress
@@ -306,8 +300,7 @@ def test_sympy_numeric_bridge_matches_exact_evaluation():
     rng = np.random.default_rng(17)
     z, theta = rng.normal(size=(7, 2)), rng.normal(size=3)
     got = loaded.family.functional(torch.from_numpy(theta), torch.from_numpy(z), "vector").numpy()
-    want = np.array([[float(e) for e in loaded.symbolic.at(theta.tolist(), row.tolist()).evalf(20)]
-                     for row in z])
+    want = np.array([[float(e) for e in loaded.symbolic.at(theta.tolist(), row.tolist()).evalf(20)] for row in z])
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
@@ -327,7 +320,7 @@ def test_sympy_not_function_preserving():
 
 # ----------------------------------------------------------------------------- models
 def test_audit_model_site(model_cache):
-    from depthsat_theory.training import trained_task
+    from depthsat_theory.tasks import trained_task
 
     task = trained_task("mlp", 0, cache_dir=model_cache)
     inputs, targets = task.inputs[:128], task.targets[:128]
@@ -354,8 +347,18 @@ def test_cli_json_matches_library(tmp_path):
     out = json.loads(res.stdout)
     s, rank = _feature_reference(np.hstack([z, np.ones((40, 1))]), g)
     assert out["score"] == pytest.approx(s, rel=1e-10) and out["tangent_rank"] == rank
-    for key in ("function_preserving", "max_deviation", "tangent_dim", "regular", "parameter_redundancy",
-                "realizability_defect", "ag_certificate", "relative_score", "status", "notes"):
+    for key in (
+        "function_preserving",
+        "max_deviation",
+        "tangent_dim",
+        "regular",
+        "parameter_redundancy",
+        "realizability_defect",
+        "ag_certificate",
+        "relative_score",
+        "status",
+        "notes",
+    ):
         assert key in out
     assert out["status"] == "improvable" and out["ag_certificate"] == "conservative only"
 
@@ -373,14 +376,17 @@ def test_cli_default_probe_table_and_model(monkeypatch, model_cache):
     assert res.exit_code == 2 and "valid sites: embed, blocks.0" in res.stderr
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["no_such_module_xyz:fam"], "no module named"),
-    (["mypackage.myfamily"], "module:attr"),
-    (["sympy:t1*u1 +"], "cannot parse"),
-    (["sympy:t1*u1 + 1"], "is not function-preserving: max |h(0,u)| = 1"),
-    (["linear", "--model", "mlp"], "--model and --site go together"),
-    (["linear", "--model", "resnet", "--site", "x"], "unknown --model"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["no_such_module_xyz:fam"], "no module named"),
+        (["mypackage.myfamily"], "module:attr"),
+        (["sympy:t1*u1 +"], "cannot parse"),
+        (["sympy:t1*u1 + 1"], "is not function-preserving: max |h(0,u)| = 1"),
+        (["linear", "--model", "mlp"], "--model and --site go together"),
+        (["linear", "--model", "resnet", "--site", "x"], "unknown --model"),
+    ],
+)
 def test_cli_bad_input_is_one_line(args, needle):
     if args[0].startswith("sympy:"):
         _needs_bridge()
@@ -401,8 +407,13 @@ def test_cli_user_family_from_cwd(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["tangent_rank"] == 2
     code = "from depthsat_theory.cli import main; main()"
-    bad = subprocess.run([sys.executable, "-c", code, "audit", "myfams:shifted", "--probe", str(path)],
-                         capture_output=True, text=True, cwd=tmp_path, check=False)
+    bad = subprocess.run(
+        [sys.executable, "-c", code, "audit", "myfams:shifted", "--probe", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.returncode == 2 and len(lines) == 1 and "Traceback" not in bad.stderr
     assert "not function-preserving: max |h(0,u)| = 0.5" in lines[0]

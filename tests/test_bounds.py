@@ -1,4 +1,4 @@
-"""Finite-sample bounds (``depthsat_theory.bounds``, theory/finite-sample.md).
+"""Finite-sample bounds (``depthsat_theory.bounds.core``, theory/finite-sample.md).
 
 Expected values are derived independently of the library: the U-statistic by enumerating
 every i.i.d. sample of a tiny population, the interval and the estimates by numpy
@@ -39,7 +39,7 @@ from depthsat_theory.bounds import (
 )
 from depthsat_theory.cli import app
 from depthsat_theory.families import parse_family
-from depthsat_theory.tangent import FeatureStatistics
+from depthsat_theory.statistics import FeatureStatistics
 
 runner = CliRunner()
 
@@ -64,7 +64,7 @@ def _exact(phi, g):
     s = math.sqrt(max(float(np.trace(big_g @ sp @ big_g.T)), 0.0))
     lev = np.einsum("ik,kl,il->i", phi, sp, phi)
     gn = np.linalg.norm(g, axis=1)
-    return s, float(gn.max()), float(lev.max()), float(np.mean(gn ** 2 * lev)), sp
+    return s, float(gn.max()), float(lev.max()), float(np.mean(gn**2 * lev)), sp
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -77,23 +77,26 @@ def test_bad_delta(delta):
         plan_bound(delta=delta, n=10, grad_max=1.0, leverage_max=2.0)
 
 
-@pytest.mark.parametrize("kw,needle", [
-    (dict(n=0), "positive integer"),
-    (dict(n=-3), "positive integer"),
-    (dict(n=2.5), "positive integer"),
-    (dict(n=10, grad_max=None), "missing constant grad_max"),
-    (dict(n=10, leverage_max=None), "missing constant leverage_max"),
-    (dict(n=10, grad_max=-1.0), ">= 0"),
-    (dict(n=10, leverage_max=0.0), "> 0"),
-    (dict(n=10, variance=float("nan")), "NaN"),
-    (dict(n=10, variance=float("inf")), "finite"),
-    (dict(n=10, ridge=-0.1), ">= 0"),
-    (dict(n=10, leverage_max=None, feature_norm_max=2.0), "only together"),
-    (dict(n=10, leverage_max=None, feature_norm_max=2.0, ridge=0.5), "missing constant dim"),
-    (dict(n=10, epsilon=0.1), "exactly one"),
-    (dict(n=None, epsilon=-0.1), "must be > 0"),
-    (dict(n=10, candidates=0), "positive integer"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(n=0), "positive integer"),
+        (dict(n=-3), "positive integer"),
+        (dict(n=2.5), "positive integer"),
+        (dict(n=10, grad_max=None), "missing constant grad_max"),
+        (dict(n=10, leverage_max=None), "missing constant leverage_max"),
+        (dict(n=10, grad_max=-1.0), ">= 0"),
+        (dict(n=10, leverage_max=0.0), "> 0"),
+        (dict(n=10, variance=float("nan")), "NaN"),
+        (dict(n=10, variance=float("inf")), "finite"),
+        (dict(n=10, ridge=-0.1), ">= 0"),
+        (dict(n=10, leverage_max=None, feature_norm_max=2.0), "only together"),
+        (dict(n=10, leverage_max=None, feature_norm_max=2.0, ridge=0.5), "missing constant dim"),
+        (dict(n=10, epsilon=0.1), "exactly one"),
+        (dict(n=None, epsilon=-0.1), "must be > 0"),
+        (dict(n=10, candidates=0), "positive integer"),
+    ],
+)
 def test_bad_constants(kw, needle):
     base = dict(delta=0.1, grad_max=1.0, leverage_max=2.0)
     base.update(kw)
@@ -115,9 +118,9 @@ def test_u_statistic_exactly_unbiased_by_enumeration():
         us.append(unbiased_score_squared(m, whitening=sp))
         big_g = g[list(idx)].T @ phi[list(idx)] / n  # Ĝ of this sample, by direct numpy
         sq.append(float(np.trace(big_g @ sp @ big_g.T)))
-    assert np.mean(us) == pytest.approx(s ** 2, rel=1e-12, abs=1e-14)
-    assert np.mean(sq) == pytest.approx(s ** 2 + (v - s ** 2) / n, rel=1e-12)
-    assert np.mean(sq) > s ** 2 + 1e-3  # the plug-in square is biased upward
+    assert np.mean(us) == pytest.approx(s**2, rel=1e-12, abs=1e-14)
+    assert np.mean(sq) == pytest.approx(s**2 + (v - s**2) / n, rel=1e-12)
+    assert np.mean(sq) > s**2 + 1e-3  # the plug-in square is biased upward
 
 
 def test_streaming_statistics_match_numpy():
@@ -129,15 +132,15 @@ def test_streaming_statistics_match_numpy():
     st = BoundStatistics(fam, (3,), "vector", keep_probe=True)
     ref = FeatureStatistics(fam, (3,), "vector")
     for lo in range(0, 90, 25):
-        st.update(torch.from_numpy(z[lo:lo + 25]), torch.from_numpy(g[lo:lo + 25]))
-        ref.update(torch.from_numpy(z[lo:lo + 25]), torch.from_numpy(g[lo:lo + 25]))
+        st.update(torch.from_numpy(z[lo : lo + 25]), torch.from_numpy(g[lo : lo + 25]))
+        ref.update(torch.from_numpy(z[lo : lo + 25]), torch.from_numpy(g[lo : lo + 25]))
     m = st.moments()
     est = estimate(m, 0.0)
     phi = np.hstack([z, np.ones((90, 1))])
     sp = np.linalg.pinv(phi.T @ phi / 90)
     lev = np.einsum("ik,kl,il->i", phi, sp, phi)
     assert math.sqrt(est.s2) == pytest.approx(ref.result().score, rel=1e-10)
-    assert est.v_hat == pytest.approx(np.mean((g ** 2).sum(1) * lev), rel=1e-10)
+    assert est.v_hat == pytest.approx(np.mean((g**2).sum(1) * lev), rel=1e-10)
     assert est.lev_max == pytest.approx(lev.max(), rel=1e-10)
     assert lev.mean() == pytest.approx(4.0, rel=1e-10)  # mean leverage = rank Σ̂
     streamed = BoundStatistics(fam, (3,), "vector")  # rows not kept: leverage is an upper estimate
@@ -154,7 +157,7 @@ def test_streaming_statistics_match_numpy():
 def test_interval_matches_theorem_formulas():
     """Lower/upper, ε_n and Δ_n recomputed from the theorem's formulas with user constants."""
     phi, g = _population(signal=0.8)
-    s_true, gam, big_l, v, _ = _exact(phi, g)
+    _s_true, gam, big_l, _v, _ = _exact(phi, g)
     w = np.random.default_rng(5).multinomial(5000, np.full(phi.shape[0], 1 / phi.shape[0]))
     m = ProbeMoments.from_arrays(phi, g, w)
     delta, var = 0.05, 7.5
@@ -208,8 +211,7 @@ def test_sympy_sample_size_matches_root_finding(seed):
     gam, big_l = rng.uniform(0.1, 10), rng.uniform(1, 400)
     var, delta, smax = rng.uniform(0.01, 30), rng.uniform(0.01, 0.3), rng.uniform(0, 2)
     target = rng.uniform(0.005, 0.5)
-    plan = plan_bound(delta=delta, epsilon=target, grad_max=gam, leverage_max=big_l, variance=var,
-                      score_max=smax)
+    plan = plan_bound(delta=delta, epsilon=target, grad_max=gam, leverage_max=big_l, variance=var, score_max=smax)
     u1 = math.log(4 / delta)
     u2 = math.log(4 * math.floor(big_l) / delta)  # D = ⌊L⌋ by default when λ = 0 (rank is an integer)
     r = gam * math.sqrt(big_l)
@@ -222,12 +224,11 @@ def test_sympy_sample_size_matches_root_finding(seed):
     assert plan.n_required == math.ceil(root - 1e-7)
     assert _h(plan.n_required, *args) <= target < _h(plan.n_required - 1, *args)
     assert plan.n_nonvacuous == math.floor(lo) + 1
-    root_e = brentq(lambda x: math.sqrt(2 * var * u1 / x) + 2 * r * u1 / x - target, 1e-9, 1e16,
-                    xtol=1e-12, rtol=1e-15)
+    root_e = brentq(lambda x: math.sqrt(2 * var * u1 / x) + 2 * r * u1 / x - target, 1e-9, 1e16, xtol=1e-12, rtol=1e-15)
     assert plan.n_epsilon_only == math.ceil(root_e - 1e-7)
     # the closed form sympy derived, written by hand: n = (a + sqrt(a² + 4bE))² / (4E²)
     a, b = math.sqrt(2 * var * u1), 2 * r * u1
-    assert root_e == pytest.approx((a + math.sqrt(a * a + 4 * b * target)) ** 2 / (4 * target ** 2), rel=1e-9)
+    assert root_e == pytest.approx((a + math.sqrt(a * a + 4 * b * target)) ** 2 / (4 * target**2), rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- coverage
@@ -242,11 +243,17 @@ def test_coverage_on_small_finite_populations():
         hits = wrong = 0
         for _ in range(reps):
             w = rng.multinomial(3000, np.full(150, 1 / 150))
-            it = interval_from_moments(ProbeMoments.from_arrays(phi, g, w, keep=False), delta,
-                                       grad_max=gam, leverage_max=big_l, epsilon=0.5 * max(s_true, 0.2))
+            it = interval_from_moments(
+                ProbeMoments.from_arrays(phi, g, w, keep=False),
+                delta,
+                grad_max=gam,
+                leverage_max=big_l,
+                epsilon=0.5 * max(s_true, 0.2),
+            )
             hits += it.score_lower <= s_true <= it.score_upper
             wrong += (it.certificate == CERTIFIED_IMPROVABLE and signal == 0.0) or (
-                it.certificate == CERTIFIED_SATURATED and signal > 0)
+                it.certificate == CERTIFIED_SATURATED and signal > 0
+            )
         assert hits / reps >= floor
         assert wrong / reps <= 1 - floor
 
@@ -254,14 +261,15 @@ def test_coverage_on_small_finite_populations():
 def test_ag_rms_upper_bound_formula_and_coverage():
     gam, n, delta = 2.0, 500, 0.1
     u = math.log(1 / delta)
-    c = math.sqrt(2 * gam ** 2 * u / n)
-    e = 0.8 ** 2 + 2 * gam ** 2 * u / (3 * n)
+    c = math.sqrt(2 * gam**2 * u / n)
+    e = 0.8**2 + 2 * gam**2 * u / (3 * n)
     assert ag_rms_upper(n, 0.8, gam, delta) == pytest.approx(0.5 * (c + math.sqrt(c * c + 4 * e)))
     rng = np.random.default_rng(0)
     norms = rng.uniform(0, gam, size=1000)
-    pop_rms = math.sqrt(np.mean(norms ** 2))
-    hits = sum(ag_rms_upper(n, math.sqrt(np.mean(rng.choice(norms, n) ** 2)), gam, delta) >= pop_rms
-               for _ in range(200))
+    pop_rms = math.sqrt(np.mean(norms**2))
+    hits = sum(
+        ag_rms_upper(n, math.sqrt(np.mean(rng.choice(norms, n) ** 2)), gam, delta) >= pop_rms for _ in range(200)
+    )
     assert hits / 200 >= 1 - delta - 3 * math.sqrt(delta * (1 - delta) / 200)
     with pytest.raises(BoundError, match="grad_max"):
         ag_rms_upper(n, 0.8, -1.0, delta)
@@ -275,16 +283,18 @@ def test_bootstrap_labelled_and_needs_rows():
     b = bootstrap_interval(ProbeMoments.from_arrays(phi, g), 0.1, resamples=30)
     assert "not a guarantee" in b["label"] and 0 <= b["lower"] <= b["upper"]
     it = interval_from_moments(ProbeMoments.from_arrays(phi, g), 0.1, bootstrap=30)
-    assert it.looseness == pytest.approx((it.score_upper - it.score_lower)
-                                         / (it.bootstrap_interval["upper"] - it.bootstrap_interval["lower"]))
+    assert it.looseness == pytest.approx(
+        (it.score_upper - it.score_lower) / (it.bootstrap_interval["upper"] - it.bootstrap_interval["lower"])
+    )
 
 
 def test_sequential_certifier_levels_and_decision():
     assert sum(spending(j, 0.1) for j in range(1, 100000)) == pytest.approx(0.1, rel=1e-4)
     rng = np.random.default_rng(4)
     fam = parse_family("linear")
-    cert = SequentialCertifier(0.1, epsilon=0.05, family=fam, shape=(2,), layout="vector",
-                               grad_max=6.0, leverage_max=40.0)
+    cert = SequentialCertifier(
+        0.1, epsilon=0.05, family=fam, shape=(2,), layout="vector", grad_max=6.0, leverage_max=40.0
+    )
     sizes = []
     while cert.decision is None and len(cert.history) < 12:
         z = rng.normal(size=(250 * 2 ** len(cert.history), 2))
@@ -308,13 +318,40 @@ def _probe(tmp_path, n=400, seed=0):
 
 def test_score_delta_adds_interval_keys(tmp_path):
     path = _probe(tmp_path, n=3000)
-    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json",
-                              "--delta", "0.1", "--epsilon", "0.05", "--grad-max", "10",
-                              "--leverage-max", "20", "--bootstrap", "20"])  # probe's max leverage ≈ 18
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--probe",
+            str(path),
+            "--family",
+            "linear",
+            "--json",
+            "--delta",
+            "0.1",
+            "--epsilon",
+            "0.05",
+            "--grad-max",
+            "10",
+            "--leverage-max",
+            "20",
+            "--bootstrap",
+            "20",
+        ],
+    )  # probe's max leverage ≈ 18
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    for key in ("score_lower", "score_upper", "certificate", "assumptions", "constants",
-                "score_squared_unbiased", "bootstrap_interval", "looseness", "score"):
+    for key in (
+        "score_lower",
+        "score_upper",
+        "certificate",
+        "assumptions",
+        "constants",
+        "score_squared_unbiased",
+        "bootstrap_interval",
+        "looseness",
+        "score",
+    ):
         assert key in out
     assert out["score_lower"] <= out["score"] <= out["score_upper"]
     assert out["certificate"] in ("certified improvable", "certified ε-saturated", "not certified")
@@ -323,8 +360,7 @@ def test_score_delta_adds_interval_keys(tmp_path):
     assert out["vacuous"] is False and out["guaranteed"] is True
     assert out["certificate"] == "certified improvable"  # s ≈ 0.2 with n = 3000
     assert "not a guarantee" in out["bootstrap_interval"]["label"]
-    plain = json.loads(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear",
-                                           "--json"]).stdout)
+    plain = json.loads(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"]).stdout)
     assert "score_lower" not in plain and plain["score"] == out["score"]
 
 
@@ -339,21 +375,24 @@ def test_bound_command_round_trip():
     assert out["constants"]["leverage_max"]["source"] == "user"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["bound", "--n", "10", "--delta", "0", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
-    (["bound", "--n", "10", "--delta", "1.5", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
-    (["bound", "--n", "0", "--delta", "0.1", "--grad-max", "1", "--leverage-max", "2"], "positive integer"),
-    (["bound", "--n", "10", "--delta", "0.1", "--leverage-max", "2"], "missing constant grad_max"),
-    (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "1"], "missing constant leverage_max"),
-    (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "-1", "--leverage-max", "2"], ">= 0"),
-    (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "nan", "--leverage-max", "2"], "NaN"),
-    (["score", "--family", "linear", "--delta", "1"], "(0, 1)"),
-    (["score", "--family", "linear", "--delta", "0.1", "--leverage-max", "-2"], "> 0"),
-    (["score", "--family", "product:2", "--delta", "0.1"], "feature family"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["bound", "--n", "10", "--delta", "0", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
+        (["bound", "--n", "10", "--delta", "1.5", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
+        (["bound", "--n", "0", "--delta", "0.1", "--grad-max", "1", "--leverage-max", "2"], "positive integer"),
+        (["bound", "--n", "10", "--delta", "0.1", "--leverage-max", "2"], "missing constant grad_max"),
+        (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "1"], "missing constant leverage_max"),
+        (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "-1", "--leverage-max", "2"], ">= 0"),
+        (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "nan", "--leverage-max", "2"], "NaN"),
+        (["score", "--family", "linear", "--delta", "1"], "(0, 1)"),
+        (["score", "--family", "linear", "--delta", "0.1", "--leverage-max", "-2"], "> 0"),
+        (["score", "--family", "product:2", "--delta", "0.1"], "feature family"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, args, needle):
     if args[0] == "score":
-        args = args + ["--probe", str(_probe(tmp_path, n=30))]
+        args = [*args, "--probe", str(_probe(tmp_path, n=30))]
     res = runner.invoke(app, args)
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -361,8 +400,24 @@ def test_bad_input_is_one_line(tmp_path, args, needle):
 
 
 def test_bad_delta_subprocess_one_line():
-    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "bound", "--n", "5", "--delta",
-                           "-0.5", "--grad-max", "1", "--leverage-max", "2"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "depthsat_theory.cli",
+            "bound",
+            "--n",
+            "5",
+            "--delta",
+            "-0.5",
+            "--grad-max",
+            "1",
+            "--leverage-max",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: delta")
@@ -389,7 +444,7 @@ def test_bound_statistics_padding_mask_matches_unpadded_examples():
     parts = []
     for i, t in enumerate(lengths):
         acc = BoundStatistics(fam, (t, d), "sequence")
-        acc.update(z[i:i + 1, :t], g[i:i + 1, :t])
+        acc.update(z[i : i + 1, :t], g[i : i + 1, :t])
         parts.append(acc)
     np.testing.assert_allclose(masked.q_sum, sum(p.q_sum for p in parts), atol=1e-12)
     assert masked.feat_sq_max == pytest.approx(max(p.feat_sq_max for p in parts), rel=1e-12)
@@ -417,26 +472,66 @@ def _one_line_error(res, *needles):
     return lines[0]
 
 
-@pytest.mark.parametrize("extra,needles", [
-    (["--grad-max", "0.01", "--leverage-max", "30"],
-     ["--grad-max 0.01 is below the probe's own max ‖g(x)‖_F = 0.29", "not an almost-sure bound"]),
-    (["--grad-max", "1", "--leverage-max", "1"], ["--leverage-max 1 is below", "rank Σ̂ = 9"]),
-    (["--grad-max", "1", "--leverage-max", "10"], ["--leverage-max 10 is below", "max leverage"]),
-    (["--grad-max", "1", "--feature-norm-max", "1", "--eig-floor", "0.5"],
-     ["--feature-norm-max 1 is below the probe's own max"]),
-])
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (
+            ["--grad-max", "0.01", "--leverage-max", "30"],
+            ["--grad-max 0.01 is below the probe's own max ‖g(x)‖_F = 0.29", "not an almost-sure bound"],
+        ),
+        (["--grad-max", "1", "--leverage-max", "1"], ["--leverage-max 1 is below", "rank Σ̂ = 9"]),
+        (["--grad-max", "1", "--leverage-max", "10"], ["--leverage-max 10 is below", "max leverage"]),
+        (
+            ["--grad-max", "1", "--feature-norm-max", "1", "--eig-floor", "0.5"],
+            ["--feature-norm-max 1 is below the probe's own max"],
+        ),
+    ],
+)
 def test_score_rejects_constants_the_probe_contradicts(tmp_path, extra, needles):
-    path, z, g = _user_probe(tmp_path)
-    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--delta", "0.05",
-                              "--epsilon", "0.1", "--bootstrap", "0", "--json", *extra])
+    path, _z, _g = _user_probe(tmp_path)
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--probe",
+            str(path),
+            "--family",
+            "linear",
+            "--delta",
+            "0.05",
+            "--epsilon",
+            "0.1",
+            "--bootstrap",
+            "0",
+            "--json",
+            *extra,
+        ],
+    )
     _one_line_error(res, *needles)
 
 
 def test_score_accepts_constants_above_the_probe_maxima(tmp_path):
-    path, z, g = _user_probe(tmp_path)
+    path, _z, g = _user_probe(tmp_path)
     gmax = float(np.linalg.norm(g, axis=1).max())
-    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--delta", "0.05",
-                              "--grad-max", repr(gmax), "--leverage-max", "30", "--bootstrap", "0", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "score",
+            "--probe",
+            str(path),
+            "--family",
+            "linear",
+            "--delta",
+            "0.05",
+            "--grad-max",
+            repr(gmax),
+            "--leverage-max",
+            "30",
+            "--bootstrap",
+            "0",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["guaranteed"] is True and out["score_lower"] <= out["score"] <= out["score_upper"]
@@ -450,14 +545,22 @@ def test_probe_tension_notes_for_variance_eig_floor_and_leverage():
     est = estimate(m, 0.0)
     lam_min = float(np.linalg.eigvalsh(m.sigma).min())
     gam = float(np.linalg.norm(g, axis=1).max())
-    it = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=est.lev_max * 0.99,
-                               variance=0.5 * est.v_hat, eig_floor=2 * lam_min, ridge=0.0)
+    it = interval_from_moments(
+        m,
+        0.1,
+        grad_max=gam,
+        leverage_max=est.lev_max * 0.99,
+        variance=0.5 * est.v_hat,
+        eig_floor=2 * lam_min,
+        ridge=0.0,
+    )
     text = " | ".join(it.notes)
     assert "--variance" in text and "plug-in v̂" in text
     assert "--eig-floor" in text and "smallest nonzero eigenvalue" in text
     assert "largest leverage" in text
-    clean = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=est.lev_max,
-                                  variance=2 * est.v_hat, eig_floor=0.5 * lam_min)
+    clean = interval_from_moments(
+        m, 0.1, grad_max=gam, leverage_max=est.lev_max, variance=2 * est.v_hat, eig_floor=0.5 * lam_min
+    )
     assert clean.notes == []
     with pytest.raises(BoundError, match="max leverage"):  # far below ℓ̂_max: contradiction
         interval_from_moments(m, 0.1, grad_max=gam, leverage_max=0.5 * est.lev_max)
@@ -469,25 +572,28 @@ def test_inverted_interval_is_refused():
     """With the probe maximum tampered (so the γ check passes), γ below ŝ would invert the interval."""
     phi, g = _population(signal=0.8)
     m = ProbeMoments.from_arrays(phi, g, np.full(phi.shape[0], 50))
-    _, gam, big_l, _, _ = _exact(phi, g)
+    _, _gam, big_l, _, _ = _exact(phi, g)
     s_hat = math.sqrt(estimate(m, 0.0).s2)
     m.g_max = 0.1 * s_hat
     with pytest.raises(BoundError, match="inconsistent constants"):
         interval_from_moments(m, 0.05, grad_max=0.2 * s_hat, leverage_max=big_l)
 
 
-@pytest.mark.parametrize("extra,flag", [
-    (["--grad-max", "1"], "--grad-max needs --delta"),
-    (["--epsilon", "0.1"], "--epsilon needs --delta"),
-    (["--leverage-max", "3"], "--leverage-max needs --delta"),
-    (["--feature-norm-max", "3"], "--feature-norm-max needs --delta"),
-    (["--eig-floor", "1"], "--eig-floor needs --delta"),
-    (["--ridge", "0.5"], "--ridge needs --delta"),
-    (["--variance", "1"], "--variance needs --delta"),
-    (["--candidates", "3"], "--candidates needs --delta"),
-    (["--bootstrap", "0"], "--bootstrap needs --delta"),
-    (["--grad-max", "1", "--epsilon", "0.1"], "--epsilon and --grad-max need --delta"),
-])
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--grad-max", "1"], "--grad-max needs --delta"),
+        (["--epsilon", "0.1"], "--epsilon needs --delta"),
+        (["--leverage-max", "3"], "--leverage-max needs --delta"),
+        (["--feature-norm-max", "3"], "--feature-norm-max needs --delta"),
+        (["--eig-floor", "1"], "--eig-floor needs --delta"),
+        (["--ridge", "0.5"], "--ridge needs --delta"),
+        (["--variance", "1"], "--variance needs --delta"),
+        (["--candidates", "3"], "--candidates needs --delta"),
+        (["--bootstrap", "0"], "--bootstrap needs --delta"),
+        (["--grad-max", "1", "--epsilon", "0.1"], "--epsilon and --grad-max need --delta"),
+    ],
+)
 def test_score_bound_options_need_delta(tmp_path, extra, flag):
     res = runner.invoke(app, ["score", "--probe", str(_probe(tmp_path, n=30)), "--family", "linear", *extra])
     _one_line_error(res, flag, "only apply to the interval")
@@ -500,22 +606,26 @@ def test_leverage_and_feature_norm_not_both(tmp_path, cmd):
         args = ["bound", "--delta", "0.05", "--n", "1000", *both]
     else:
         args = ["score", "--probe", str(_probe(tmp_path, n=30)), "--family", "linear", "--delta", "0.05", *both]
-    _one_line_error(runner.invoke(app, args),
-                    "give either --leverage-max or --feature-norm-max with --eig-floor/--ridge, not both")
+    _one_line_error(
+        runner.invoke(app, args), "give either --leverage-max or --feature-norm-max with --eig-floor/--ridge, not both"
+    )
 
 
 def test_bound_dim_is_an_integer_floor_of_l():
     base = ["bound", "--delta", "0.05", "--grad-max", "1", "--json"]
-    _one_line_error(runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "0.5"]),
-                    "--leverage-max 0.5 is below 1")
+    _one_line_error(
+        runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "0.5"]), "--leverage-max 0.5 is below 1"
+    )
     out = json.loads(runner.invoke(app, [*base, "--n", "100000", "--leverage-max", "5.7"]).stdout)
     assert out["constants"]["dim"]["value"] == 5.0  # rank Σ is an integer ≤ L = 5.7
-    out = json.loads(runner.invoke(app, [*base, "--n", "100000", "--feature-norm-max", "3",
-                                         "--eig-floor", "1"]).stdout)  # L = 9 exactly
+    out = json.loads(
+        runner.invoke(app, [*base, "--n", "100000", "--feature-norm-max", "3", "--eig-floor", "1"]).stdout
+    )  # L = 9 exactly
     assert out["constants"]["dim"]["value"] == 9.0
     # with a ridge, E ℓ_λ < rank Σ: no rank bound from L (D must be given)
-    _one_line_error(runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "5", "--ridge", "0.1"]),
-                    "missing constant dim")
+    _one_line_error(
+        runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "5", "--ridge", "0.1"]), "missing constant dim"
+    )
 
 
 def test_bound_vacuous_flag_and_note():

@@ -19,8 +19,18 @@ import torch
 from depthsat_theory.check import CheckConfig, run_check, write_report_atomic
 from depthsat_theory.optimizers import DESCENT_COMPATIBLE, get_update
 
-REQUIRED = ("model", "data", "site", "family", "optimizer", "score", "tol",
-            "predicted_improvable", "observed_decrease", "verdict")
+REQUIRED = (
+    "model",
+    "data",
+    "site",
+    "family",
+    "optimizer",
+    "score",
+    "tol",
+    "predicted_improvable",
+    "observed_decrease",
+    "verdict",
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +85,7 @@ def test_improvable_records_decrease_at_the_predicted_rate(report):
     for rec in imp:
         assert rec["observed_decrease"] is True
         assert rec["predicted_slope"] < 0
-        assert math.isclose(rec["observed_slope"], rec["predicted_slope"], rel_tol=2e-3,
-                            abs_tol=3 * rec["slope_error"])
+        assert math.isclose(rec["observed_slope"], rec["predicted_slope"], rel_tol=2e-3, abs_tol=3 * rec["slope_error"])
         # the first differences are themselves ≈ linear at the smallest step
         assert rec["delta_j"][-1] < 0
 
@@ -102,14 +111,14 @@ def test_planted_rotation_is_flagged(model_cache):
 
 def test_observed_slope_matches_an_independent_gradient(model_cache):
     """Rebuild one improvable MLP instance by hand and recompute −⟨b, P(b)⟩ with autograd."""
+    from depthsat_theory.capture import insert_block
     from depthsat_theory.families import parse_family
-    from depthsat_theory.sites import insert_block
-    from depthsat_theory.training import trained_task
+    from depthsat_theory.tasks import trained_task
 
-    rep = run_check(CheckConfig(instances=30, seed=5, cache_dir=model_cache, kinds=("mlp",),
-                                construction_fraction=0.0))
-    rec = next(r for r in rep["records"]
-               if r["predicted_improvable"] and r["family"] in ("linear", "relu:128", "poly:2"))
+    rep = run_check(CheckConfig(instances=30, seed=5, cache_dir=model_cache, kinds=("mlp",), construction_fraction=0.0))
+    rec = next(
+        r for r in rep["records"] if r["predicted_improvable"] and r["family"] in ("linear", "relu:128", "poly:2")
+    )
     task = trained_task("mlp", 5, cache_dir=model_cache)
     fam = parse_family(rec["family"])
     new, blk = insert_block(task.model, rec["site"], fam.block((64,), "vector"))

@@ -46,8 +46,19 @@ def _json(result):
 def test_score_json_matches_numpy_projection(tmp_path, spec, bias):
     path, z, g = _probe(tmp_path)
     out = _json(runner.invoke(app, ["score", "--probe", str(path), "--family", spec, "--json"]))
-    for key in ("score", "raw_score", "ag_max", "ag_rms", "realizability_defect", "tangent_rank",
-                "tangent_dim", "saturated", "tol", "n", "family"):
+    for key in (
+        "score",
+        "raw_score",
+        "ag_max",
+        "ag_rms",
+        "realizability_defect",
+        "tangent_rank",
+        "tangent_dim",
+        "saturated",
+        "tol",
+        "n",
+        "family",
+    ):
         assert key in out
     expected = _numpy_score(z.astype(np.float64), g.astype(np.float64), bias)
     assert out["score"] == pytest.approx(expected, rel=1e-10)
@@ -56,8 +67,7 @@ def test_score_json_matches_numpy_projection(tmp_path, spec, bias):
     assert out["ag_max"] == pytest.approx(gn.max(), rel=1e-12)
     # continuous rows: no ties, so the pooled raw score equals AG_rms
     assert out["raw_score"] == pytest.approx(out["ag_rms"], rel=1e-12)
-    assert out["realizability_defect"] == pytest.approx(
-        np.sqrt(1 - expected**2 / out["ag_rms"] ** 2), rel=1e-8)
+    assert out["realizability_defect"] == pytest.approx(np.sqrt(1 - expected**2 / out["ag_rms"] ** 2), rel=1e-8)
     d = z.shape[1]
     assert out["tangent_dim"] == d * (d + bias)
     assert out["tangent_rank"] == d * (d + bias)
@@ -122,21 +132,24 @@ def test_score_table_output(tmp_path):
     assert "score" in res.stdout and "relu:16:3" in res.stdout
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("missing_g", "missing array"),
-    ("shape", "must match"),
-    ("nan", "NaN"),
-    ("empty", "empty"),
-    ("family", "bad family spec"),
-    ("not_npz", "not an .npz archive"),
-    ("no_file", "no such file"),
-    ("ints", "dtype"),
-    ("npy", "not an .npz archive"),
-    ("directory", "is a directory"),
-    ("overflow", "overflowed float64"),
-    ("underflow", "underflow"),
-    ("huge_degree", "degree must be in"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("missing_g", "missing array"),
+        ("shape", "must match"),
+        ("nan", "NaN"),
+        ("empty", "empty"),
+        ("family", "bad family spec"),
+        ("not_npz", "not an .npz archive"),
+        ("no_file", "no such file"),
+        ("ints", "dtype"),
+        ("npy", "not an .npz archive"),
+        ("directory", "is a directory"),
+        ("overflow", "overflowed float64"),
+        ("underflow", "underflow"),
+        ("huge_degree", "degree must be in"),
+    ],
+)
 def test_score_bad_input_is_one_line(tmp_path, case, needle):
     rng = np.random.default_rng(0)
     path = tmp_path / "p.npz"
@@ -172,8 +185,11 @@ def test_score_bad_input_is_one_line(tmp_path, case, needle):
     elif case == "huge_degree":
         np.savez(path, z=rng.normal(size=(5, 2)), g=rng.normal(size=(5, 2)))
         fam = "poly:99999999999999999999"
-    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "score", "--probe", str(path),
-                           "--family", fam], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthsat_theory.cli", "score", "--probe", str(path), "--family", fam],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -183,38 +199,74 @@ def test_score_bad_input_is_one_line(tmp_path, case, needle):
 
 def test_check_cli_writes_report_and_flags_rotation(tmp_path, model_cache):
     rep = tmp_path / "report.json"
-    res = runner.invoke(app, ["check", "--instances", "8", "--seed", "2", "--report", str(rep),
-                              "--cache-dir", model_cache, "--quiet"])
+    res = runner.invoke(
+        app, ["check", "--instances", "8", "--seed", "2", "--report", str(rep), "--cache-dir", model_cache, "--quiet"]
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(rep.read_text())
     assert data["instances"] == 8 and data["counterexamples"] == 0 and data["seed"] == 2
     assert "agree" in res.stdout
     rep2 = tmp_path / "planted.json"
-    res = runner.invoke(app, ["check", "--instances", "16", "--seed", "2", "--report", str(rep2),
-                              "--cache-dir", model_cache, "--quiet", "--optimizers", "rotation",
-                              "--construction-fraction", "0"])
+    res = runner.invoke(
+        app,
+        [
+            "check",
+            "--instances",
+            "16",
+            "--seed",
+            "2",
+            "--report",
+            str(rep2),
+            "--cache-dir",
+            model_cache,
+            "--quiet",
+            "--optimizers",
+            "rotation",
+            "--construction-fraction",
+            "0",
+        ],
+    )
     assert res.exit_code == 1
     assert json.loads(rep2.read_text())["counterexamples"] > 0
 
 
 def test_check_cli_bad_options(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "check", "--instances", "0",
-                           "--report", str(tmp_path / "r.json")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "depthsat_theory.cli",
+            "check",
+            "--instances",
+            "0",
+            "--report",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", "check", "--report",
-                           str(tmp_path / "missing" / "r.json")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthsat_theory.cli", "check", "--report", str(tmp_path / "missing" / "r.json")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["bound", "--delta", "0.1", "--n", "abc"], "Invalid value for '--n'"),
-    (["score", "--no-such-flag"], "No such option: --no-such-flag"),
-    (["no-such-command"], "No such command"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["bound", "--delta", "0.1", "--n", "abc"], "Invalid value for '--n'"),
+        (["score", "--no-such-flag"], "No such option: --no-such-flag"),
+        (["no-such-command"], "No such command"),
+    ],
+)
 def test_usage_errors_are_one_line(args, needle):
     """Option-parsing errors follow the same contract as value errors: one line, exit 2."""
-    proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", *args],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthsat_theory.cli", *args], capture_output=True, text=True, check=False
+    )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
@@ -234,8 +286,13 @@ def test_bad_paths_are_user_errors_not_internal_errors(tmp_path):
     import os
 
     for args, env, needle in cases:
-        proc = subprocess.run([sys.executable, "-m", "depthsat_theory.cli", *args], capture_output=True,
-                              text=True, check=False, env={**os.environ, **env})
+        proc = subprocess.run(
+            [sys.executable, "-m", "depthsat_theory.cli", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, **env},
+        )
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and ln.startswith("error")]
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""Tests for depthsat_theory.diagnose (whole-network diagnosis, checkpoints, CLI).
+"""Tests for depthsat_theory.diagnose.run (whole-network diagnosis, checkpoints, CLI).
 
 Expected values are computed here independently of the diagnose code path: site
 tensors and activation gradients are captured with a hook that swaps the site output
@@ -25,25 +25,13 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from depthsat_theory import sites as sites_mod
 from depthsat_theory.bounds import BoundStatistics
+from depthsat_theory.capture import sites as sites_mod
 from depthsat_theory.cli import app
-from depthsat_theory.diagnose import (
-    CheckpointError,
-    DiagnoseError,
-    diagnose,
-    discover_sites,
-    read_checkpoint,
-)
+from depthsat_theory.diagnose import CheckpointError, DiagnoseError, diagnose, discover_sites, read_checkpoint
+from depthsat_theory.engines import dense_saturation
 from depthsat_theory.families import parse_family
-from depthsat_theory.models import (
-    CharGPT,
-    ResidualMLP,
-    ResNetCNN,
-    classification_loss,
-    token_loss,
-)
-from depthsat_theory.reference import dense_saturation
+from depthsat_theory.tasks import CharGPT, ResidualMLP, ResNetCNN, classification_loss, token_loss
 
 DT = torch.float64
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +42,7 @@ def _mlp_problem(seed=0, n=37, batch=8, width=5, depth=3):
     model = ResidualMLP(in_dim=6, width=width, depth=depth, n_classes=3).to(DT).eval()
     x = torch.randn(n, 6, dtype=DT)
     y = torch.randint(0, 3, (n,))
-    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, n, batch)]
+    batches = [(x[i : i + batch], y[i : i + batch]) for i in range(0, n, batch)]
     return model, x, y, batches
 
 
@@ -101,7 +89,7 @@ def test_scores_match_naive_per_site_loop_and_dense_reference(spec):
         # continuous units, no ties: the pooled r̂ equals AG_rms and ρ̂ = ‖g − Πg‖/‖g‖
         assert r.raw_score == pytest.approx(ag_rms, rel=1e-12)
         resid = g.numpy() - ref["projection"]
-        rho = math.sqrt(float((resid ** 2).sum()) / x.shape[0]) / ag_rms
+        rho = math.sqrt(float((resid**2).sum()) / x.shape[0]) / ag_rms
         assert r.realizability_defect == pytest.approx(rho, rel=1e-8)
         assert r.score <= r.raw_score * (1 + 1e-12) and r.ag_rms <= r.ag_max * (1 + 1e-12)
 
@@ -112,11 +100,11 @@ def test_discrete_probe_ties_give_exact_r_and_rho():
     # same input with different labels -> g differs between copies, m̂ pools them
     xr = x.repeat(3, 1)
     yr = torch.cat([y, (y + 1) % 3, (y + 2) % 3])
-    batches = [(xr[i:i + 9], yr[i:i + 9]) for i in range(0, xr.shape[0], 9)]  # equal batches: bitwise-equal z
+    batches = [(xr[i : i + 9], yr[i : i + 9]) for i in range(0, xr.shape[0], 9)]  # equal batches: bitwise-equal z
     d = diagnose(model, classification_loss, batches, sites=["blocks.1"], realizability=True)
     _, g = _naive_site(model, "blocks.1", xr, yr, classification_loss)
     m = g.reshape(3, 9, -1).mean(0).numpy()  # copies of unit j are j, j+9, j+18
-    r_hat = math.sqrt(float((m ** 2).sum(1).mean()))
+    r_hat = math.sqrt(float((m**2).sum(1).mean()))
     assert d["blocks.1"].result.raw_score == pytest.approx(r_hat, rel=1e-10)
     assert d["blocks.1"].result.raw_score < d["blocks.1"].result.ag_rms
 
@@ -129,8 +117,10 @@ def test_sequence_and_image_sites_match_naive_loop():
     cnn = ResNetCNN(channels=(4, 6), blocks_per_stage=1, n_classes=3).to(DT).eval()
     xi = torch.randn(6, 1, 8, 8, dtype=DT)
     yi = torch.randint(0, 3, (6,))
-    for model, x, y, loss, layout in ((gpt, xs, ys, token_loss, "sequence"),
-                                      (cnn, xi, yi, classification_loss, "image")):
+    for model, x, y, loss, layout in (
+        (gpt, xs, ys, token_loss, "sequence"),
+        (cnn, xi, yi, classification_loss, "image"),
+    ):
         batches = [(x[:3], y[:3]), (x[3:], y[3:])]
         d = diagnose(model, loss, batches, family="linear")
         for sd in d.sites:
@@ -178,7 +168,7 @@ def test_batch_mean_reduction_gives_per_example_gradients():
     model, _, _, batches = _mlp_problem()
     ref = diagnose(model, classification_loss, batches)
     mean = diagnose(model, lambda o, t: classification_loss(o, t).mean(), batches, reduction="mean")
-    for a, b in zip(ref.sites, mean.sites):
+    for a, b in zip(ref.sites, mean.sites, strict=False):
         assert a.result.score == pytest.approx(b.result.score, rel=1e-12)
         assert a.result.ag_max == pytest.approx(b.result.ag_max, rel=1e-12)
     assert mean.loss == pytest.approx(ref.loss, rel=1e-12)
@@ -196,8 +186,9 @@ def test_padding_mask_drops_padded_rows():
     def per_token(logits, t):
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), t, reduction="none")
 
-    d = diagnose(model, per_token, [(x[:3], y[:3], mask[:3]), (x[3:], y[3:], mask[3:])],
-                 reduction="token_mean", family="linear")
+    d = diagnose(
+        model, per_token, [(x[:3], y[:3], mask[:3]), (x[3:], y[3:], mask[3:])], reduction="token_mean", family="linear"
+    )
 
     def per_example(logits, t):  # each example's mean over its own real tokens
         return (per_token(logits, t) * mask).sum(1) / mask.sum(1)
@@ -276,7 +267,7 @@ class HFLike(nn.Module):
     def forward(self, input_ids, attention_mask=None):
         inner = self.model if self.style == "llama" else self.encoder
         h = inner.emb(input_ids)
-        for lay in (inner.layers if self.style == "llama" else inner.layer):
+        for lay in inner.layers if self.style == "llama" else inner.layer:
             h = lay(hidden_states=h)[0]
         return self.head(h)
 
@@ -299,8 +290,7 @@ class GPT2Like(nn.Module):
 
 def test_discover_sites_patterns():
     ids = torch.randint(0, 5, (2, 3))
-    assert discover_sites(TinyTorchvisionResNet(), torch.randn(2, 1, 4, 4)) == [
-        "layer1.0", "layer1.1", "layer2.0"]
+    assert discover_sites(TinyTorchvisionResNet(), torch.randn(2, 1, 4, 4)) == ["layer1.0", "layer1.1", "layer2.0"]
     assert discover_sites(HFLike("llama"), ids) == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert discover_sites(HFLike("bert"), ids) == ["encoder.layer.0", "encoder.layer.1"]
     # blocks.0 changes the shape: not a residual-stream site
@@ -359,8 +349,7 @@ def test_json_and_plot_outputs(tmp_path):
 
 # ----------------------------------------------------------------------------- checkpoints
 def _flat(d):
-    return {(s.site, k): v for s in d.sites for k, v in s.result.to_dict().items()
-            if isinstance(v, float)}
+    return {(s.site, k): v for s in d.sites for k, v in s.result.to_dict().items() if isinstance(v, float)}
 
 
 def _same(a, b, rel=1e-12):
@@ -380,22 +369,27 @@ def test_checkpoint_resume_after_interrupt_in_process(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        diagnose(model, classification_loss, batches, delta=0.1, realizability=True, checkpoint=ck,
-                 progress=stop)
+        diagnose(model, classification_loss, batches, delta=0.1, realizability=True, checkpoint=ck, progress=stop)
     header, _ = read_checkpoint(ck)
     assert header["batches"] == 4 and header["examples"] == 24 and not header["complete"]
     seen = []
-    res = diagnose(model, classification_loss, batches, delta=0.1, realizability=True, checkpoint=ck,
-                   progress=lambda k, t: seen.append((k, t)))
+    res = diagnose(
+        model,
+        classification_loss,
+        batches,
+        delta=0.1,
+        realizability=True,
+        checkpoint=ck,
+        progress=lambda k, t: seen.append((k, t)),
+    )
     assert res.resumed_from == 4 and seen[-1] == (6, 6)
     _same(res, full, rel=0)
-    for a, b in zip(res.sites, full.sites):
+    for a, b in zip(res.sites, full.sites, strict=False):
         assert a.interval.to_dict() == b.interval.to_dict()
     assert read_checkpoint(ck)[0]["complete"]
     # a mismatched configuration is rejected
     with pytest.raises(CheckpointError, match="another configuration.*family"):
-        diagnose(model, classification_loss, batches, family="poly:2", delta=0.1, realizability=True,
-                 checkpoint=ck)
+        diagnose(model, classification_loss, batches, family="poly:2", delta=0.1, realizability=True, checkpoint=ck)
     with pytest.raises(CheckpointError, match="already holds 10 batches"):
         diagnose(model, classification_loss, batches[:3], delta=0.1, realizability=True, checkpoint=ck)
     (tmp_path / "junk").write_bytes(b"not a checkpoint")
@@ -405,8 +399,8 @@ def test_checkpoint_resume_after_interrupt_in_process(tmp_path):
 
 _KILL_SCRIPT = textwrap.dedent("""
     import sys, time, torch
-    from depthsat_theory.diagnose import diagnose
-    from depthsat_theory.models import ResidualMLP, classification_loss
+    from depthsat_theory.diagnose.run import diagnose
+    from depthsat_theory.tasks.models import ResidualMLP, classification_loss
     torch.manual_seed(0)
     model = ResidualMLP(in_dim=6, width=5, depth=3, n_classes=3).to(torch.float64).eval()
     x = torch.randn(400, 6, dtype=torch.float64)
@@ -442,14 +436,16 @@ def test_checkpoint_survives_sigkill(tmp_path):
             proc.kill()
     header = read_checkpoint(ck)[0]
     assert 5 <= header["batches"] < 80 and not header["complete"]
-    subprocess.run([sys.executable, str(script), str(ck), "fast", str(tmp_path / "resumed.json")],
-                   env=env, check=True, timeout=120)
-    subprocess.run([sys.executable, str(script), "-", "fast", str(tmp_path / "full.json")],
-                   env=env, check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(script), str(ck), "fast", str(tmp_path / "resumed.json")], env=env, check=True, timeout=120
+    )
+    subprocess.run(
+        [sys.executable, str(script), "-", "fast", str(tmp_path / "full.json")], env=env, check=True, timeout=120
+    )
     a = json.loads((tmp_path / "resumed.json").read_text())
     b = json.loads((tmp_path / "full.json").read_text())
     assert a["resumed_from"] == header["batches"] and b["resumed_from"] == 0
-    for sa, sb in zip(a["sites"], b["sites"]):
+    for sa, sb in zip(a["sites"], b["sites"], strict=False):
         for key in ("score", "ag_rms", "ag_max", "raw_score", "realizability_defect", "tangent_rank", "n"):
             assert sa[key] == pytest.approx(sb[key], rel=1e-12), key
 
@@ -464,9 +460,26 @@ def cache_env(monkeypatch, model_cache):
 
 
 def test_cli_diagnose_table_json_plot(tmp_path, cache_env):
-    out = runner.invoke(app, ["diagnose", "--model", "mlp", "--batches", "2", "--batch-size", "32",
-                              "--delta", "0.1", "--rho", "--json", str(tmp_path / "d.json"),
-                              "--plot", str(tmp_path / "p"), "-q"])
+    out = runner.invoke(
+        app,
+        [
+            "diagnose",
+            "--model",
+            "mlp",
+            "--batches",
+            "2",
+            "--batch-size",
+            "32",
+            "--delta",
+            "0.1",
+            "--rho",
+            "--json",
+            str(tmp_path / "d.json"),
+            "--plot",
+            str(tmp_path / "p"),
+            "-q",
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert "blocks.3" in out.output and "s/AG_rms" in out.output
     data = json.loads((tmp_path / "d.json").read_text())
@@ -474,15 +487,18 @@ def test_cli_diagnose_table_json_plot(tmp_path, cache_env):
     assert (tmp_path / "p.png").is_file() and (tmp_path / "p.svg").is_file()
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--model", "nope"], "unknown --model"),
-    (["--model", "mlp", "--family", "conv3x3:4"], "does not fit"),
-    (["--model", "mlp", "--family", "bogus"], "bad family spec"),
-    (["--model", "mlp", "--sites", "nope"], "no module named"),
-    (["--model", "mlp", "--batches", "0"], "--batches must be"),
-    (["--model", "mlp", "--batches", "99"], "exceeds"),
-    (["--model", "mlp", "--delta", "2"], "delta"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--model", "nope"], "unknown --model"),
+        (["--model", "mlp", "--family", "conv3x3:4"], "does not fit"),
+        (["--model", "mlp", "--family", "bogus"], "bad family spec"),
+        (["--model", "mlp", "--sites", "nope"], "no module named"),
+        (["--model", "mlp", "--batches", "0"], "--batches must be"),
+        (["--model", "mlp", "--batches", "99"], "exceeds"),
+        (["--model", "mlp", "--delta", "2"], "delta"),
+    ],
+)
 def test_cli_diagnose_bad_input_exit_2(args, msg, cache_env):
     out = runner.invoke(app, ["diagnose", *args, "-q"])
     assert out.exit_code == 2, out.output
@@ -501,7 +517,7 @@ def test_cli_checkpoint_mismatch_exit_2(tmp_path, cache_env):
 
 
 def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
-    """A stand-in ``depthsat_theory.zoo`` (the real one loads pretrained weights offline)."""
+    """A stand-in ``depthsat_theory.tasks.zoo`` (the real one loads pretrained weights offline)."""
     import types
 
     import depthsat_theory
@@ -518,15 +534,23 @@ def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
     def load(name, batch_size=8, seed=0):
         calls["args"] = (name, batch_size, seed)
         return types.SimpleNamespace(
-            model=net, loss_fn=per_token, batches=[(ids[:2], ids[:2], mask[:2]), (ids[2:], ids[2:], mask[2:])],
-            sites=["model.layers.0", "model.layers.2"], layout="sequence", description="fake-llama",
-            reduction="token_mean")
+            model=net,
+            loss_fn=per_token,
+            batches=[(ids[:2], ids[:2], mask[:2]), (ids[2:], ids[2:], mask[2:])],
+            sites=["model.layers.0", "model.layers.2"],
+            layout="sequence",
+            description="fake-llama",
+            reduction="token_mean",
+        )
 
     fake = types.SimpleNamespace(NAMES=("fake-llama",), load=load)
-    monkeypatch.setitem(sys.modules, "depthsat_theory.zoo", fake)
-    monkeypatch.setattr(depthsat_theory, "zoo", fake, raising=False)
-    out = runner.invoke(app, ["diagnose", "--model", "fake-llama", "--batch-size", "2", "-q",
-                              "--json", str(tmp_path / "z.json")])
+    monkeypatch.setitem(sys.modules, "depthsat_theory.tasks.zoo", fake)
+    import depthsat_theory.tasks
+
+    monkeypatch.setattr(depthsat_theory.tasks, "zoo", fake)
+    out = runner.invoke(
+        app, ["diagnose", "--model", "fake-llama", "--batch-size", "2", "-q", "--json", str(tmp_path / "z.json")]
+    )
     assert out.exit_code == 0, out.output
     assert calls["args"] == ("fake-llama", 2, 0)
     data = json.loads((tmp_path / "z.json").read_text())
@@ -548,12 +572,13 @@ def test_dict_inputs_with_attention_mask_and_changing_length():
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none", ignore_index=-100)
         return ce.sum(1) / (y != -100).sum(1)
 
-    batches = [({"input_ids": i, "attention_mask": m}, i.masked_fill(m == 0, -100))
-               for i, m in ((ids_a, m_a), (ids_b, m_b))]
+    batches = [
+        ({"input_ids": i, "attention_mask": m}, i.masked_fill(m == 0, -100)) for i, m in ((ids_a, m_a), (ids_b, m_b))
+    ]
     d = diagnose(model, loss, batches, family="linear", realizability=True)
     for sd in d.sites:
         rows_z, rows_g = [], []
-        for (x, y) in batches:
+        for x, y in batches:
             z, g = _naive_site(model, sd.site, x["input_ids"], y, loss)
             keep = x["attention_mask"].bool()
             assert float(g[~keep].abs().max()) == 0.0
@@ -567,12 +592,18 @@ def test_dict_inputs_with_attention_mask_and_changing_length():
         assert sd.result.units == int(m_a.sum() + m_b.sum()) == 16 and sd.shape == (5, 4)
     with pytest.raises(DiagnoseError, match="pad the probe"):
         cnn = ResNetCNN(channels=(4,), blocks_per_stage=1, n_classes=3).to(DT).eval()
-        diagnose(cnn, classification_loss, [(torch.randn(2, 1, 8, 8, dtype=DT), torch.tensor([0, 1])),
-                                            (torch.randn(2, 1, 6, 6, dtype=DT), torch.tensor([0, 1]))])
+        diagnose(
+            cnn,
+            classification_loss,
+            [
+                (torch.randn(2, 1, 8, 8, dtype=DT), torch.tensor([0, 1])),
+                (torch.randn(2, 1, 6, 6, dtype=DT), torch.tensor([0, 1])),
+            ],
+        )
 
 
 def test_cli_real_zoo_digits_mlp(cache_env):
-    zoo = pytest.importorskip("depthsat_theory.zoo")
+    zoo = pytest.importorskip("depthsat_theory.tasks.zoo")
     if "digits-mlp" not in getattr(zoo, "NAMES", ()):
         pytest.skip("no digits-mlp in the zoo")
     out = runner.invoke(app, ["diagnose", "--model", "digits-mlp", "--batches", "1", "--batch-size", "32", "-q"])

@@ -1,4 +1,4 @@
-"""Sharded diagnosis (depthsat_theory.distributed): N processes give one process's numbers.
+"""Sharded diagnosis (depthsat_theory.diagnose.distributed): N processes give one process's numbers.
 
 Two real processes join a gloo group on CPU the way ``torchrun`` starts them (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment), each takes the
@@ -22,17 +22,18 @@ from typer.testing import CliRunner
 
 from depthsat_theory.cli import app
 from depthsat_theory.diagnose import diagnose
-from depthsat_theory.models import classification_loss
+from depthsat_theory.tasks import classification_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
 
 _PROBLEM = textwrap.dedent("""
     import torch
-    from depthsat_theory.models import ResidualMLP, classification_loss
+    from depthsat_theory.tasks.models import ResidualMLP, classification_loss
 
     def problem():
         torch.manual_seed(3)
@@ -45,9 +46,9 @@ _PROBLEM = textwrap.dedent("""
 
 _WORKER = textwrap.dedent("""
     import json, sys
-    from depthsat_theory import distributed
-    from depthsat_theory.diagnose import diagnose
-    from depthsat_theory.models import classification_loss
+    from depthsat_theory.diagnose import distributed
+    from depthsat_theory.diagnose.run import diagnose
+    from depthsat_theory.tasks.models import classification_loss
     from problem import problem
 
     assert distributed.init_from_env("gloo")
@@ -72,7 +73,7 @@ def _close(a, b, path=""):
             _close(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, list):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             _close(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and isinstance(b, float):
         # ρ̂ is dimensionless; at rounding level (≈1e-12 when s = r̂) only an absolute check makes sense
@@ -90,11 +91,25 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
-        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "out.json")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "out.json")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -120,16 +135,36 @@ def test_two_gloo_processes_match_one_process(tmp_path):
 
 
 def test_torchrun_cli_matches_single_process(tmp_path, model_cache, monkeypatch):
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(ROOT),
-               DEPTHSAT_CACHE=model_cache)  # same thread count: same cached weights as in-process
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=str(ROOT), DEPTHSAT_CACHE=model_cache
+    )  # same thread count: same cached weights as in-process
     common = ["diagnose", "--model", "mlp", "--batches", "3", "--batch-size", "16", "--rho", "-q"]
     monkeypatch.setenv("DEPTHSAT_CACHE", model_cache)  # the in-process single run below
     one = CliRunner().invoke(app, [*common, "--json", str(tmp_path / "one.json")])
     assert one.exit_code == 0, one.output
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(_free_port()), "-m", "depthsat_theory.cli", *common,
-                          "--json", str(tmp_path / "two.json"), "--checkpoint", str(tmp_path / "ck")],
-                         check=False, env=env, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "depthsat_theory.cli",
+            *common,
+            "--json",
+            str(tmp_path / "two.json"),
+            "--checkpoint",
+            str(tmp_path / "ck"),
+        ],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("depthsat diagnose") == 1  # only rank 0 prints
     assert (tmp_path / "ck.rank0-of-2").is_file() and (tmp_path / "ck.rank1-of-2").is_file()

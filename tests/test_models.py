@@ -1,4 +1,4 @@
-"""Tests for depthsat_theory.data, .models and .training (fast: well under a minute)."""
+"""Tests for depthsat_theory.tasks.data, .models and .training (fast: well under a minute)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from depthsat_theory import data as data_mod
-from depthsat_theory import training as training_mod
-from depthsat_theory.data import (
+from depthsat_theory.tasks import (
+    KINDS,
+    CharGPT,
     CharVocabulary,
     DataUnavailableError,
+    ResidualMLP,
+    ResNetCNN,
+    Task,
+    classification_loss,
     digits_split,
     kjv_sequences,
     load_digits,
     load_kjv_text,
-)
-from depthsat_theory.models import (
-    CharGPT,
-    ResidualMLP,
-    ResNetCNN,
-    classification_loss,
     token_loss,
+    trained_task,
 )
-from depthsat_theory.training import KINDS, Task, trained_task
+from depthsat_theory.tasks import data as data_mod
+from depthsat_theory.tasks import training as training_mod
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,7 @@ def test_digits_split_is_a_disjoint_partition():
     assert y_tr.shape == (1285,) and y_pr.shape == (512,)
     assert x_tr.dtype == torch.float64 and y_tr.dtype == torch.long
     # train + probe is exactly the data set as a multiset: no example used twice.
-    assert torch.equal(
-        _sorted_rows(torch.cat([x_tr, x_pr]), torch.cat([y_tr, y_pr])), _sorted_rows(x, y)
-    )
+    assert torch.equal(_sorted_rows(torch.cat([x_tr, x_pr]), torch.cat([y_tr, y_pr])), _sorted_rows(x, y))
     # Seeded: same seed same split, different seed different split.
     again = digits_split(0, probe_size=512)
     assert torch.equal(again[2], x_pr) and torch.equal(again[3], y_pr)
@@ -95,7 +93,7 @@ def test_kjv_text(kjv_text):
 
 def test_kjv_loads_offline_without_importing_bible():
     code = (
-        "import sys; from depthsat_theory.data import load_kjv_text; "
+        "import sys; from depthsat_theory.tasks.data import load_kjv_text; "
         "t = load_kjv_text(); assert len(t) > 4_000_000; "
         "assert 'bible' not in sys.modules, 'bible was imported'"
     )

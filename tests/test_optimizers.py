@@ -1,4 +1,4 @@
-"""Tests for depthsat_theory.optimizers (zero-state first-step maps).
+"""Tests for depthsat_theory.optimizers.updates (zero-state first-step maps).
 
 Expected values are derived independently of the module under test: either
 from the real ``torch.optim`` step, or from closed forms / reference
@@ -29,8 +29,16 @@ from depthsat_theory.optimizers import (
 
 ALL_NAMES = sorted(UPDATES)
 EXPECTED_NAMES = {
-    "sgd", "momentum", "nesterov", "adam", "adamw",
-    "rmsprop", "adagrad", "signsgd", "lion", "rotation",
+    "sgd",
+    "momentum",
+    "nesterov",
+    "adam",
+    "adamw",
+    "rmsprop",
+    "adagrad",
+    "signsgd",
+    "lion",
+    "rotation",
 }
 DT = torch.float64
 LR = 0.037
@@ -161,10 +169,15 @@ def test_map_equals_real_first_step(name, opt_device):
 @pytest.mark.parametrize(
     ("name", "cls"),
     [
-        ("sgd", torch.optim.SGD), ("momentum", torch.optim.SGD),
-        ("nesterov", torch.optim.SGD), ("adam", torch.optim.Adam),
-        ("adamw", torch.optim.AdamW), ("rmsprop", torch.optim.RMSprop),
-        ("adagrad", torch.optim.Adagrad), ("signsgd", SignSGD), ("lion", Lion),
+        ("sgd", torch.optim.SGD),
+        ("momentum", torch.optim.SGD),
+        ("nesterov", torch.optim.SGD),
+        ("adam", torch.optim.Adam),
+        ("adamw", torch.optim.AdamW),
+        ("rmsprop", torch.optim.RMSprop),
+        ("adagrad", torch.optim.Adagrad),
+        ("signsgd", SignSGD),
+        ("lion", Lion),
         ("rotation", RotationOptimizer),
     ],
 )
@@ -554,9 +567,7 @@ def test_predicted_change_rate_sign_threshold_values():
     # signsgd: -sum_{|b_i| > tau} |b_i|
     assert get_update("signsgd").predicted_change_rate(b, 0.02) == pytest.approx(-2.3, rel=1e-15)
     assert get_update("lion").predicted_change_rate(b) == pytest.approx(-2.33, rel=1e-15)
-    assert get_update("sgd").predicted_change_rate(b) == pytest.approx(
-        -(0.09 + 0.0001 + 0.0004 + 4.0), rel=1e-15
-    )
+    assert get_update("sgd").predicted_change_rate(b) == pytest.approx(-(0.09 + 0.0001 + 0.0004 + 4.0), rel=1e-15)
 
 
 def test_predicted_change_rate_rotation_exactly_zero():

@@ -52,8 +52,10 @@ def test_claim_module_passes_in_quick_mode(mod, cache_env):
         out = chk.fn(ctx)
         assert isinstance(out, Outcome)
         if out.instances <= 0 or out.counterexamples != 0:
-            failures.append(f"{chk.name}: {out.instances} instances, {out.counterexamples} counterexamples; "
-                            f"{out.converse} {out.detail}")
+            failures.append(
+                f"{chk.name}: {out.instances} instances, {out.counterexamples} counterexamples; "
+                f"{out.converse} {out.detail}"
+            )
     assert not failures, "\n".join(failures)
 
 
@@ -127,20 +129,29 @@ def test_scratch_registry_restores_checks(scratch_registry):
 
 
 def _run(args: list[str], model_cache: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DEPTHSAT_CACHE=model_cache, OMP_NUM_THREADS="1",
-               COLUMNS="250")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DEPTHSAT_CACHE=model_cache, OMP_NUM_THREADS="1", COLUMNS="250")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("args", [["-m", "proofs_checks"], ["-m", "depthsat_theory.cli", "proofs"]],
-                         ids=["python-m-proofs_checks", "depthsat-proofs"])
+@pytest.mark.parametrize(
+    "args",
+    [["-m", "proofs_checks"], ["-m", "depthsat_theory.cli", "proofs"]],
+    ids=["python-m-proofs_checks", "depthsat-proofs"],
+)
 def test_command_line_prints_the_table(args, model_cache):
     proc = _run([*args, "--only", "T1", "--quick"], model_cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    for text in ("proofs_checks (seed 0, quick)", "t1-chain-rule-origin", "t1-tower-property",
-                 "t1-autograd-gradient", "thm-gradient", "lem-tower", "symbolic", "numeric"):
+    for text in (
+        "proofs_checks (seed 0, quick)",
+        "t1-chain-rule-origin",
+        "t1-tower-property",
+        "t1-autograd-gradient",
+        "thm-gradient",
+        "lem-tower",
+        "symbolic",
+        "numeric",
+    ):
         assert text in out, out
     assert "0 counterexamples, 0 failed" in out
     assert "t2-" not in out  # --only T1

@@ -1,4 +1,4 @@
-"""Tests for depthsat_theory.sites (site capture, block insertion, T1).
+"""Tests for depthsat_theory.capture.sites (site capture, block insertion, T1).
 
 Expected values come from autograd on models built and cut into pieces here
 (independently of the recorder's hooks), and from autograd through the model
@@ -14,8 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from depthsat_theory.families import GeneralFamily, parse_family
-from depthsat_theory.sites import (
+from depthsat_theory.capture import (
     NotFunctionPreservingError,
     SiteError,
     SiteRecorder,
@@ -23,7 +22,8 @@ from depthsat_theory.sites import (
     check_function_preserving,
     insert_block,
 )
-from depthsat_theory.tangent import statistics_for
+from depthsat_theory.families import GeneralFamily, parse_family
+from depthsat_theory.statistics import statistics_for
 
 DT = torch.float64
 
@@ -66,7 +66,7 @@ class ResMLP(nn.Module):
             return h
 
         def after(h):
-            for m in mods[idx + 1:]:
+            for m in mods[idx + 1 :]:
                 h = m(h)
             return self.head(h)
 
@@ -167,7 +167,7 @@ def check_t1(model, site, family, shape, layout, batches, loss_fn, device):
     assert res.gradient.shape == b_ref.shape
     scale = max(1.0, float(abs(b_ref).max()))
     assert abs(res.gradient - b_ref).max() <= 1e-10 * scale
-    for _p, gr in zip(features, grads[len(tangent):]):
+    for _p, gr in zip(features, grads[len(tangent) :], strict=False):
         assert gr is None or bool((gr == 0).all()), "feature parameters must get exactly zero gradient"
     # the original model is untouched by insertion
     assert new_model is not model
@@ -192,8 +192,9 @@ def test_t1_gradient_residual_mlp(spec, site, device):
 
 
 # ============================================================================ 2. function preservation
-@pytest.mark.parametrize("spec", ["linear", "linear-nobias", "relu:6", "preln:5", "even:abs",
-                                  "poly:2", "product:2", "general"])
+@pytest.mark.parametrize(
+    "spec", ["linear", "linear-nobias", "relu:6", "preln:5", "even:abs", "poly:2", "product:2", "general"]
+)
 def test_zero_blocks_are_function_preserving(spec, device):
     model = _make_mlp(device)
     x, _ = _mlp_data(device)
@@ -377,11 +378,9 @@ def test_accumulate_rejects_bad_losses(device):
     x, y = _mlp_data(device)
     stats = statistics_for(parse_family("linear"), (4,), "vector")
     with pytest.raises(ValueError):  # a batch-mean loss is not per-example
-        accumulate(model, ["embed"], [(x, y)], lambda o, t: ce_per_example(o, t).mean(),
-                   {"embed": stats})
+        accumulate(model, ["embed"], [(x, y)], lambda o, t: ce_per_example(o, t).mean(), {"embed": stats})
     with pytest.raises(ValueError):
-        accumulate(model, ["embed"], [(x, y)], lambda o, t: ce_per_example(o, t) * float("nan"),
-                   {"embed": stats})
+        accumulate(model, ["embed"], [(x, y)], lambda o, t: ce_per_example(o, t) * float("nan"), {"embed": stats})
 
 
 def test_accumulate_several_families_per_site(device):
@@ -391,7 +390,7 @@ def test_accumulate_several_families_per_site(device):
     specs = ["linear", "relu:6"]
     both = [statistics_for(parse_family(s), (4,), "vector") for s in specs]
     accumulate(model, ["blocks.0"], [(x, y)], ce_per_example, {"blocks.0": both})
-    for spec, acc in zip(specs, both):
+    for spec, acc in zip(specs, both, strict=False):
         single = statistics_for(parse_family(spec), (4,), "vector")
         z_ref, g_ref = _reference_zg(model, "blocks.0", x, y)
         single.update(z_ref, g_ref)
@@ -441,8 +440,7 @@ def test_sequence_site_t1_and_function_preserving(spec, site, device):
     new_model, _ = insert_block(model, site, fam.block(shape, "sequence", dtype=DT, device=device))
     assert check_function_preserving(model, new_model, x) == 0.0
     batches = [(x[:2], y[:2]), (x[2:], y[2:])]
-    res, b_ref, features = check_t1(model, site, fam, shape, "sequence", batches,
-                                    token_ce_per_example, device)
+    res, b_ref, features = check_t1(model, site, fam, shape, "sequence", batches, token_ce_per_example, device)
     assert abs(b_ref).max() > 1e-5
     if spec == "attention:4":
         assert res.unit == "tensor" and len(features) > 0

@@ -21,8 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from depthsat_theory.families import GeneralFamily, parse_family
-from depthsat_theory.sites import (
+from depthsat_theory.capture import (
     SiteError,
     SiteRecorder,
     accumulate,
@@ -30,7 +29,8 @@ from depthsat_theory.sites import (
     insert_block,
     parse_site,
 )
-from depthsat_theory.tangent import statistics_for
+from depthsat_theory.families import GeneralFamily, parse_family
+from depthsat_theory.statistics import statistics_for
 
 DT = torch.float64
 
@@ -205,8 +205,19 @@ def test_repeated_module_accumulate_t1_per_occurrence(spec, device):
     for k in range(2):
         new_model, _ = insert_block(model, f"shared#{k}", fam.block((4,), "vector", dtype=DT, device=device))
         assert check_function_preserving(model, new_model, x) == 0.0
-        refs.append(_t1(model, f"shared#{k}", fam, (4,), "vector", batches,
-                        lambda m, b: ce(m(b[0]), b[1]), stats[f"shared#{k}"], device))
+        refs.append(
+            _t1(
+                model,
+                f"shared#{k}",
+                fam,
+                (4,),
+                "vector",
+                batches,
+                lambda m, b: ce(m(b[0]), b[1]),
+                stats[f"shared#{k}"],
+                device,
+            )
+        )
     assert not np.allclose(refs[0], refs[1])
     # the occurrence counter restarts at every forward of the root, also in a deep copy
     new_model, blk = insert_block(model, "shared#1", fam.block((4,), "vector", dtype=DT, device=device))
@@ -215,14 +226,14 @@ def test_repeated_module_accumulate_t1_per_occurrence(spec, device):
             p.add_(0.1)
     copied = copy.deepcopy(new_model)
     with torch.no_grad():
-        expect = model.head(new_model.shared.block(model.shared(model.shared(model.inp(x))))
-                            + model.shared(model.shared(model.inp(x))))
+        expect = model.head(
+            new_model.shared.block(model.shared(model.shared(model.inp(x)))) + model.shared(model.shared(model.inp(x)))
+        )
         for m in (new_model, copied, copied, new_model):
             assert torch.allclose(m(x), expect, rtol=1e-13, atol=1e-14)
     # statistics keyed by the bare name are refused (which occurrence would they be?)
     with pytest.raises(SiteError, match="no statistics"):
-        accumulate(model, ["shared"], batches, ce, {"shared": statistics_for(fam, (4,), "vector")},
-                   calls="each")
+        accumulate(model, ["shared"], batches, ce, {"shared": statistics_for(fam, (4,), "vector")}, calls="each")
 
 
 # ============================================================================ 3. structured outputs
@@ -313,11 +324,9 @@ def test_structured_outputs_are_tapped_in_place(kind, device):
     fam = parse_family("linear")
     stats = statistics_for(fam, (4,), "vector")
     accumulate(model, ["layer"], [(x, y)], ce, {"layer": stats}, output_key=key)
-    new_model, _ = insert_block(model, "layer", fam.block((4,), "vector", dtype=DT, device=device),
-                                output_key=key)
+    new_model, _ = insert_block(model, "layer", fam.block((4,), "vector", dtype=DT, device=device), output_key=key)
     assert check_function_preserving(model, new_model, x) == 0.0
-    _t1(model, "layer", fam, (4,), "vector", [(x, y)], lambda m, b: ce(m(b[0]), b[1]), stats, device,
-        output_key=key)
+    _t1(model, "layer", fam, (4,), "vector", [(x, y)], lambda m, b: ce(m(b[0]), b[1]), stats, device, output_key=key)
 
 
 def test_structured_output_errors(device):
@@ -383,8 +392,7 @@ def test_batchnorm_eval_mode_and_train_mode_error(device):
     stats = statistics_for(parse_family("linear"), (4,), "vector")
     with pytest.raises(SiteError, match="model.eval"):
         accumulate(model, ["embed"], [(x, y)], ce, {"embed": stats})
-    with pytest.warns(RuntimeWarning, match="BatchNorm"), \
-            SiteRecorder(model, ["embed"], batchnorm="warn") as rec:
+    with pytest.warns(RuntimeWarning, match="BatchNorm"), SiteRecorder(model, ["embed"], batchnorm="warn") as rec:
         rec.backward(ce(model(x), y).sum())
     model.eval()
     with SiteRecorder(model, ["embed"]) as rec:  # switching to train inside the context
@@ -467,7 +475,7 @@ def test_padded_g_is_zero_at_padding_and_matches_unpadded_examples(device):
     # each example alone, unpadded, has the same g on its real tokens
     for i in range(x.shape[0]):
         t_i = int(mask[i].sum())
-        xi, yi = x[i:i + 1, :t_i], y[i:i + 1, :t_i]
+        xi, yi = x[i : i + 1, :t_i], y[i : i + 1, :t_i]
         with SiteRecorder(model, ["block"]) as rec_i:
             rec_i.backward(masked_mean(model(xi), yi).sum())
         assert torch.allclose(rec_i.g["block"][0], g[i, :t_i], rtol=1e-12, atol=1e-15)
@@ -479,24 +487,23 @@ def test_padded_rows_are_dropped_from_statistics(how, device):
     model = _CausalSeq().to(DT).to(device).eval()
     x, y, mask = _padded(device)
     fam = parse_family("linear")
-    gen_fam = GeneralFamily(lambda th, u: th[:4] * torch.tanh(u) + th[4:] * u**2, lambda d: 8,
-                            name="tanh-sq")
+    gen_fam = GeneralFamily(lambda th, u: th[:4] * torch.tanh(u) + th[4:] * u**2, lambda d: 8, name="tanh-sq")
     relu = parse_family("relu:5")  # random frozen features: the dropped-row path must reuse them
-    stats = [statistics_for(fam, (6, 4), "sequence", pool_ties=True),
-             statistics_for(gen_fam, (6, 4), "sequence"),
-             statistics_for(relu, (6, 4), "sequence")]
+    stats = [
+        statistics_for(fam, (6, 4), "sequence", pool_ties=True),
+        statistics_for(gen_fam, (6, 4), "sequence"),
+        statistics_for(relu, (6, 4), "sequence"),
+    ]
     idx = [[0, 1, 2], [3, 4]]
     if how == "tuple":
         batches = [(x[i], y[i], mask[i]) for i in idx]
         j = accumulate(model, ["block"], batches, masked_mean, {"block": stats})
     elif how == "mask_fn":
         batches = [(x[i], y[i]) for i in idx]
-        j = accumulate(model, ["block"], batches, masked_mean, {"block": stats},
-                       mask_fn=lambda xb, yb: yb != -100)
+        j = accumulate(model, ["block"], batches, masked_mean, {"block": stats}, mask_fn=lambda xb, yb: yb != -100)
     else:
         batches = [(x[i], y[i], mask[i]) for i in idx]
-        j = accumulate(model, ["block"], batches, tok_losses, {"block": stats},
-                       reduction="token_mean")
+        j = accumulate(model, ["block"], batches, tok_losses, {"block": stats}, reduction="token_mean")
     with torch.no_grad():
         assert math.isclose(j, float(masked_mean(model(x), y).mean()), rel_tol=1e-12)
     n_units = int(mask.sum())
@@ -522,8 +529,7 @@ def test_padded_rows_are_dropped_from_statistics(how, device):
     assert math.isclose(res.ag_max, float(g_all.norm(dim=1).max()), rel_tol=1e-12)
     # T1 for both families (padding contributes nothing to b since g = 0 there)
     for fam_i, acc in ((fam, lin), (gen_fam, stats[1]), (relu, stats[2])):
-        _t1(model, "block", fam_i, (6, 4), "sequence", [(x, y)],
-            lambda m, b: masked_mean(m(b[0]), b[1]), acc, device)
+        _t1(model, "block", fam_i, (6, 4), "sequence", [(x, y)], lambda m, b: masked_mean(m(b[0]), b[1]), acc, device)
     # without the mask the padded rows would be counted
     plain = statistics_for(fam, (6, 4), "sequence")
     accumulate(model, ["block"], [(x, y)], masked_mean, {"block": plain})
@@ -612,5 +618,4 @@ def test_token_mean_reduction_rules(device):
     with pytest.raises(ValueError, match="no non-padded token"):
         empty = mask.clone()
         empty[0] = False
-        accumulate(model, ["block"], [(x, y, empty)], tok_losses, {"block": stats},
-                   reduction="token_mean")
+        accumulate(model, ["block"], [(x, y, empty)], tok_losses, {"block": stats}, reduction="token_mean")

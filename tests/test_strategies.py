@@ -1,6 +1,6 @@
 """Property tests of the built-in families with :mod:`depthsat_theory.strategies`.
 
-References are independent of the streaming statistics in :mod:`depthsat_theory.tangent`:
+References are independent of the streaming statistics in :mod:`depthsat_theory.statistics.tangent`:
 
 * the tangent Jacobian ``A`` (``(n·d) × p``) from forward-mode ``torch.func``
   (:func:`~depthsat_theory.strategies.tangent_jacobian`), or in closed form for
@@ -19,8 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from depthsat_theory.capture import SiteRecorder, check_function_preserving, insert_block
 from depthsat_theory.families import linear, parse_family
-from depthsat_theory.sites import SiteRecorder, check_function_preserving, insert_block
+from depthsat_theory.statistics import statistics_for
 from depthsat_theory.strategies import (
     PolynomialFamily,
     finite_measures,
@@ -31,7 +32,6 @@ from depthsat_theory.strategies import (
     small_models,
     tangent_jacobian,
 )
-from depthsat_theory.tangent import statistics_for
 
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -82,8 +82,9 @@ def test_polynomial_families_against_closed_form_tangent(fam: PolynomialFamily, 
     s, rank = _reference(cols, g.reshape(-1), z.shape[0], res.rtol)
     assert res.tangent_rank == rank and res.tangent_dim == fam.p
     assert res.score == pytest.approx(s, rel=1e-6, abs=1e-9 * res.ag_rms)
-    np.testing.assert_allclose(res.gradient, cols.T @ g.reshape(-1) / z.shape[0], rtol=1e-9,
-                               atol=1e-12 * max(1.0, float(np.abs(g).max())))
+    np.testing.assert_allclose(
+        res.gradient, cols.T @ g.reshape(-1) / z.shape[0], rtol=1e-9, atol=1e-12 * max(1.0, float(np.abs(g).max()))
+    )
 
 
 @FAST
@@ -121,13 +122,14 @@ def test_finite_measures_make_pooled_quantities_exact(mu, data):
     weighted least-squares fit of m by φ̃ = (x, 1) over the atoms.
     """
     units = mu.units()
-    m_atoms = data.draw(st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)),
-                                 min_size=len(mu.points), max_size=len(mu.points)))
+    m_atoms = data.draw(
+        st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)), min_size=len(mu.points), max_size=len(mu.points))
+    )
     m_atoms = np.array(m_atoms, dtype=np.float64)
     g = np.repeat(m_atoms, mu.counts, axis=0)
     # add ±e noise on atoms with >= 2 copies: pooled means stay m
     start = np.concatenate([[0], np.cumsum(mu.counts)[:-1]])
-    for i, c in zip(start, mu.counts):
+    for i, c in zip(start, mu.counts, strict=False):
         if c >= 2:
             g[i, 0] += 0.5
             g[i + 1, 0] -= 0.5
@@ -146,8 +148,8 @@ def test_finite_measures_make_pooled_quantities_exact(mu, data):
 @given(mu=finite_measures(1, max_atoms=4), fam=polynomial_families(max_terms=3, max_params=2))
 def test_symbolic_gram_matches_numeric_on_finite_measures(mu, fam):
     """K = E_μ[AᵀA]: exact symbolic (engine) vs the float64 statistics on the measure's units."""
-    engine = pytest.importorskip("depthsat_theory.symbolic.engine")
-    from depthsat_theory.symbolic.family import SymbolicFamily
+    engine = pytest.importorskip("depthsat_theory.engines.symbolic.engine")
+    from depthsat_theory.engines.symbolic.family import SymbolicFamily
 
     sym = SymbolicFamily.parse(fam.expression(1), d=1)
     k_exact = np.array(engine.tangent_gram(sym, mu.to_symbolic()).evalf(17).tolist(), dtype=np.float64)
@@ -175,12 +177,15 @@ def test_small_models_gradient_of_inserted_block_is_b(sm, data):
     assert check_function_preserving(sm.model, new, sm.inputs) == 0.0
     params = fam.tangent_parameters(blk)
     grads = torch.autograd.grad(sm.loss(new(sm.inputs), sm.targets).mean(), params, allow_unused=True)
-    b = torch.cat([(torch.zeros_like(p) if gr is None else gr).reshape(-1) for p, gr in zip(params, grads)])
+    b = torch.cat(
+        [(torch.zeros_like(p) if gr is None else gr).reshape(-1) for p, gr in zip(params, grads, strict=False)]
+    )
     np.testing.assert_allclose(b.detach().numpy(), res.gradient, rtol=1e-9, atol=1e-13)
 
 
-@pytest.mark.parametrize("kwargs,needle", [({"kind": "saturated"}, "needs a family"),
-                                            ({"kind": "bogus"}, "kind must be")])
+@pytest.mark.parametrize(
+    "kwargs,needle", [({"kind": "saturated"}, "needs a family"), ({"kind": "bogus"}, "kind must be")]
+)
 def test_probe_kind_errors(kwargs, needle):
     @settings(max_examples=1, deadline=None)
     @given(probes(**kwargs))
@@ -192,7 +197,8 @@ def test_probe_kind_errors(kwargs, needle):
 
 
 try:
-    import depthsat_theory.symbolic.measures  # noqa: F401
+    import depthsat_theory.engines.symbolic.measures  # noqa: F401
+
     HAVE_SYMBOLIC = True
 except ImportError:  # pragma: no cover - the engine ships with the package
     HAVE_SYMBOLIC = False
@@ -205,7 +211,7 @@ def test_symbolic_measures(mu, sym_mu):
     """Exact conversion: E_μ[u1 + u2²] by the engine equals the weighted sum over the atoms."""
     import sympy as sp
 
-    from depthsat_theory.symbolic.family import unit_symbols
+    from depthsat_theory.engines.symbolic.family import unit_symbols
 
     u1, u2 = unit_symbols(2)
     exact = mu.to_symbolic().expect(u1 + u2**2, (u1, u2))

@@ -1,11 +1,11 @@
-"""Tests for depthsat_theory.symbolic (the exact sympy engine).
+"""Tests for depthsat_theory.engines.symbolic (the exact sympy engine).
 
 Expected values come from outside the module under test:
 
 * closed forms worked out by hand in the docstrings (normal/uniform moments, Gram
   matrices, projections);
 * the real ``torch.optim`` classes (first steps from zero state);
-* the numeric engine (:mod:`depthsat_theory.tangent`): exact agreement (to rounding,
+* the numeric engine (:mod:`depthsat_theory.statistics.tangent`): exact agreement (to rounding,
   ``1e-10``) on finite measures, whose points are replicated in proportion to their
   rational weights so that the engine's row mean integrates exactly; and agreement
   within a stated Monte-Carlo tolerance (5 standard errors estimated from the sample)
@@ -24,11 +24,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from depthsat_theory import families as F
-from depthsat_theory import symbolic as S
-from depthsat_theory.families import FamilyError
-from depthsat_theory.optimizers import UPDATES
-from depthsat_theory.symbolic import (
+from depthsat_theory.engines import symbolic as S
+from depthsat_theory.engines.symbolic import (
     FiniteMeasure,
     MeasureError,
     SymbolicFamily,
@@ -46,14 +43,18 @@ from depthsat_theory.symbolic import (
     tangent_rank,
     zero_state_step,
 )
-from depthsat_theory.tangent import FeatureStatistics, GeneralStatistics
+from depthsat_theory.families import FamilyError
+from depthsat_theory.families import base as F
+from depthsat_theory.optimizers import UPDATES
+from depthsat_theory.statistics import FeatureStatistics, GeneralStatistics
 
 DT = torch.float64
 U1 = sp.Symbol("u1", real=True)
 U2 = sp.Symbol("u2", real=True)
 EXACT_TOL = 1e-10
-FAST = settings(max_examples=12, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FAST = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 
 
 def close(a, b, tol=EXACT_TOL) -> bool:
@@ -80,20 +81,23 @@ def test_parse_scalar_and_vector_families():
     assert k.p == 3 and list(tangent_map(k)) == [0, 0, U1]
 
 
-@pytest.mark.parametrize("text, culprit", [
-    ("t1*u1 +", "SyntaxError"),
-    ("__import__('os')", "__import__"),
-    ("t1*x", "'x'"),
-    ("t1*foo(u1)", "'foo'"),
-    ("u1.__class__*t1", "'.'"),
-    ("t1^2*u1", "**"),
-    ("lambda: t1", "'lambda'"),
-    ("exp(t1*u1", "unbalanced"),
-    ("(t1*u1, t2)", "bracket"),
-    ("", "empty"),
-    ("u1**2", "no parameters"),
-    ("t1*3j", "complex"),
-])
+@pytest.mark.parametrize(
+    "text, culprit",
+    [
+        ("t1*u1 +", "SyntaxError"),
+        ("__import__('os')", "__import__"),
+        ("t1*x", "'x'"),
+        ("t1*foo(u1)", "'foo'"),
+        ("u1.__class__*t1", "'.'"),
+        ("t1^2*u1", "**"),
+        ("lambda: t1", "'lambda'"),
+        ("exp(t1*u1", "unbalanced"),
+        ("(t1*u1, t2)", "bracket"),
+        ("", "empty"),
+        ("u1**2", "no parameters"),
+        ("t1*3j", "complex"),
+    ],
+)
 def test_parse_errors_are_one_line_family_errors(text, culprit):
     with pytest.raises(FamilyError) as info:
         SymbolicFamily.parse(text)
@@ -222,7 +226,7 @@ def test_invertible_linear_reparameterization_keeps_s_and_maps_b():
     c1 = sp.Matrix([[1, 2], [2, 4]])
     assert not is_regular_reparameterization(fam, list(c1 * sp.Matrix(xi)), xi)
     # a nonlinear χ with invertible Dχ(0) is regular too
-    assert is_regular_reparameterization(fam, [xi[0] + xi[1]**2, sp.sin(xi[1]) - xi[0]**3], xi)
+    assert is_regular_reparameterization(fam, [xi[0] + xi[1] ** 2, sp.sin(xi[1]) - xi[0] ** 3], xi)
     with pytest.raises(FamilyError, match="chi\\(0\\)"):
         reparameterize(fam, [xi[0] + 1, xi[1]], xi)
 
@@ -277,7 +281,7 @@ def test_projection_is_an_orthogonal_projector():
     a = tangent_map(fam)
     assert pm == (a * v).applyfunc(sp.expand)
     # idempotent, residual ⟂ T, Pythagoras
-    v2, pm2 = projection(fam, mu, pm)
+    _v2, pm2 = projection(fam, mu, pm)
     assert (pm2 - pm).applyfunc(sp.expand) == sp.zeros(2, 1)
     assert cross_gradient(fam, mu, m - pm) == sp.zeros(fam.p, 1)
     res = saturation(fam, mu, m)
@@ -297,7 +301,7 @@ def test_zero_output_relu_features_match_cross_gradient_formula():
     tot = sum(wts)
     sig = sp.zeros(4, 4)
     big_g = sp.zeros(2, 4)
-    for (p1, p2), wt in zip(pts, wts):
+    for (p1, p2), wt in zip(pts, wts, strict=False):
         pre = sp.Matrix(w) * sp.Matrix([p1, p2]) + sp.Matrix(a)
         phi = sp.Matrix([max(0, e) for e in pre] + [1])
         sig += sp.Rational(wt, tot) * phi * phi.T
@@ -319,7 +323,7 @@ def test_measure_moments_and_mass_convention():
         assert sp.simplify(mu.moment(0, k) - sps.E(x**k)) == 0
     # uniform on (−1, 3): E u^k = (3^{k+1} − (−1)^{k+1}) / (4 (k+1))
     for k in range(5):
-        assert mu.moment(1, k) == sp.Rational(3**(k + 1) - (-1)**(k + 1), 4 * (k + 1))
+        assert mu.moment(1, k) == sp.Rational(3 ** (k + 1) - (-1) ** (k + 1), 4 * (k + 1))
     # E[u1² u2 + 3] = (1 + 4)·1 + 3
     assert mu.expect(U1**2 * U2 + 3, (U1, U2)) == 8
     die = S.ProductMeasure([sps.Die("D", 6)], total_mass=2)
@@ -329,8 +333,7 @@ def test_measure_moments_and_mass_convention():
     assert fin.expect(sp.Matrix([U1, U1**2]), (U1,)) == sp.Matrix([sp.Rational(7, 8), sp.Rational(13, 8)])
     assert S.ProductMeasure([sps.Bernoulli("Bm", sp.Rational(1, 3))]).expect(sp.Abs(U1 - 1), (U1,)) == sp.Rational(2, 3)
     # non-polynomial integrand under a normal: sympy.stats fallback, E|Z| = sqrt(2/π)
-    assert sp.simplify(S.ProductMeasure([sps.Normal("Zm", 0, 1)]).expect(sp.Abs(U1), (U1,))
-                       - sp.sqrt(2 / sp.pi)) == 0
+    assert sp.simplify(S.ProductMeasure([sps.Normal("Zm", 0, 1)]).expect(sp.Abs(U1), (U1,)) - sp.sqrt(2 / sp.pi)) == 0
 
 
 def test_measure_errors():
@@ -382,8 +385,7 @@ def _b_values(p: int, seed: int) -> np.ndarray:
 def _eval_step(name: str, b: np.ndarray) -> np.ndarray:
     bs = sp.symbols(f"b1:{len(b) + 1}", real=True)
     step = zero_state_step(name, bs)
-    return np.array([float(e.xreplace({s: sp.Rational(float(v)) for s, v in zip(bs, b)}))
-                     for e in step])
+    return np.array([float(e.xreplace({s: sp.Rational(float(v)) for s, v in zip(bs, b, strict=False)})) for e in step])
 
 
 _TORCH_EXTRA = {"nadam": torch.optim.NAdam, "adamax": torch.optim.Adamax, "radam": torch.optim.RAdam}
@@ -424,15 +426,18 @@ _STEPS: dict = {}
 
 
 @FAST
-@given(st.sampled_from(S.SYMBOLIC_UPDATES),
-       st.lists(st.one_of(st.just(0.0), st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False)),
-                min_size=3, max_size=3))
+@given(
+    st.sampled_from(S.SYMBOLIC_UPDATES),
+    st.lists(
+        st.one_of(st.just(0.0), st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False)), min_size=3, max_size=3
+    ),
+)
 def test_first_step_equals_real_optimizer_random_gradients(name, b):
     if name not in _STEPS:  # derive once per name (NAdam's derivation takes ~0.5 s)
         bs = sp.symbols("b1:4", real=True)
         _STEPS[name] = (bs, zero_state_step(name, bs))
     bs, step = _STEPS[name]
-    rep = {x: sp.Rational(v) for x, v in zip(bs, b)}
+    rep = {x: sp.Rational(v) for x, v in zip(bs, b, strict=False)}
     sym = np.array([float(e.xreplace(rep)) for e in step])
     np.testing.assert_allclose(sym, _torch_first_step(name, np.array(b)), rtol=1e-12, atol=1e-300)
 
@@ -447,8 +452,11 @@ def test_first_step_closed_forms():
         "rmsprop": x / (sp.sqrt(sp.Rational(1, 100)) * sp.Abs(x) + eps),
         "adagrad": x / (sp.sqrt(sp.Rational(1, 10) + x**2) + sp.Rational(1, 10**10)),
         "nesterov": sp.Rational(19, 10) * x,
-        "momentum": x, "sgd": x, "radam": x,
-        "signsgd": sp.sign(x), "lion": sp.sign(x),
+        "momentum": x,
+        "sgd": x,
+        "radam": x,
+        "signsgd": sp.sign(x),
+        "lion": sp.sign(x),
     }
     for name, form in forms.items():
         assert sp.simplify(zero_state_step(name, [x])[0] - form) == 0, name
@@ -510,9 +518,15 @@ def test_descent_compatibility_matches_registry(name):
 # ----------------------------------------------------------------------------- bridge
 def _mixed_family() -> SymbolicFamily:
     t1, t2, t3 = S.param_symbols(3)
-    expr = [t1 * sp.Max(0, U1 - U2) + t2 * sp.tanh(U2) * sp.sign(U1),
-            t3 * sp.Abs(U1) + sp.Piecewise((t1 * U2, U2 > 0), (t2 * U1**2, True))
-            + sp.sqrt(2) * t2 / 3 + sp.exp(t3 * U1) - 1 + sp.Heaviside(U1) * t1 * sp.erf(U2)]
+    expr = [
+        t1 * sp.Max(0, U1 - U2) + t2 * sp.tanh(U2) * sp.sign(U1),
+        t3 * sp.Abs(U1)
+        + sp.Piecewise((t1 * U2, U2 > 0), (t2 * U1**2, True))
+        + sp.sqrt(2) * t2 / 3
+        + sp.exp(t3 * U1)
+        - 1
+        + sp.Heaviside(U1) * t1 * sp.erf(U2),
+    ]
     return SymbolicFamily(expr, (U1, U2), (t1, t2, t3), name="mixed")
 
 
@@ -542,8 +556,12 @@ def test_general_family_tangent_map_via_torch_func():
     u = torch.from_numpy(np.random.default_rng(5).normal(size=(6, 2)))
     jac = torch.func.jacrev(lambda th: gen.functional(th, u, "vector"))(torch.zeros(3, dtype=DT))
     a = tangent_map(fam)
-    expect = np.array([[[float(e) for e in a.xreplace({U1: sp.Rational(r[0]), U2: sp.Rational(r[1])}).row(i)]
-                        for i in range(2)] for r in u.numpy()])
+    expect = np.array(
+        [
+            [[float(e) for e in a.xreplace({U1: sp.Rational(r[0]), U2: sp.Rational(r[1])}).row(i)] for i in range(2)]
+            for r in u.numpy()
+        ]
+    )
     np.testing.assert_allclose(jac.numpy(), expect, rtol=1e-13, atol=1e-15)
     # vmapped jvp (what GeneralStatistics does) works on the generated code
     vs = torch.eye(3, dtype=DT)
@@ -571,8 +589,12 @@ def test_random_features_reproduce_numeric_family_exactly():
     fam_t = S.random_features(2, 3, "tanh", proj_t.weight.detach().numpy(), proj_t.bias.detach().numpy())
     z = torch.from_numpy(np.random.default_rng(0).normal(size=(9, 2)))
     theta = torch.from_numpy(np.random.default_rng(1).normal(size=fam_t.p))
-    np.testing.assert_allclose(S.lambdify_family(fam_t, "torch")(theta, z).numpy(),
-                               num_t.functional(theta, z, "vector").numpy(), rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(
+        S.lambdify_family(fam_t, "torch")(theta, z).numpy(),
+        num_t.functional(theta, z, "vector").numpy(),
+        rtol=1e-13,
+        atol=1e-14,
+    )
 
 
 # ----------------------------------------------------------------------------- numeric agreement
@@ -586,15 +608,19 @@ def _assert_agree(exact, out, tol=EXACT_TOL):
     assert close(out.raw_score, r, tol)
     if r > 0:
         # compare ‖m − Πm‖² (ρ itself is a square root of a rounding-level number when ρ = 0)
-        assert abs((out.realizability_defect * r) ** 2 - float(exact.realizability_defect * r) ** 2) \
-            <= tol * max(1.0, r * r)
+        assert abs((out.realizability_defect * r) ** 2 - float(exact.realizability_defect * r) ** 2) <= tol * max(
+            1.0, r * r
+        )
 
 
-@pytest.mark.parametrize("sym, num", [
-    (lambda: S.linear(2), lambda: F.linear()),
-    (lambda: S.linear(2, bias=False), lambda: F.linear(bias=False)),
-    (lambda: S.polynomial(2, 2), lambda: F.polynomial(2)),
-])
+@pytest.mark.parametrize(
+    "sym, num",
+    [
+        (lambda: S.linear(2), lambda: F.linear()),
+        (lambda: S.linear(2, bias=False), lambda: F.linear(bias=False)),
+        (lambda: S.polynomial(2, 2), lambda: F.polynomial(2)),
+    ],
+)
 def test_agreement_with_feature_statistics_on_finite_measure(sym, num):
     mu = FiniteMeasure([(0, 1), (1, -1), (2, 3), (-1, 0), (1, 1)], [1, 2, 3, 1, 1])
     fam, nfam = sym(), num()
@@ -603,8 +629,10 @@ def test_agreement_with_feature_statistics_on_finite_measure(sym, num):
     rows = S.replicated_support(mu)
     z = torch.from_numpy(rows)
     g = torch.from_numpy(S.lambdify_units(fam, m)(rows))
-    for stats in (FeatureStatistics(nfam, (2,), "vector", pool_ties=True),
-                  GeneralStatistics(S.to_general_family(fam), (2,), "vector", pool_ties=True)):
+    for stats in (
+        FeatureStatistics(nfam, (2,), "vector", pool_ties=True),
+        GeneralStatistics(S.to_general_family(fam), (2,), "vector", pool_ties=True),
+    ):
         stats.update(z, g)
         _assert_agree(exact, stats.result())
     kmat = np.array(tangent_gram(fam, mu).evalf(20).tolist(), dtype=np.float64)
@@ -632,7 +660,7 @@ def _random_problem(draw):
 
     def monomial():
         exps = [draw(st.integers(0, 2)) for _ in range(d)]
-        return "*".join(f"{n}**{e}" for n, e in zip(names, exps) if e) or "1"
+        return "*".join(f"{n}**{e}" for n, e in zip(names, exps, strict=False) if e) or "1"
 
     comps = [[] for _ in range(d)]
     for _ in range(draw(st.integers(1, 5))):
@@ -710,8 +738,7 @@ def test_monte_carlo_agreement_normal_polynomial():
     """u ~ N(0,1), h = W(u, u²) + c, m = u³ − u/2 + 1.  By hand: with φ̃ = (u, u², 1),
     b = E[φ̃ m] = (3 − 1/2, 0 + 1, 1) = (5/2, 1, 1), K = [[1,0,0],[0,3,1],[0,1,1]].
     Tolerance: 5 standard errors estimated from the n = 20000 sample (see _mc_check)."""
-    exact = _mc_check(S.polynomial(1, 2), F.polynomial(2), [sps.Normal("N1", 0, 1)],
-                      "u1**3 - u1/2 + 1")
+    exact = _mc_check(S.polynomial(1, 2), F.polynomial(2), [sps.Normal("N1", 0, 1)], "u1**3 - u1/2 + 1")
     assert exact.gradient == sp.Matrix([sp.Rational(5, 2), 1, 1])
     assert exact.gram == sp.Matrix([[1, 0, 0], [0, 3, 1], [0, 1, 1]])
 
@@ -719,9 +746,13 @@ def test_monte_carlo_agreement_normal_polynomial():
 def test_monte_carlo_agreement_uniform_normal_linear():
     """u1 ~ U(−1, 1), u2 ~ N(1, 1/2) independent, linear family with bias, m = (u1 u2,
     u2² − u1).  Tolerance: 5 sample standard errors, n = 20000 (see _mc_check)."""
-    exact = _mc_check(S.linear(2), F.linear(),
-                      [sps.Uniform("U1", -1, 1), sps.Normal("N2", 1, sp.Rational(1, 2))],
-                      "[u1*u2, u2**2 - u1]", seed=1)
+    exact = _mc_check(
+        S.linear(2),
+        F.linear(),
+        [sps.Uniform("U1", -1, 1), sps.Normal("N2", 1, sp.Rational(1, 2))],
+        "[u1*u2, u2**2 - u1]",
+        seed=1,
+    )
     # b for W[0, :] = E[u1 · u1 u2], E[u2 · u1 u2] = (1/3 · 1, 0)
     assert exact.gradient[0] == sp.Rational(1, 3) and exact.gradient[1] == 0
 

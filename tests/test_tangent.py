@@ -1,4 +1,4 @@
-"""Tests for depthsat_theory.tangent (streaming tangent statistics, projector, scores).
+"""Tests for depthsat_theory.statistics.tangent (streaming tangent statistics, projector, scores).
 
 Every expected value is derived independently of ``tangent.py``: from dense
 Jacobians (``reference.dense_jacobian`` / ``torch.func``), from Jacobians or
@@ -18,17 +18,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from depthsat_theory import constructions
+from depthsat_theory.capture import SiteRecorder
+from depthsat_theory.engines import dense_jacobian, dense_saturation
 from depthsat_theory.families import FamilyError, GeneralFamily, linear, parse_family
-from depthsat_theory.reference import dense_jacobian, dense_saturation
-from depthsat_theory.sites import SiteRecorder
-from depthsat_theory.tangent import (
-    FeatureStatistics,
-    GeneralStatistics,
-    StatisticsError,
-    statistics_for,
-)
-from depthsat_theory.training import Task
+from depthsat_theory.statistics import FeatureStatistics, GeneralStatistics, StatisticsError, statistics_for
+from depthsat_theory.tasks import Task, constructions
 
 DT = torch.float64
 
@@ -37,10 +31,11 @@ SHAPES = {"vector": (3,), "sequence": (4, 3), "image": (3, 2, 3)}
 PROBE_N = {"vector": 14, "sequence": 4, "image": 3}
 
 ROW_SPECS = ["linear", "linear-nobias", "poly:2", "relu:7", "even:square", "preln:5"]
-FEATURE_CASES = (
-    [(spec, lay) for spec in ROW_SPECS for lay in ("vector", "sequence", "image")]
-    + [("conv1x1", "image"), ("conv3x3:4", "image"), ("attention:4", "sequence")]
-)
+FEATURE_CASES = [(spec, lay) for spec in ROW_SPECS for lay in ("vector", "sequence", "image")] + [
+    ("conv1x1", "image"),
+    ("conv3x3:4", "image"),
+    ("attention:4", "sequence"),
+]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -179,8 +174,7 @@ def stream_slack(phi: np.ndarray) -> float:
 
 
 def _close(a, b, rtol=1e-9, atol=1e-12) -> bool:
-    return bool(np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64),
-                            rtol=rtol, atol=atol))
+    return bool(np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=rtol, atol=atol))
 
 
 # ============================================================================ 1. projector
@@ -405,8 +399,12 @@ def test_rank_deficient_general_family(device):
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 12), d=st.integers(1, 4),
-       spec=st.sampled_from(["linear", "linear-nobias", "poly:2", "tanh:5"]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 12),
+    d=st.integers(1, 4),
+    spec=st.sampled_from(["linear", "linear-nobias", "poly:2", "tanh:5"]),
+)
 def test_score_matches_numpy_property(seed, n, d, spec, device):
     fam = parse_family(spec)
     z = _rand((n, d), seed, device)
@@ -444,14 +442,20 @@ def test_score_bounded_by_ag_rms_on_nearly_dependent_features(device):
         gn = g.cpu().numpy()
         assert _close(res.ag_rms, math.sqrt(float(np.sum(gn**2)) / n), rtol=1e-12)
         ratios.append((spec, res.score / res.ag_rms, res.raw_score / res.ag_rms))
-    assert all(s_ratio <= 1 + 1e-10 and s_ratio <= r_ratio + 1e-10
-               for _, s_ratio, r_ratio in ratios), ratios
+    assert all(s_ratio <= 1 + 1e-10 and s_ratio <= r_ratio + 1e-10 for _, s_ratio, r_ratio in ratios), ratios
 
 
 # ============================================================================ 3. streaming
 def _assert_same_result(a, b):
-    for name in ("score", "raw_score", "ag_rms", "ag_max", "realizability_defect",
-                 "activation_scaled_score", "relative_score"):
+    for name in (
+        "score",
+        "raw_score",
+        "ag_rms",
+        "ag_max",
+        "realizability_defect",
+        "activation_scaled_score",
+        "relative_score",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert (math.isnan(x) and math.isnan(y)) or abs(x - y) <= 1e-12 * max(1.0, abs(x)), name
     assert np.abs(a.gradient - b.gradient).max() <= 1e-12
@@ -459,9 +463,16 @@ def _assert_same_result(a, b):
         assert getattr(a, name) == getattr(b, name), name
 
 
-@pytest.mark.parametrize("spec,layout", [("linear", "vector"), ("relu:7", "sequence"),
-                                         ("conv3x3:4", "image"), ("attention:4", "sequence"),
-                                         ("general", "vector")])
+@pytest.mark.parametrize(
+    "spec,layout",
+    [
+        ("linear", "vector"),
+        ("relu:7", "sequence"),
+        ("conv3x3:4", "image"),
+        ("attention:4", "sequence"),
+        ("general", "vector"),
+    ],
+)
 def test_streaming_batches_and_merge(spec, layout, device):
     fam = general_tanh_sq() if spec == "general" else parse_family(spec)
     shape = SHAPES[layout]
@@ -524,10 +535,15 @@ def pooled_raw(z: Tensor, g: Tensor, layout: str, unit: str, phi: np.ndarray | N
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n_distinct=st.integers(1, 5), n=st.integers(1, 12),
-       d=st.integers(1, 3), layout=st.sampled_from(["vector", "sequence"]),
-       spec=st.sampled_from(["linear", "relu:4", "even:abs", "linear-nobias"]),
-       noise=st.booleans())
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n_distinct=st.integers(1, 5),
+    n=st.integers(1, 12),
+    d=st.integers(1, 3),
+    layout=st.sampled_from(["vector", "sequence"]),
+    spec=st.sampled_from(["linear", "relu:4", "even:abs", "linear-nobias"]),
+    noise=st.booleans(),
+)
 def test_chain_s_le_r_le_agrms_le_agmax(seed, n_distinct, n, d, layout, spec, noise, device):
     rng = np.random.default_rng(seed)
     t = 1 if layout == "vector" else 3
@@ -792,8 +808,17 @@ def readout_task():
         model.ln_f.bias.copy_(0.2 * torch.randn(4, dtype=DT))
     x = torch.randn(40, 5, dtype=DT)
     y = torch.randint(0, 3, (40,))
-    task = Task(kind="mlp", data="synthetic", model=model.eval(), inputs=x, targets=y, loss=_ce,
-                layout="vector", train_loss=float("nan"), probe_loss=float("nan"))
+    task = Task(
+        kind="mlp",
+        data="synthetic",
+        model=model.eval(),
+        inputs=x,
+        targets=y,
+        loss=_ce,
+        layout="vector",
+        train_loss=float("nan"),
+        probe_loss=float("nan"),
+    )
     return constructions.lsq_readout(task)
 
 
@@ -892,7 +917,7 @@ def test_padding_mask_drops_rows_like_the_unpadded_examples(spec):
     parts = []
     for i, t in enumerate(lengths):
         acc = statistics_for(fam, (t, d), "sequence")
-        acc.update(z[i:i + 1, :t], g[i:i + 1, :t])
+        acc.update(z[i : i + 1, :t], g[i : i + 1, :t])
         parts.append(acc)
     assert masked.units == sum(lengths) and masked.n == B
     # the raw sums: every score is computed from them

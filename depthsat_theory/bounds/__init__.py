@@ -1,0 +1,63 @@
+"""Finite-sample intervals, certificates and the sample-size calculator (T7)."""
+
+from depthsat_theory.bounds.core import (
+    CERTIFIED_IMPROVABLE,
+    CERTIFIED_SATURATED,
+    NOT_CERTIFIED,
+    BoundError,
+    BoundPlan,
+    Constant,
+    Estimate,
+    ProbeMoments,
+    ScoreInterval,
+    SequentialCertifier,
+    ag_rms_upper,
+    bootstrap_interval,
+    bound_report,
+    check_delta,
+    estimate,
+    halfwidth,
+    interval_from_moments,
+    plan_bound,
+    required_n,
+    score_report,
+    spending,
+    unbiased_score_squared,
+)
+from depthsat_theory.bounds.formula import (
+    Formulas,
+    combined_required_n,
+    formulas,
+)
+from depthsat_theory.bounds.statistics import (
+    BoundStatistics,
+)
+
+__all__ = [
+    "CERTIFIED_IMPROVABLE",
+    "CERTIFIED_SATURATED",
+    "NOT_CERTIFIED",
+    "BoundError",
+    "BoundPlan",
+    "BoundStatistics",
+    "Constant",
+    "Estimate",
+    "Formulas",
+    "ProbeMoments",
+    "ScoreInterval",
+    "SequentialCertifier",
+    "ag_rms_upper",
+    "bootstrap_interval",
+    "bound_report",
+    "check_delta",
+    "combined_required_n",
+    "estimate",
+    "formulas",
+    "halfwidth",
+    "interval_from_moments",
+    "plan_bound",
+    "required_n",
+    "score_report",
+    "spending",
+    "unbiased_score_squared",
+]

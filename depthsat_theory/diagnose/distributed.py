@@ -1,0 +1,110 @@
+"""Sharded probes under ``torchrun``: all-reduce streamed statistics (``depthsat diagnose``).
+
+Every statistic :mod:`depthsat_theory.diagnose.run` streams is a *sum* over probe
+examples (``Σ``, ``G``, ``Σ_x G_xᵀ G_x``, ``K``, ``b``, counts, ``Σ‖g‖²``, ``Σ‖z‖²``,
+the loss total) or a *maximum* (``AG_max``, the largest feature norm).  A probe split
+into shards therefore gives the statistics of the whole probe after one ``SUM``
+all-reduce of the sums and one ``MAX`` all-reduce of the maxima; only the optional
+exact-tie pooling (``r̂``, ``ρ̂``) needs an all-gather of its per-unit table.
+
+Sharding convention: with ``N`` processes, rank ``r`` takes the probe batches of
+global index ``r, r + N, r + 2N, …``.  The reduced numbers equal a single process's
+up to floating-point summation order (relative differences ~1e-15).
+
+Backends: ``gloo`` on CPU, ``nccl`` when CUDA is available (tensors are moved to the
+current CUDA device for the collective and back to float64 CPU).  The nccl path has
+not been run on a GPU in this project's tests (they use gloo on CPU).
+
+Errors: a rank that fails (a NaN loss on its shard, say) prints its one-line error and
+exits; the other ranks then fail in the collective (or wait for ``torchrun``'s timeout).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_gather_objects", "allreduce", "barrier", "init_from_env", "is_main", "world"]
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    """``True`` on rank 0 (and in a single process): the rank that prints and writes."""
+    return world()[0] == 0
+
+
+def init_from_env(backend: str | None = None) -> bool:
+    """Join the process group described by ``torchrun``'s environment, if any.
+
+    Reads ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/``MASTER_PORT`` (set by ``torchrun``).
+    Does nothing when ``WORLD_SIZE`` is unset or ``1``, or when a group exists already.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"`` (default: ``nccl`` if CUDA is available,
+            else ``gloo``).
+
+    Returns:
+        ``True`` if this process is part of a group of more than one process.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+    return True
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def allreduce(sums: Tensor, maxima: Tensor) -> tuple[Tensor, Tensor]:
+    """All-reduce a float64 vector of sums (``SUM``) and one of maxima (``MAX``).
+
+    Args:
+        sums: 1-D float64 tensor (counts are carried exactly up to 2⁵³).
+        maxima: 1-D float64 tensor.
+
+    Returns:
+        The reduced ``(sums, maxima)`` as float64 CPU tensors (the inputs unchanged
+        in a single process).
+    """
+    if world()[1] == 1:
+        return sums, maxima
+    dev = _device()
+    s = sums.detach().to(dev, torch.float64).contiguous()
+    m = maxima.detach().to(dev, torch.float64).contiguous()
+    dist.all_reduce(s, op=dist.ReduceOp.SUM)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    return s.cpu(), m.cpu()
+
+
+def all_gather_objects(obj) -> Sequence:
+    """Every rank's ``obj`` in rank order (``[obj]`` in a single process)."""
+    if world()[1] == 1:
+        return [obj]
+    out: list = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process)."""
+    if world()[1] > 1:
+        dist.barrier()

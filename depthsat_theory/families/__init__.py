@@ -1,0 +1,43 @@
+"""Residual families ``h_θ`` with ``h_0 ≡ 0``: base classes, built-ins and the spec registry."""
+
+from depthsat_theory.families.base import (
+    LAYOUTS,
+    FamilyError,
+    FeatureFamily,
+    GeneralFamily,
+    ResidualFamily,
+    causal_attention,
+    conv1x1,
+    conv3x3,
+    even_features,
+    family_specs,
+    from_rows,
+    linear,
+    parse_family,
+    polynomial,
+    preln_mlp,
+    product,
+    random_features,
+    to_rows,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "FamilyError",
+    "FeatureFamily",
+    "GeneralFamily",
+    "ResidualFamily",
+    "causal_attention",
+    "conv1x1",
+    "conv3x3",
+    "even_features",
+    "family_specs",
+    "from_rows",
+    "linear",
+    "parse_family",
+    "polynomial",
+    "preln_mlp",
+    "product",
+    "random_features",
+    "to_rows",
+]
