@@ -8,7 +8,7 @@ from torch import Tensor
 
 from depthsat_theory.bounds.core import ProbeMoments, ScoreInterval, interval_from_moments
 from depthsat_theory.families import FeatureFamily, to_rows
-from depthsat_theory.statistics import FeatureStatistics, StatisticsError, default_rtol
+from depthsat_theory.statistics import FeatureStatistics, Reduction, StatisticsError, default_rtol
 
 __all__ = ["BoundStatistics"]
 
@@ -17,10 +17,13 @@ class BoundStatistics(FeatureStatistics):
     """:class:`~depthsat_theory.statistics.tangent.FeatureStatistics` plus what the bound needs.
 
     Streams, besides ``Σ̂`` and ``Ĝ``, the ``k × k`` sum of ``G_xᵀ G_x`` and the maxima
-    ``max ‖g(x)‖_F`` and ``max Σ_t ‖φ̃_t‖²`` (memory ``O(dk + k²)``).  With
+    ``max ‖g(x)‖_F`` and ``max Σ_t ‖φ̃_t‖²`` (memory ``O(dk + k²)``), declared as the
+    state fields ``q_sum`` (sum) and ``feat_sq_max`` (maximum) of the statistics protocol
+    (:class:`~depthsat_theory.statistics.StreamingStatistic`).  With
     ``keep_probe=True`` it also keeps every example's ``φ̃`` and ``g`` rows (memory
     ``O(n · units · (d + k))``), needed by the bootstrap and for the exact probe maximum
-    of the leverage.
+    of the leverage; the kept rows are not part of the state (not checkpointed or
+    all-reduced; :meth:`merge` concatenates them).
 
     Args:
         family: a zero-output feature family.
@@ -44,9 +47,19 @@ class BoundStatistics(FeatureStatistics):
     ):
         super().__init__(family, shape, layout, pool_ties=pool_ties, device=device)
         self.keep_probe = keep_probe
-        self.q_sum = np.zeros((self.k, self.k))
-        self.feat_sq_max = 0.0
+        self.add_state("q_sum", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
+        self.add_state("feat_sq_max", torch.zeros((), dtype=torch.float64), Reduction.MAX)
         self._rows: list[tuple[np.ndarray, np.ndarray]] = []
+
+    @property
+    def q_sum(self) -> np.ndarray:
+        """The raw sum ``Σ_x G_xᵀ G_x`` (float64 numpy ``(k̃, k̃)``; ``q`` of :meth:`moments` is the mean)."""
+        return self.states["q_sum"].numpy()
+
+    @property
+    def feat_sq_max(self) -> float:
+        """``max_x Σ_t ‖φ̃_t(x)‖²`` over the probe."""
+        return float(self.states["feat_sq_max"])
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch ``z``, ``g`` of shape ``(B, *shape)``, optionally with a padding ``mask``
@@ -61,19 +74,18 @@ class BoundStatistics(FeatureStatistics):
         rows_g = rows_g.cpu().numpy()
         if phi.shape[1] == 1:
             gsq = (rows_g[:, 0] ** 2).sum(1)
-            self.q_sum += (phi[:, 0] * gsq[:, None]).T @ phi[:, 0]
+            q_batch = (phi[:, 0] * gsq[:, None]).T @ phi[:, 0]
         else:
             gx = np.einsum("ird,irk->idk", rows_g, phi, optimize=True)
-            self.q_sum += np.einsum("idk,idl->kl", gx, gx, optimize=True)
-        self.feat_sq_max = max(self.feat_sq_max, float((phi**2).sum((1, 2)).max()))
+            q_batch = np.einsum("idk,idl->kl", gx, gx, optimize=True)
+        self.states["q_sum"] += torch.from_numpy(np.ascontiguousarray(q_batch))
+        self.states["feat_sq_max"] = torch.clamp_min(self.states["feat_sq_max"], float((phi**2).sum((1, 2)).max()))
         if self.keep_probe:
             self._rows.append((phi, rows_g))
 
     def merge(self, other: BoundStatistics) -> BoundStatistics:
         """Add another shard's sums (and kept rows); returns self."""
         super().merge(other)
-        self.q_sum += other.q_sum
-        self.feat_sq_max = max(self.feat_sq_max, other.feat_sq_max)
         self._rows.extend(other._rows)
         self.keep_probe = self.keep_probe and other.keep_probe
         return self
@@ -95,10 +107,10 @@ class BoundStatistics(FeatureStatistics):
             n=self.n,
             sigma=self.feature_gram(),
             cross=self.cross_gradient(),
-            q=self.q_sum / self.n,
+            q=(self.states["q_sum"] / self.n).numpy(),
             g_sq=self.g_sq / self.n,
             g_max=self.g_max,
-            feat_sq_max=self.feat_sq_max,
+            feat_sq_max=float(self.states["feat_sq_max"]),
             rtol=rtol,
             phi=phi,
             g=g,

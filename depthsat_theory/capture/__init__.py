@@ -6,32 +6,44 @@ from depthsat_theory.capture.insertion import (
     first_output,
     insert_block,
 )
-from depthsat_theory.capture.sites import (
+from depthsat_theory.capture.probe import (
     REDUCTIONS,
+    ProbeBatch,
+    accumulate,
+    batch_size,
+    call_model,
+    probe_batches,
+    reduce_losses,
+    unpack_batch,
+    update_statistics,
+)
+from depthsat_theory.capture.sites import (
     NotFunctionPreservingError,
     SiteError,
     SiteRecorder,
-    accumulate,
     parse_site,
-    reduce_losses,
     resolve_module,
     split_output,
-    update_statistics,
 )
 
 __all__ = [
     "REDUCTIONS",
     "NotFunctionPreservingError",
+    "ProbeBatch",
     "ResidualInsertion",
     "SiteError",
     "SiteRecorder",
     "accumulate",
+    "batch_size",
+    "call_model",
     "check_function_preserving",
     "first_output",
     "insert_block",
     "parse_site",
+    "probe_batches",
     "reduce_losses",
     "resolve_module",
     "split_output",
+    "unpack_batch",
     "update_statistics",
 ]

@@ -1,4 +1,4 @@
-"""Insertion sites in torch models: capture ``z`` and ``g``, insert blocks.
+"""Insertion sites in torch models: capture ``z`` and ``g`` (the recorder).
 
 A *site* is a submodule (by its name in ``model.named_modules()``) whose forward
 output is the residual-stream tensor ``z`` at that depth.  :class:`SiteRecorder`
@@ -31,7 +31,7 @@ Conventions (theory/definitions.md):
 * **BatchNorm.**  A BatchNorm that normalizes with batch statistics (train mode, or
   ``track_running_stats=False``) makes ``z``, ``g`` and the tangent map depend on
   the whole batch (theory/definitions.md): a :class:`SiteError` by default.
-* **Reductions and padding** (see :func:`accumulate`): ``g`` is the gradient of the
+* **Reductions and padding** (see :func:`depthsat_theory.capture.probe.accumulate`): ``g`` is the gradient of the
   per-example loss ``ℓ_i`` (nats per example); padded positions are excluded from
   the losses and from the units of the statistics.
 """
@@ -39,30 +39,20 @@ Conventions (theory/definitions.md):
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.statistics import StatisticsError
-
 __all__ = [
-    "REDUCTIONS",
     "NotFunctionPreservingError",
     "SiteError",
     "SiteRecorder",
-    "accumulate",
     "parse_site",
-    "reduce_losses",
     "resolve_module",
     "split_output",
-    "update_statistics",
 ]
-
-#: Loss reductions accepted by :func:`accumulate`.
-REDUCTIONS = ("none", "sum", "mean", "token_mean")
 
 
 class SiteError(ValueError):
@@ -362,7 +352,7 @@ class SiteRecorder:
         Args:
             loss: a scalar: the *sum* of the per-example losses (theory/definitions.md, def-setting), so that
                 ``g[i] = ∂ℓ_i/∂z_i``.  A batch mean gives ``g / B``
-                (:func:`accumulate` handles other reductions).
+                (:func:`~depthsat_theory.capture.probe.accumulate` handles other reductions).
 
         Raises:
             SiteError: if a site did not run as required in the last forward pass, or a
@@ -385,223 +375,3 @@ class SiteRecorder:
         self._calls.clear()
         self._slots.clear()
         self._anchors.clear()
-
-
-def reduce_losses(raw: Tensor, reduction: str, batch: int, mask: Tensor | None):
-    """The scalar to backpropagate so that site gradients are per-example gradients.
-
-    Args:
-        raw: what ``loss_fn`` returned: per-example losses ``(B,)`` (``"none"``), a scalar
-            batch sum (``"sum"``) or batch mean (``"mean"``), or per-token losses ``(B, T)``
-            (``"token_mean"``: each example's loss is the mean over its own real tokens).
-        reduction: one of :data:`REDUCTIONS` (theory/definitions.md, def-setting: reductions matter).
-        batch: the batch size ``B``.
-        mask: optional padding mask ``(B, T)`` bool, ``True`` at real tokens.
-
-    Returns:
-        ``(backward_scalar, total_loss)``: the tensor whose gradient is the sum of the
-        per-example gradients, and the batch's summed per-example loss (float, nats).
-
-    Raises:
-        ValueError: wrong shape for the reduction, an unknown reduction, NaN/Inf losses.
-    """
-    if not isinstance(raw, Tensor):
-        raise ValueError(f"loss_fn must return a tensor, got {type(raw).__name__}")
-    if not torch.isfinite(raw.detach()).all() and reduction != "token_mean":
-        raise ValueError("the loss is NaN or Inf on the probe; cannot take gradients")
-    if reduction == "none":
-        if raw.dim() != 1 or raw.shape[0] != batch:
-            raise ValueError(
-                f"loss_fn must return per-example losses of shape (B,) = ({batch},), got "
-                f"{tuple(raw.shape)} (pass reduction='mean'/'sum' for a batch-reduced scalar)"
-            )
-        return raw.sum(), float(raw.detach().sum())
-    if reduction in ("sum", "mean"):
-        if raw.dim() != 0:
-            raise ValueError(f"reduction={reduction!r}: loss_fn must return a scalar, got shape {tuple(raw.shape)}")
-        scale = batch if reduction == "mean" else 1
-        return raw * scale, float(raw.detach()) * scale
-    if reduction == "token_mean":
-        if raw.dim() == 0:
-            raise ValueError(
-                "reduction='token_mean' needs per-token losses (B, T): a scalar mean over all "
-                "non-padded tokens of the batch (the Hugging Face reduction) weights each example "
-                "by its number of tokens and is not E_D ℓ with ℓ the example's own token mean "
-                "(theory/definitions.md, def-setting), and the per-example losses cannot be recovered from it; return "
-                "reduction='none' token losses from loss_fn"
-            )
-        if raw.dim() != 2 or raw.shape[0] != batch:
-            raise ValueError(
-                f"reduction='token_mean': loss_fn must return per-token losses (B, T) "
-                f"with B = {batch}, got {tuple(raw.shape)}"
-            )
-        m = torch.ones_like(raw, dtype=torch.bool) if mask is None else mask.to(raw.device).bool()
-        if m.shape != raw.shape:
-            raise ValueError(
-                f"the padding mask {tuple(m.shape)} does not match the per-token losses {tuple(raw.shape)}"
-            )
-        ntok = m.sum(dim=1)
-        if bool((ntok == 0).any()):
-            raise ValueError("an example has no non-padded token: its token-mean loss is undefined")
-        kept = torch.where(m, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
-        if not torch.isfinite(kept.detach()).all():
-            raise ValueError("the loss is NaN or Inf on the probe; cannot take gradients")
-        per_example = kept.sum(dim=1) / ntok.to(raw.dtype)
-        return per_example.sum(), float(per_example.detach().sum())
-    raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-
-
-def update_statistics(acc, z: Tensor, g: Tensor, mask: Tensor | None, key: str) -> None:
-    """``acc.update(z, g)``, passing the padding mask at sequence sites (padded rows dropped).
-
-    Args:
-        acc: a statistics accumulator (``update(z, g[, mask])``).
-        z, g: the site's ``(B, *shape)`` activations and per-example activation gradients.
-        mask: optional ``(B, T)`` bool padding mask (ignored at vector sites).
-        key: the site name, for error messages.
-
-    Raises:
-        SiteError: a mask that does not fit the site, or an accumulator that cannot drop
-            padded rows (no ``mask=`` keyword, or a sequence-level family).
-    """
-    if mask is None or z.dim() == 2:  # no mask, or a per-example vector site (no positions)
-        acc.update(z, g)
-        return
-    if z.dim() != 3 or tuple(mask.shape) != tuple(z.shape[:2]):
-        raise SiteError(
-            f"site {key!r} has tensors of shape {tuple(z.shape)}; a padding mask "
-            f"{tuple(mask.shape)} applies to sequence sites (B, T, d) only"
-        )
-    mask = mask.to(z.device).bool()
-    if "mask" not in inspect.signature(acc.update).parameters:
-        if bool(mask.all()):
-            acc.update(z, g)
-            return
-        raise SiteError(
-            f"the accumulator {type(acc).__name__} at site {key!r} cannot drop padded "
-            f"rows: its update() takes no mask= keyword"
-        )
-    try:
-        acc.update(z, g, mask=mask)
-    except StatisticsError as exc:
-        raise SiteError(f"site {key!r}: {exc}") from None
-
-
-def accumulate(
-    model: nn.Module,
-    sites: Sequence[str],
-    batches: Iterable[tuple],
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    stats: dict,
-    *,
-    on_batch: Callable[[int], None] | None = None,
-    reduction: str = "none",
-    mask_fn: Callable | None = None,
-    calls: str = "error",
-    output_key=None,
-    batchnorm: str = "error",
-) -> float:
-    """Stream site statistics over a probe: one forward and one backward per batch.
-
-    Every accumulator receives ``z`` and ``g`` with ``g`` the gradient of each
-    example's *own* loss ``ℓ_i`` (nats per example, theory/definitions.md, def-setting), whatever the
-    reduction ``loss_fn`` uses:
-
-    * ``"none"`` (default): ``loss_fn`` returns per-example losses ``(B,)``; the
-      backward pass uses their sum.
-    * ``"sum"``: ``loss_fn`` returns ``Σ_i ℓ_i`` (a scalar); used as is.
-    * ``"mean"``: ``loss_fn`` returns the batch mean ``(1/B) Σ_i ℓ_i``; its gradient
-      is ``g / B``, so it is multiplied by ``B`` (the batch size of the inputs).
-    * ``"token_mean"``: ``loss_fn`` returns per-token losses ``(B, T)``; each example's
-      loss is the mean over its own non-padded tokens, ``ℓ_i = Σ_t m_it ℓ_it / Σ_t m_it``
-      (theory/definitions.md, def-setting).  This is **not** the Hugging Face reduction, the mean over all
-      non-padded tokens of the batch, ``Σ_{i,t} m ℓ / Σ_{i,t} m``, which weights each
-      example by its token count (a different objective from ``E_D ℓ``); a scalar
-      returned under ``"token_mean"`` is rejected because ``ℓ_i`` cannot be recovered
-      from it.
-
-    Padding: ``batches`` may yield ``(inputs, targets, mask)``, or ``mask_fn(inputs,
-    targets)`` may give the mask: bool ``(B, T)``, ``True`` at real (non-padded)
-    tokens.  The loss must ignore padded positions (``loss_fn`` does it for
-    ``"none"``; ``"token_mean"`` applies the mask to the per-token losses).  At every
-    sequence site ``(B, T, d)`` ``g`` must then be exactly ``0`` at padded positions
-    (else the model or the loss reads padding: :class:`SiteError`), and the padded rows
-    are dropped from the statistics, so their units count only real tokens.  Rows are
-    dropped by passing ``mask=`` to accumulators whose ``update`` takes it, else (for
-    :mod:`depthsat_theory.statistics.tangent` accumulators of row-wise families) by accumulating
-    the selected rows and merging; other accumulators raise :class:`SiteError` when
-    a batch has padding.  Vector sites ``(B, d)`` are not masked.
-
-    Args:
-        model: the reference network (eval mode for BatchNorm).
-        sites: site names (``"name"`` or ``"name#k"``, see :class:`SiteRecorder`).
-        batches: iterable of ``(inputs, targets)`` or ``(inputs, targets, mask)``.
-        loss_fn: ``loss_fn(model(inputs), targets)``, reduced as ``reduction`` says.
-        stats: ``{site: accumulator}`` with an ``update(z, g)`` method (several
-            families per site: pass a list of accumulators).  With ``calls="each"`` the
-            keys are the occurrences ``"name#k"``.
-        on_batch: optional callback with the batch size (progress bars).
-        reduction: one of :data:`REDUCTIONS` (above).
-        mask_fn: optional ``mask_fn(inputs, targets) -> (B, T) bool`` (``True`` = keep),
-            used when a batch has no mask of its own.
-        calls: ``"error"`` or ``"each"``, as in :class:`SiteRecorder`.
-        output_key: as in :class:`SiteRecorder`.
-        batchnorm: as in :class:`SiteRecorder`.
-
-    Returns:
-        The probe's mean loss ``J`` (nats per example, ``ℓ_i`` as above).
-
-    Raises:
-        SiteError: on unknown sites, a site without statistics, padding read by the
-            model, train-mode BatchNorm, or padded rows an accumulator cannot drop.
-        StatisticsError: from the accumulators on bad values.
-        ValueError: if a loss is NaN/Inf, has the wrong shape for ``reduction``, an
-            example has no real token, or ``reduction`` is unknown.
-    """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-    total, count = 0.0, 0
-    with SiteRecorder(model, sites, calls=calls, output_key=output_key, batchnorm=batchnorm) as rec:
-        for batch in batches:
-            if len(batch) == 3:
-                x, y, mask = batch
-            else:
-                x, y = batch
-                mask = mask_fn(x, y) if mask_fn is not None else None
-            if mask is not None:
-                mask = torch.as_tensor(mask).bool()
-                if mask.dim() != 2:
-                    raise ValueError(f"the padding mask must be (B, T) bool, got {tuple(mask.shape)}")
-            bsz = _batch_size(x)
-            rec.reset()
-            raw = loss_fn(model(x), y)
-            scalar, batch_total = reduce_losses(raw, reduction, bsz, mask)
-            rec.backward(scalar)
-            for key in rec.names:
-                if key not in stats:
-                    raise SiteError(f"no statistics for site {key!r} (recorded sites: {', '.join(rec.names)})")
-                z, g = rec.z[key], rec.g[key]
-                if mask is not None and z.dim() == 3 and tuple(mask.shape) == tuple(z.shape[:2]):
-                    pad = ~mask.to(g.device)
-                    if bool((g[pad] != 0).any()):
-                        raise SiteError(
-                            f"the activation gradient at site {key!r} is nonzero at padded "
-                            f"positions: the model or the loss reads padding (pass the attention "
-                            f"mask to the model and ignore padded tokens in the loss)"
-                        )
-                accs = stats[key] if isinstance(stats[key], (list, tuple)) else [stats[key]]
-                for acc in accs:
-                    update_statistics(acc, z, g, mask, key)
-            total += batch_total
-            count += bsz
-            if on_batch is not None:
-                on_batch(bsz)
-    return total / max(count, 1)
-
-
-def _batch_size(x) -> int:
-    if isinstance(x, Tensor):
-        return int(x.shape[0])
-    if isinstance(x, Mapping):
-        return _batch_size(next(iter(x.values())))
-    return _batch_size(x[0])

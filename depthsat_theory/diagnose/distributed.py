@@ -1,11 +1,13 @@
 """Sharded probes under ``torchrun``: all-reduce streamed statistics (``depthsat diagnose``).
 
-Every statistic :mod:`depthsat_theory.diagnose.run` streams is a *sum* over probe
-examples (``Σ``, ``G``, ``Σ_x G_xᵀ G_x``, ``K``, ``b``, counts, ``Σ‖g‖²``, ``Σ‖z‖²``,
-the loss total) or a *maximum* (``AG_max``, the largest feature norm).  A probe split
-into shards therefore gives the statistics of the whole probe after one ``SUM``
-all-reduce of the sums and one ``MAX`` all-reduce of the maxima; only the optional
-exact-tie pooling (``r̂``, ``ρ̂``) needs an all-gather of its per-unit table.
+Every statistic :mod:`depthsat_theory.diagnose.run` streams declares each state field
+with its reduction (:class:`~depthsat_theory.statistics.StreamingStatistic`): a *sum* over
+probe examples (``Σ``, ``G``, ``Σ_x G_xᵀ G_x``, ``K``, ``b``, counts, ``Σ‖g‖²``,
+``Σ‖z‖²``, the loss total) or a *maximum* (``AG_max``, the largest feature norm).  A probe
+split into shards therefore gives the statistics of the whole probe after one ``SUM``
+all-reduce of the sums and one ``MAX`` all-reduce of the maxima
+(:func:`allreduce_statistics`); only the optional exact-tie pooling (``r̂``, ``ρ̂``) needs
+an all-gather of its per-unit table.
 
 Sharding convention: with ``N`` processes, rank ``r`` takes the probe batches of
 global index ``r, r + N, r + 2N, …``.  The reduced numbers equal a single process's
@@ -21,6 +23,7 @@ exits; the other ranks then fail in the collective (or wait for ``torchrun``'s t
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 
@@ -28,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_objects", "allreduce", "barrier", "init_from_env", "is_main", "world"]
+from depthsat_theory.statistics import Reduction, StreamingStatistic
+
+__all__ = ["all_gather_objects", "allreduce", "allreduce_statistics", "barrier", "init_from_env", "is_main", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -108,3 +113,46 @@ def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if world()[1] > 1:
         dist.barrier()
+
+
+def allreduce_statistics(stats: Sequence[StreamingStatistic]) -> None:
+    """Reduce streaming statistics over every rank, in place, from their declared reductions.
+
+    All fixed-size ``SUM`` fields of all statistics travel in one float64 ``SUM``
+    all-reduce and all ``MAX`` fields in one ``MAX`` all-reduce
+    (:meth:`~depthsat_theory.statistics.StreamingStatistic.reductions`); variable-size
+    children (the exact-tie pools) are all-gathered and merged in rank order.  Every
+    rank must pass statistics of the same configuration in the same order.  A no-op in
+    a single process.
+
+    Args:
+        stats: the statistics of this rank (e.g. one per site, plus the loss total).
+    """
+    if world()[1] == 1:
+        return
+    parts: dict[Reduction, list[tuple[int, str, Tensor]]] = {Reduction.SUM: [], Reduction.MAX: []}
+    for i, st in enumerate(stats):
+        state = st.state_dict()
+        for name, red in st.reductions().items():
+            parts[red].append((i, name, state[name].to(torch.float64)))
+    flat = {red: torch.cat([v.reshape(-1) for _, _, v in p]) if p else torch.zeros(0) for red, p in parts.items()}
+    flat[Reduction.SUM], flat[Reduction.MAX] = allreduce(flat[Reduction.SUM], flat[Reduction.MAX])
+    new: list[dict[str, Tensor]] = [{} for _ in stats]
+    for red, p in parts.items():
+        off = 0
+        for i, name, v in p:
+            new[i][name] = flat[red][off : off + v.numel()].reshape(v.shape).to(v.dtype)
+            off += v.numel()
+    for st, state in zip(stats, new, strict=True):
+        st.load_state_dict(state, strict=False)
+    pools = [st.variable_size_children() for st in stats]
+    if not any(pools):
+        return
+    gathered = all_gather_objects([{path: child.state_dict() for path, child in p.items()} for p in pools])
+    for i, p in enumerate(pools):
+        for path, child in p.items():
+            child.reset()
+            for per_rank in gathered:
+                part = copy.deepcopy(child)
+                part.load_state_dict(per_rank[i][path])
+                child.merge(part)

@@ -1,5 +1,6 @@
-"""Streaming tangent statistics, the projector onto the tangent space and saturation scores."""
+"""The streaming-statistics protocol, tangent statistics, the projector onto the tangent space and saturation scores."""
 
+from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 from depthsat_theory.statistics.tangent import (
     GRAM_FACTOR,
     TANGENT_GRAM_MAX_ELEMENTS,
@@ -21,9 +22,12 @@ __all__ = [
     "TOL_FACTOR",
     "FeatureStatistics",
     "GeneralStatistics",
+    "Reduction",
     "SaturationResult",
     "StatisticsError",
+    "StreamingStatistic",
     "TangentProjector",
+    "TiePool",
     "default_rtol",
     "default_tol",
     "pinv_quadratic",

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.families import FamilyError, FeatureFamily, GeneralFamily, ResidualFamily, from_rows, to_rows
+from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 
 __all__ = [
     "GRAM_FACTOR",
@@ -177,24 +178,79 @@ def _check_pair(z: Tensor, g: Tensor) -> None:
             raise StatisticsError(f"{name} contains NaN or Inf; fix the probe before scoring")
 
 
-class _Accumulator:
-    """Shared streaming state: counts, ‖g‖², max ‖g‖, ‖z‖², optional tie pooling."""
+#: ``forward_eps`` state value → the dtype of the forward passes seen (``0``: none yet).
+_EPS_DTYPES = {float(torch.finfo(t).eps): t for t in (torch.float32, torch.float64)}
+
+
+class _Accumulator(StreamingStatistic):
+    """Shared streaming state: counts, ‖g‖², max ‖g‖, ‖z‖², the forward dtype, tie pooling.
+
+    State fields (:class:`~depthsat_theory.statistics.protocol.StreamingStatistic`):
+    ``n``, ``units``, ``g_sq``, ``z_sq`` (sums), ``g_max`` and ``forward_eps`` (maxima:
+    the machine epsilon of the coarsest forward dtype seen, so float32 wins over float64),
+    and the child ``ties`` (:class:`~depthsat_theory.statistics.protocol.TiePool`).
+    """
 
     family: ResidualFamily
 
     def __init__(self, family: ResidualFamily, shape, layout: str, *, pool_ties: bool):
+        super().__init__()
         family.check_site(tuple(shape), layout)
         self.family = family
         self.shape = tuple(int(s) for s in shape)
         self.layout = layout
         self.pool_ties = pool_ties
-        self.n = 0
-        self.units = 0
-        self.g_sq = 0.0
-        self.z_sq = 0.0
-        self.g_max = 0.0
-        self.dtype: torch.dtype | None = None
-        self._ties: dict[bytes, list] = {}
+        scalar = torch.zeros((), dtype=torch.float64)
+        for name in ("n", "units", "g_sq", "z_sq"):
+            self.add_state(name, scalar, Reduction.SUM)
+        for name in ("g_max", "forward_eps"):
+            self.add_state(name, scalar, Reduction.MAX)
+        self.ties = TiePool()
+        self.add_child("ties", self.ties)
+
+    # read-only views of the state, in the units of the docstrings
+    @property
+    def n(self) -> int:
+        """Number of probe examples accumulated."""
+        return round(float(self.states["n"]))
+
+    @property
+    def units(self) -> int:
+        """Number of units (rows, or whole tensors) accumulated."""
+        return round(float(self.states["units"]))
+
+    @property
+    def g_sq(self) -> float:
+        """``Σ_x ‖g(x)‖_F²`` over the probe (a sum, not a mean)."""
+        return float(self.states["g_sq"])
+
+    @property
+    def z_sq(self) -> float:
+        """``Σ_x ‖z(x)‖_F²`` over the kept units of the probe (a sum, not a mean)."""
+        return float(self.states["z_sq"])
+
+    @property
+    def g_max(self) -> float:
+        """``max_x ‖g(x)‖_F`` over the probe."""
+        return float(self.states["g_max"])
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The coarsest dtype of the forward passes seen (``None`` before any batch)."""
+        return _EPS_DTYPES.get(float(self.states["forward_eps"]))
+
+    def check_compatible(self, other: StreamingStatistic) -> None:
+        """Raise :class:`StatisticsError` unless ``other`` has the same family, site shape and layout."""
+        if not isinstance(other, _Accumulator) or (other.family.spec, other.shape, other.layout) != (
+            self.family.spec,
+            self.shape,
+            self.layout,
+        ):
+            raise StatisticsError("cannot merge statistics of different sites or families")
+        try:
+            super().check_compatible(other)
+        except (TypeError, ValueError) as exc:
+            raise StatisticsError(f"cannot merge statistics of different sites or families: {exc}") from None
 
     def _row_mask(self, z: Tensor, g: Tensor, mask: Tensor | None) -> Tensor | None:
         """Validate a padding mask; ``None`` when there is nothing to drop."""
@@ -227,9 +283,8 @@ class _Accumulator:
                 f"site tensors have per-example shape {tuple(z.shape[1:])}, the statistics were set up for {self.shape}"
             )
         dt = z.dtype if z.dtype in (torch.float32, torch.float64) else torch.float32
-        self.dtype = (
-            dt if self.dtype is None else (torch.float32 if torch.float32 in (dt, self.dtype) else torch.float64)
-        )
+        st = self.states
+        st["forward_eps"] = torch.clamp_min(st["forward_eps"], torch.finfo(dt).eps)
         g64 = g.detach().to(torch.float64)
         per_ex = g64.flatten(1).pow(2).sum(1)
         if bool((per_ex == 0).any()) and bool((g64.flatten(1)[per_ex == 0] != 0).any()):
@@ -237,11 +292,11 @@ class _Accumulator:
                 "activation gradients underflow when squared in float64 (|g| below ~1e-154); "
                 "rescale g (every score is homogeneous of degree 1 in g)"
             )
-        self.g_sq += float(per_ex.sum())
-        self.g_max = max(self.g_max, float(per_ex.max().sqrt()))
+        st["g_sq"] += float(per_ex.sum())
+        st["g_max"] = torch.clamp_min(st["g_max"], float(per_ex.max().sqrt()))
         z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
-        self.z_sq += float(z_kept.to(torch.float64).pow(2).sum())
-        self.n += int(z.shape[0])
+        st["z_sq"] += float(z_kept.to(torch.float64).pow(2).sum())
+        st["n"] += int(z.shape[0])
         if self.pool_ties:
             self._pool(z_kept, g64 if mask is None else g64[mask].unsqueeze(1))
 
@@ -253,18 +308,7 @@ class _Accumulator:
         else:
             zu = z.reshape(z.shape[0], -1)
             gu = g64.reshape(g64.shape[0], -1)
-        zc = zu.cpu().contiguous()
-        uniq, inv = torch.unique(zc, dim=0, return_inverse=True)
-        sums = torch.zeros(uniq.shape[0], gu.shape[1], dtype=torch.float64).index_add_(0, inv, gu.cpu())
-        counts = torch.bincount(inv, minlength=uniq.shape[0]).tolist()
-        for j in range(uniq.shape[0]):
-            key = (uniq[j] + 0.0).numpy().tobytes()  # + 0.0 maps -0.0 to 0.0
-            slot = self._ties.get(key)
-            if slot is None:
-                self._ties[key] = [sums[j], counts[j], uniq[j].clone()]
-            else:
-                slot[0] += sums[j]
-                slot[1] += counts[j]
+        self.ties.update(zu, gu)
 
     def _project_units(self, units: Tensor) -> Tensor:
         """``(Π g)`` evaluated at pooled units ``(N, *)`` (flattened like the pooled ``g``)."""
@@ -272,36 +316,11 @@ class _Accumulator:
 
     def _pooled_quantities(self) -> tuple[float, float]:
         """``(r̂², ‖m̂ − Π m̂‖²)`` from the pooled units (``Π m̂ = Π g``, theory/definitions.md)."""
-        sums = torch.stack([s for s, _, _ in self._ties.values()])
-        counts = torch.tensor([c for _, c, _ in self._ties.values()], dtype=torch.float64)
-        units = torch.stack([u for _, _, u in self._ties.values()])
-        means = sums / counts[:, None]
+        units, means, counts = self.ties.result()
         r2 = float((counts * means.pow(2).sum(1)).sum()) / self.n
         resid = means - self._project_units(units).to(torch.float64).cpu().reshape(means.shape)
         defect2 = float((counts * resid.pow(2).sum(1)).sum()) / self.n
         return r2, defect2
-
-    def _merge_common(self, other: _Accumulator) -> None:
-        if (other.family.spec, other.shape, other.layout) != (self.family.spec, self.shape, self.layout):
-            raise StatisticsError("cannot merge statistics of different sites or families")
-        self.n += other.n
-        self.units += other.units
-        self.g_sq += other.g_sq
-        self.z_sq += other.z_sq
-        self.g_max = max(self.g_max, other.g_max)
-        if other.dtype is not None:
-            self.dtype = (
-                other.dtype
-                if self.dtype is None
-                else (torch.float32 if torch.float32 in (other.dtype, self.dtype) else torch.float64)
-            )
-        for key, (s, c, u) in other._ties.items():
-            slot = self._ties.get(key)
-            if slot is None:
-                self._ties[key] = [s.clone(), c, u.clone()]
-            else:
-                slot[0] += s
-                slot[1] += c
 
     def _require_examples(self) -> None:
         if self.n == 0:
@@ -325,7 +344,7 @@ class _Accumulator:
         score = math.sqrt(max(score2, 0.0))
         tol = default_tol(dtype, ag_rms) if tol is None else float(tol)
         raw = rho = float("nan")
-        if self.pool_ties and self._ties:
+        if self.pool_ties and len(self.ties):
             r2, defect2 = self._pooled_quantities()
             # r̂ ≤ AG_rms holds exactly on the probe (Jensen on each tie class); the two are
             # summed in different orders, so clamp a rounding-level excess (|Δ| ≤ 1e-12 r̂)
@@ -419,8 +438,8 @@ class FeatureStatistics(_Accumulator):
         super().__init__(family, shape, layout, pool_ties=pool_ties)
         self.d = family.site_dim(self.shape, layout)
         self.k = family.augmented_dim(self.shape, layout)
-        self.sigma = torch.zeros(self.k, self.k, dtype=torch.float64)
-        self.cross = torch.zeros(self.d, self.k, dtype=torch.float64)
+        self.add_state("sigma", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
+        self.add_state("cross", torch.zeros(self.d, self.k, dtype=torch.float64), Reduction.SUM)
         self._fmap = None
         self._device = device
 
@@ -428,8 +447,8 @@ class FeatureStatistics(_Accumulator):
         if self._fmap is None:
             dev = self._device if self._device is not None else z.device
             self._fmap = self.family.frozen_feature_map(self.shape, self.layout, dtype=torch.float64, device=dev)
-            self.sigma = self.sigma.to(dev)
-            self.cross = self.cross.to(dev)
+            for name in ("sigma", "cross"):
+                self.states[name] = self.states[name].to(dev)
         with torch.no_grad():
             return self.family.augmented_features(self._fmap, z.detach().to(torch.float64))
 
@@ -454,16 +473,19 @@ class FeatureStatistics(_Accumulator):
         if mask is not None:
             phi, rows_g = phi[mask], rows_g[mask]
         phi2 = phi.reshape(-1, self.k)
-        self.sigma += phi2.T @ phi2
-        self.cross += rows_g.reshape(-1, self.d).T @ phi2
-        self.units += phi2.shape[0]
+        self.states["sigma"] += phi2.T @ phi2
+        self.states["cross"] += rows_g.reshape(-1, self.d).T @ phi2
+        self.states["units"] += phi2.shape[0]
 
-    def merge(self, other: FeatureStatistics) -> FeatureStatistics:
-        """Add another accumulator's sums (e.g. another shard of the probe); returns self."""
-        self._merge_common(other)
-        self.sigma += other.sigma.to(self.sigma.device)
-        self.cross += other.cross.to(self.cross.device)
-        return self
+    @property
+    def sigma(self) -> Tensor:
+        """The raw sum ``Σ_x Σ_r φ̃_r φ̃_rᵀ`` (float64 ``(k̃, k̃)``; :meth:`feature_gram` is the mean)."""
+        return self.states["sigma"]
+
+    @property
+    def cross(self) -> Tensor:
+        """The raw sum ``Σ_x Σ_r g_r φ̃_rᵀ`` (float64 ``(d, k̃)``; :meth:`cross_gradient` is the mean)."""
+        return self.states["cross"]
 
     def feature_gram(self) -> np.ndarray:
         """``Σ = E[Σ_r φ̃_r φ̃_rᵀ]``: the per-example mean feature Gram.
@@ -643,8 +665,18 @@ class GeneralStatistics(_Accumulator):
     def __init__(self, family: GeneralFamily, shape, layout: str, *, pool_ties: bool = False):
         super().__init__(family, shape, layout, pool_ties=pool_ties)
         self.p = family.param_dim(self.shape)
-        self.k_mat = torch.zeros(self.p, self.p, dtype=torch.float64)
-        self.b = torch.zeros(self.p, dtype=torch.float64)
+        self.add_state("k_mat", torch.zeros(self.p, self.p, dtype=torch.float64), Reduction.SUM)
+        self.add_state("b", torch.zeros(self.p, dtype=torch.float64), Reduction.SUM)
+
+    @property
+    def k_mat(self) -> Tensor:
+        """The raw sum ``Σ_x Σ_u A(u)ᵀ A(u)`` (float64 ``(p, p)``; :meth:`tangent_gram` is the mean)."""
+        return self.states["k_mat"]
+
+    @property
+    def b(self) -> Tensor:
+        """The raw sum ``Σ_x Σ_u A(u)ᵀ g(u)`` (float64 ``(p,)``; :meth:`gradient` is the mean)."""
+        return self.states["b"]
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch (see :meth:`FeatureStatistics.update`, including ``mask``)."""
@@ -661,7 +693,7 @@ class GeneralStatistics(_Accumulator):
             return self.family.functional(theta, z64, layout)
 
         _, vjp_fn = torch.func.vjp(h, theta0)
-        self.b = self.b.to(z.device) + vjp_fn(g64)[0]
+        b_sum = self.states["b"].to(z.device) + vjp_fn(g64)[0]
 
         def gram_column(v: Tensor) -> Tensor:  # Aᵀ(A v): one jvp and one vjp
             return vjp_fn(torch.func.jvp(h, (theta0,), (v,))[1])[0]
@@ -669,24 +701,19 @@ class GeneralStatistics(_Accumulator):
         eye = torch.eye(self.p, dtype=torch.float64, device=z.device)
         chunk = max(1, min(self.p, _CHUNK_ELEMENTS // max(z.numel(), 1)))
         cols = torch.func.vmap(gram_column, chunk_size=chunk)(eye)
-        if not (bool(torch.isfinite(cols).all()) and bool(torch.isfinite(self.b).all())):
+        if not (bool(torch.isfinite(cols).all()) and bool(torch.isfinite(b_sum).all())):
             raise StatisticsError(
                 f"the tangent map ∂θ h(θ, u) at θ = 0 of family {self.family.spec!r} is NaN or Inf "
                 f"on this batch: the family is not differentiable at the origin (theory label "
                 f"asm-differentiable; e.g. sqrt(θ) or u**θ), or its tangent overflows float64"
             )
-        self.k_mat = self.k_mat.to(z.device) + 0.5 * (cols + cols.T)
+        self.states["b"] = b_sum
+        self.states["k_mat"] = self.states["k_mat"].to(z.device) + 0.5 * (cols + cols.T)
         if mask is not None:
-            self.units += int(mask.sum())
+            self.states["units"] += int(mask.sum())
         else:
-            self.units += int(z.shape[0]) * (to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1)
-
-    def merge(self, other: GeneralStatistics) -> GeneralStatistics:
-        """Add another accumulator's sums; returns self."""
-        self._merge_common(other)
-        self.k_mat += other.k_mat.to(self.k_mat.device)
-        self.b += other.b.to(self.b.device)
-        return self
+            rows = to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1
+            self.states["units"] += int(z.shape[0]) * rows
 
     def tangent_gram(self) -> np.ndarray:
         """``K = E[Σ_u A(u)ᵀ A(u)]``, the per-example mean tangent Gram (def-score).

@@ -1,0 +1,235 @@
+"""Diagnosis results: one :class:`SiteDiagnosis` per site, the :class:`Diagnosis` with its table and plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from depthsat_theory.io import atomic_write
+from depthsat_theory.statistics import SaturationResult
+
+__all__ = ["Diagnosis", "SiteDiagnosis"]
+
+
+@dataclass
+class SiteDiagnosis:
+    """The diagnosis of one site.
+
+    Attributes:
+        site: module name.
+        depth: position in depth order (0 = first site).
+        layout: ``"vector"``, ``"sequence"`` or ``"image"``; ``shape``: per-example shape.
+        result: the :class:`~depthsat_theory.statistics.tangent.SaturationResult` (``score`` =
+            ``s``, ``relative_score`` = ``s / AG_rms``, ``raw_score`` = ``r̂``,
+            ``realizability_defect`` = ``ρ̂``, ``ag_rms``, ``ag_max``, ``tangent_rank``…;
+            nats per example per unit function-space step).
+        interval: the ``(1 − δ)`` :class:`~depthsat_theory.bounds.core.ScoreInterval`, or ``None``.
+    """
+
+    site: str
+    depth: int
+    layout: str
+    shape: tuple
+    result: SaturationResult
+    interval: object | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``degenerate``, ``saturated (rounding)``, the interval's certificate, or ``improvable``."""
+        if self.result.degenerate:
+            return "degenerate (T = {0})"
+        if self.result.saturated:
+            return "saturated (within rounding)"
+        if self.interval is not None:
+            return self.interval.certificate
+        return "s > 0 (improvable on the probe)"
+
+    def to_dict(self) -> dict:
+        """JSON-ready dictionary."""
+        return {
+            "site": self.site,
+            "depth": self.depth,
+            "layout": self.layout,
+            "shape": list(self.shape),
+            "verdict": self.verdict,
+            **self.result.to_dict(),
+            "interval": None if self.interval is None else self.interval.to_dict(),
+        }
+
+
+@dataclass
+class Diagnosis:
+    """The diagnosis of a network: one :class:`SiteDiagnosis` per site, in depth order.
+
+    Attributes:
+        sites: per-site results.
+        family: family spec.
+        n: probe examples; ``batches``: probe batches consumed (all ranks).
+        loss: mean probe loss ``J`` (nats per example).
+        delta: ``δ`` of the intervals (``None``: none).
+        realizability: whether ``r̂`` and ``ρ̂`` were computed (tie pooling).
+        world_size: processes that shared the probe.
+        resumed_from: batches restored from a checkpoint (``0``: fresh run).
+        description: free text (model name, probe).
+        notes: caveats printed with the table.
+    """
+
+    sites: list[SiteDiagnosis]
+    family: str
+    n: int
+    batches: int
+    loss: float
+    delta: float | None = None
+    realizability: bool = False
+    world_size: int = 1
+    resumed_from: int = 0
+    description: str = ""
+    notes: list[str] = field(default_factory=list)
+    loss_units: str = "nats per example"
+
+    def __getitem__(self, site: str) -> SiteDiagnosis:
+        for s in self.sites:
+            if s.site == site:
+                return s
+        raise KeyError(site)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dictionary (``nan`` becomes ``None``)."""
+        return {
+            "description": self.description,
+            "family": self.family,
+            "n": self.n,
+            "batches": self.batches,
+            "loss": _finite(self.loss),
+            "loss_units": self.loss_units,
+            "score_units": f"{self.loss_units} per unit function-space step",
+            "delta": self.delta,
+            "realizability": self.realizability,
+            "world_size": self.world_size,
+            "resumed_from": self.resumed_from,
+            "notes": list(self.notes),
+            "sites": [s.to_dict() for s in self.sites],
+        }
+
+    def write_json(self, path: str | os.PathLike) -> None:
+        """Write :meth:`to_dict` as JSON atomically (temp file, fsync, rename).
+
+        Raises:
+            OSError: if the folder is not writable (no partial file is left).
+        """
+        data = json.dumps(self.to_dict(), indent=1, ensure_ascii=False, allow_nan=False).encode()
+        atomic_write(Path(path), lambda fh: fh.write(data), binary=True)
+
+    def table(self):
+        """A :class:`rich.table.Table` of the per-site quantities."""
+        from rich.table import Table
+
+        t = Table(
+            title=f"depthsat diagnose: {self.description or 'model'}, family {self.family}, "
+            f"n = {self.n}, J = {self.loss:.4g} ({self.loss_units})"
+        )
+        cols = ["#", "site", "shape", "s", "s/AG_rms", "AG_rms", "AG_max", "rank/p"]
+        if self.realizability:
+            cols += ["r̂", "ρ̂"]
+        if self.delta is not None:
+            cols += [f"{1 - self.delta:g} interval"]
+        cols += ["verdict"]
+        for c in cols:
+            t.add_column(c, justify="left" if c in ("site", "verdict") else "right", no_wrap=c != "verdict")
+        for sd in self.sites:
+            r = sd.result
+            row = [
+                str(sd.depth),
+                sd.site,
+                "×".join(map(str, sd.shape)),
+                _g(r.score),
+                _g(r.relative_score),
+                _g(r.ag_rms),
+                _g(r.ag_max),
+                f"{r.tangent_rank}/{r.tangent_dim}",
+            ]
+            if self.realizability:
+                row += [_g(r.raw_score), _g(r.realizability_defect)]
+            if self.delta is not None:
+                iv = sd.interval
+                row += ["—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"]
+            row += [_SHORT.get(sd.verdict, sd.verdict)]
+            t.add_row(*row)
+        return t
+
+    def plot(self, path: str | os.PathLike) -> list[Path]:
+        """Plot ``s`` (with the interval when present) and ``s / AG_rms`` against depth.
+
+        Writes ``<path>.png`` and ``<path>.svg`` (a ``.png``/``.svg`` suffix of
+        ``path`` is replaced) with matplotlib's Agg canvas (no display needed).
+
+        Returns:
+            The two paths written.
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        base = Path(path)
+        if base.suffix.lower() in (".png", ".svg"):
+            base = base.with_suffix("")
+        xs = np.arange(len(self.sites))
+        s = np.array([sd.result.score for sd in self.sites])
+        rel = np.array([sd.result.relative_score for sd in self.sites])
+        rms = np.array([sd.result.ag_rms for sd in self.sites])
+        fig = Figure(figsize=(max(6.0, 0.5 * len(xs) + 3), 6.5))
+        FigureCanvasAgg(fig)
+        ax1, ax2 = fig.subplots(2, 1, sharex=True)
+        ax1.plot(xs, s, "o-", label="s = ‖Πg‖")
+        ax1.plot(xs, rms, "s--", alpha=0.6, label="AG_rms (upper bound of s)")
+        ivs = [sd.interval for sd in self.sites]
+        if any(iv is not None and not iv.vacuous for iv in ivs):  # vacuous ones are [0, γ]: not drawn
+            lo = np.array([np.nan if iv is None or iv.vacuous else iv.score_lower for iv in ivs])
+            hi = np.array([np.nan if iv is None or iv.vacuous else iv.score_upper for iv in ivs])
+            ax1.fill_between(xs, lo, hi, alpha=0.2, label=f"{1 - self.delta:g} interval (non-vacuous)")
+        ax1.set_ylabel("score s", fontsize=9)
+        width = max(60, int(fig.get_figwidth() * 11))  # characters per title line at 9 pt
+        title = (
+            f"{self.description or 'model'}: family {self.family}, n = {self.n}; "
+            f"s in {self.loss_units} per unit function-space step"
+        )
+        ax1.set_title(textwrap.fill(title, width), fontsize=9)
+        ax1.legend(fontsize=8)
+        ax2.plot(xs, rel, "o-", color="C2")
+        ax2.set_ylim(0, 1.05)
+        ax2.set_ylabel("s / AG_rms (scale-free)")
+        ax2.set_xlabel("site (depth order)")
+        ax2.set_xticks(xs)
+        ax2.set_xticklabels([sd.site for sd in self.sites], rotation=45, ha="right", fontsize=8)
+        fig.tight_layout()
+        out = []
+        for ext in (".png", ".svg"):
+            target = base.with_name(base.name + ext)
+            atomic_write(target, lambda fh, e=ext: fig.savefig(fh, format=e[1:]), binary=True)
+            out.append(target)
+        return out
+
+
+_SHORT = {
+    "certified improvable": "cert. improvable",
+    "certified ε-saturated": "cert. ε-saturated",
+    "not certified": "not certified",
+    "degenerate (T = {0})": "degenerate",
+    "saturated (within rounding)": "saturated",
+    "s > 0 (improvable on the probe)": "s > 0",
+}
+
+
+def _g(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{v:.3g}"
+
+
+def _finite(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
