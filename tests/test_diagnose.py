@@ -609,3 +609,53 @@ def test_cli_real_zoo_digits_mlp(cache_env):
     out = runner.invoke(app, ["diagnose", "--model", "digits-mlp", "--batches", "1", "--batch-size", "32", "-q"])
     assert out.exit_code == 0, out.output
     assert "blocks.3" in out.output and "n = 32" in out.output
+
+
+def test_checkpoint_of_format_1_is_refused_in_one_line(tmp_path, cache_env):
+    """A checkpoint written before the statistics protocol (format 1) is refused clearly."""
+    from safetensors.torch import save
+
+    model, _, _, batches = _mlp_problem(n=24, batch=6)
+    ck = tmp_path / "old.safetensors"
+    # the format-1 layout, written by hand: hand-listed fields per site, a "dtype" code, "loss"
+    k, d = 6, 5
+    tensors = {"loss": torch.tensor([1.0, 6.0], dtype=torch.float64)}
+    for site in discover_sites(model):
+        tensors |= {
+            f"{site}/sigma": torch.eye(k, dtype=torch.float64),
+            f"{site}/cross": torch.zeros(d, k, dtype=torch.float64),
+            f"{site}/n": torch.tensor([6.0], dtype=torch.float64),
+            f"{site}/units": torch.tensor([6.0], dtype=torch.float64),
+            f"{site}/g_sq": torch.tensor([1.0], dtype=torch.float64),
+            f"{site}/z_sq": torch.tensor([1.0], dtype=torch.float64),
+            f"{site}/g_max": torch.tensor([1.0], dtype=torch.float64),
+            f"{site}/dtype": torch.tensor([1.0], dtype=torch.float64),
+        }
+    header = {"config": {"version": 1}, "batches": 1, "examples": 6, "complete": False, "shapes": {}}
+    ck.write_bytes(save(tensors, metadata={"depthsat_diagnose": json.dumps(header)}))
+    with pytest.raises(CheckpointError, match=r"format version 1.*version 2 only") as info:
+        diagnose(model, classification_loss, batches, checkpoint=ck)
+    assert "\n" not in str(info.value)
+    # the CLI reports it on one line and exits 2
+    out = runner.invoke(app, ["diagnose", "--model", "mlp", "--batches", "1", "--checkpoint", str(ck), "-q"])
+    assert out.exit_code == 2 and "format version 1" in out.output
+
+
+def test_checkpoint_holds_the_statistics_state_dicts(tmp_path):
+    """The checkpoint is the protocol's state dicts: restoring them gives the same result."""
+    from depthsat_theory.diagnose import ProbeLoss
+    from depthsat_theory.statistics import statistics_for
+
+    model, _, _, batches = _mlp_problem(n=24, batch=6)
+    ck = tmp_path / "ck.safetensors"
+    full = diagnose(model, classification_loss, batches, realizability=True, checkpoint=ck)
+    header, tensors = read_checkpoint(ck)
+    assert header["config"]["version"] == 2 and header["complete"]
+    site = full.sites[0].site
+    st = statistics_for(parse_family("linear"), header["shapes"][site], full.sites[0].layout, pool_ties=True)
+    st.load_state_dict({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{site}/")})
+    assert st.n == 24 and st.result().score == full.sites[0].result.score
+    assert st.result().raw_score == full.sites[0].result.raw_score
+    loss = ProbeLoss()
+    loss.load_state_dict({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("@loss/")})
+    assert loss.examples == 24 and loss.result() == full.loss

@@ -460,3 +460,38 @@ def test_sequence_recorder_gradient_is_per_example_token_mean(device):
     nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     (g_ref,) = torch.autograd.grad(nll.mean(dim=1).sum(), z)
     assert torch.allclose(rec.g["embed"], g_ref, rtol=1e-12, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- the probe loop
+def test_probe_batches_yields_per_example_gradients_and_skips_unselected(device):
+    from depthsat_theory.capture import ProbeBatch, probe_batches
+
+    model = _make_mlp(device)
+    x, y = _mlp_data(device, n=9)
+    batches = [(x[:3], y[:3]), (x[3:6], y[3:6]), (x[6:], y[6:])]
+    mean_loss = lambda o, t: ce_per_example(o, t).mean()  # noqa: E731
+    got = list(probe_batches(model, ["blocks.1"], batches, mean_loss, reduction="mean", select=lambda i: i != 1))
+    assert [pb.index for pb in got] == [0, 2] and all(isinstance(pb, ProbeBatch) for pb in got)
+    for pb, (xb, yb) in zip(got, [batches[0], batches[2]], strict=True):
+        z_ref, g_ref = _reference_zg(model, "blocks.1", xb, yb)  # gradient of the per-example sum
+        assert pb.size == 3 and pb.names == ["blocks.1"]
+        assert torch.allclose(pb.z["blocks.1"], z_ref, rtol=0, atol=1e-14)
+        assert torch.allclose(pb.g["blocks.1"], g_ref, rtol=1e-12, atol=1e-15)
+        assert pb.loss_total == pytest.approx(float(ce_per_example(model(xb), yb).detach().sum()), rel=1e-14)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match=r"probe batch 1: .*per-example losses"):
+        list(probe_batches(model, ["blocks.1"], batches, mean_loss, select=lambda i: i >= 1))
+
+
+def test_probe_batch_update_feeds_the_statistics(device):
+    from depthsat_theory.capture import probe_batches
+
+    model = _make_mlp(device)
+    x, y = _mlp_data(device, n=8)
+    via_loop = statistics_for(parse_family("linear"), (4,), "vector")
+    via_accumulate = statistics_for(parse_family("linear"), (4,), "vector")
+    for pb in probe_batches(model, ["blocks.0"], [(x[:5], y[:5]), (x[5:], y[5:])], ce_per_example):
+        pb.update({"blocks.0": via_loop})
+    j = accumulate(model, ["blocks.0"], [(x[:5], y[:5]), (x[5:], y[5:])], ce_per_example, {"blocks.0": via_accumulate})
+    assert via_loop.result().score == via_accumulate.result().score and via_loop.n == 8
+    assert j == pytest.approx(float(ce_per_example(model(x), y).detach().mean()), rel=1e-14)

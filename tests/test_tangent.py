@@ -1014,3 +1014,99 @@ def test_accessors_refuse_empty_and_oversized(device):
     assert stats.tangent_gram().shape == (12, 12)
     with pytest.raises(StatisticsError, match="max_elements = 100"):
         stats.tangent_gram(max_elements=100)
+
+
+# ----------------------------------------------------------------------------- the statistics protocol
+def test_state_fields_are_declared_with_their_reductions():
+    from depthsat_theory.bounds import BoundStatistics
+    from depthsat_theory.statistics import Reduction
+
+    feat = statistics_for(linear(), (3,), "vector", pool_ties=True)
+    assert feat.reductions() == {
+        "n": Reduction.SUM,
+        "units": Reduction.SUM,
+        "g_sq": Reduction.SUM,
+        "z_sq": Reduction.SUM,
+        "g_max": Reduction.MAX,
+        "forward_eps": Reduction.MAX,
+        "sigma": Reduction.SUM,
+        "cross": Reduction.SUM,
+    }
+    assert list(feat.variable_size_children()) == ["ties"]
+    gen = statistics_for(general_tanh_sq(), (3,), "vector")
+    assert {k for k, v in gen.reductions().items() if v == "sum"} >= {"k_mat", "b"}
+    bound = BoundStatistics(linear(), (3,), "vector")
+    assert bound.reductions()["q_sum"] == "sum" and bound.reductions()["feat_sq_max"] == "max"
+
+
+@pytest.mark.parametrize("spec", ["linear", "general"])
+def test_state_dict_round_trip_and_merge_by_declared_reduction(spec, device):
+    """Two shards merged (sums add, maxima take the max) equal one pass; a state dict restores exactly."""
+
+    def make():
+        fam = general_tanh_sq() if spec == "general" else linear()
+        return statistics_for(fam, (3,), "vector", pool_ties=True)
+
+    z, g = _probe("vector", seed=51, device=device, n=12)
+    z[6:9] = z[0:3]  # exact ties across the two shards
+    g[8] *= 40.0  # the largest ‖g‖ is in the second shard
+    one, a, b = make(), make(), make()
+    one.update(z, g)
+    a.update(z[:6], g[:6])
+    b.update(z[6:], g[6:])
+    assert b.g_max > a.g_max
+    a.merge(b)
+    assert a.n == 12 and a.units == one.units
+    assert a.g_max == float(g[8].norm())  # MAX, not a sum
+    assert a.g_sq == pytest.approx(float((g**2).sum()), rel=1e-14)
+    assert len(a.ties) == 9  # 12 units, 3 tied pairs
+    _assert_same_result(a.result(), one.result())
+    restored = make()
+    restored.load_state_dict(a.state_dict())
+    ra, rr = a.result(), restored.result()
+    assert rr.score == ra.score and rr.raw_score == ra.raw_score and rr.dtype == ra.dtype
+    assert set(restored.state_dict()) == set(a.state_dict()) >= {"ties.units", "ties.sums", "ties.counts"}
+
+
+def test_load_state_dict_rejects_missing_and_malformed_fields():
+    st = statistics_for(linear(), (3,), "vector")
+    state = st.state_dict()
+    with pytest.raises(KeyError, match="sigma"):
+        st.load_state_dict({k: v for k, v in state.items() if k != "sigma"})
+    with pytest.raises(ValueError, match="elements"):
+        st.load_state_dict({**state, "sigma": torch.zeros(3)})
+    st.load_state_dict({"n": torch.tensor(5.0)}, strict=False)
+    assert st.n == 5 and st.g_sq == 0.0
+
+
+def test_forward_dtype_is_a_max_state():
+    """float32 wins over float64 when shards of both are merged (the coarser rounding)."""
+    z, g = _probe("vector", seed=52, device="cpu", n=6)
+    a = statistics_for(linear(), (3,), "vector")
+    b = statistics_for(linear(), (3,), "vector")
+    assert a.dtype is None
+    a.update(z, g)
+    b.update(z.float(), g.float())
+    assert a.dtype == torch.float64 and b.dtype == torch.float32
+    assert a.merge(b).dtype == torch.float32
+    assert a.result().dtype == "float32"
+
+
+def test_tie_pool_pools_exact_ties_only():
+    from depthsat_theory.statistics import TiePool
+
+    pool = TiePool()
+    units = torch.tensor([[0.0, 1.0], [-0.0, 1.0], [0.0, 1.0 + 1e-15], [2.0, 3.0]], dtype=torch.float64)
+    vals = torch.tensor([[1.0], [3.0], [5.0], [7.0]], dtype=torch.float64)
+    pool.update(units, vals)
+    other = TiePool()
+    other.update(units[3:], torch.tensor([[9.0]], dtype=torch.float64))
+    pool.merge(other)
+    u, means, counts = pool.result()
+    got = {tuple(r.tolist()): (float(m), int(c)) for r, m, c in zip(u, means[:, 0], counts, strict=True)}
+    assert got == {(0.0, 1.0): (2.0, 2), (0.0, 1.0 + 1e-15): (5.0, 1), (2.0, 3.0): (8.0, 2)}
+    copy_ = TiePool()
+    copy_.load_state_dict(pool.state_dict())
+    assert len(copy_) == 3
+    copy_.reset()
+    assert len(copy_) == 0 and copy_.state_dict() == {}
