@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -79,8 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 from depthsat_theory.capture import accumulate
 from depthsat_theory.engines import dense_saturation
@@ -429,7 +430,8 @@ def ratios(times: dict, name: str, ref: str) -> tuple[float, float]:
 
 # ----------------------------------------------------------------------------- memory (children)
 def _rss():
-    s = open("/proc/self/status").read()
+    with open("/proc/self/status") as fh:
+        s = fh.read()
     return (int(re.search(r"VmHWM:\s+(\d+)", s).group(1)) / 1024, int(re.search(r"VmRSS:\s+(\d+)", s).group(1)) / 1024)
 
 
@@ -445,7 +447,8 @@ def child_memory(args) -> None:
     warm = Probe(bs, bs, lazy=True)
     METHODS[method](model, warm, **kw)  # warm-up on one batch
     try:
-        open("/proc/self/clear_refs", "w").write("5")
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
         resettable = True
     except OSError:
         resettable = False
@@ -535,12 +538,12 @@ def dense_rows(quick: bool):
         fam = parse_family(spec)
         p = fam.param_dim((d,))
 
-        def stream():
+        def stream(fam=fam, d=d, z=z, g=g):
             st = FeatureStatistics(fam, (d,), "vector")
             st.update(z, g)
             return st.result()
 
-        def dense():
+        def dense(fam=fam, z=z, g=g):
             return dense_saturation(fam, z, g, "vector")
 
         res = stream()
@@ -590,8 +593,8 @@ def main_table(args):
         jobs, warm = {}, {}
         one = Probe(bs, bs)
         for name in names:
-            jobs[name] = (lambda f: lambda: f(model, probe, **kw))(METHODS[name])
-            warm[name] = (lambda f: lambda: f(model, one, **kw))(METHODS[name])
+            jobs[name] = functools.partial(METHODS[name], model, probe, **kw)
+            warm[name] = functools.partial(METHODS[name], model, one, **kw)
         print(
             f"\n## family {fam.spec} (k̃ = {fam.augmented_dim((d,), 'vector')}), d={d}, n={n}, "
             f"batch={bs}, {len(sites)} sites, {THREADS} threads, {args.reps} rounds interleaved by {args.interleave}",

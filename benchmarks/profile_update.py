@@ -40,12 +40,12 @@ for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from diagnose_speed import DEPTH, Probe, family_for, make_model  # noqa: E402
+import torch
+from diagnose_speed import DEPTH, Probe, family_for, make_model
 
 from depthsat_theory.capture import SiteRecorder
 from depthsat_theory.families import to_rows
-from depthsat_theory.statistics import FeatureStatistics, default_rtol, pinv_quadratic  # noqa: E402
+from depthsat_theory.statistics import FeatureStatistics, default_rtol, pinv_quadratic
 from depthsat_theory.tasks import classification_loss
 
 torch.set_num_threads(THREADS)
@@ -142,6 +142,13 @@ def parts(fam, d):
     }
 
 
+def _over_sites(f, zg: dict, sites: list):
+    """A job calling ``f(z, g)`` (or ``f[site](z, g)`` for a mapping) at every site."""
+    if isinstance(f, dict):
+        return lambda: [f[s](*zg[s]) for s in sites]
+    return lambda: [f(*zg[s]) for s in sites]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -170,10 +177,10 @@ def main():
     jobs["floor-nograd + taps"] = lambda: capture(model, x, y, sites)
     pf = parts(fam, d)
     for name, f in pf.items():
-        jobs[name] = (lambda f: lambda: [f(*zg[s]) for s in sites])(f)
+        jobs[name] = _over_sites(f, zg, sites)
     protos = {m: {s: Proto(fam, d, m) for s in sites} for m in ("f32-gemm", "f32-fused", "f32-sym", "f64-fused")}
     for m, acc in protos.items():
-        jobs[f"P {m}"] = (lambda acc: lambda: [acc[s].update(*zg[s]) for s in sites])(acc)
+        jobs[f"P {m}"] = _over_sites({s: acc[s].update for s in sites}, zg, sites)
     for f in jobs.values():
         f()
     times = {k: [] for k in jobs}

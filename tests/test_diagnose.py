@@ -304,7 +304,10 @@ def test_diagnose_discovers_hf_like_tuple_sites_and_sequence_layout():
     torch.manual_seed(0)
     model = HFLike("llama").to(DT)
     ids = torch.randint(0, 5, (6, 3))
-    loss = lambda logits, y: token_loss(logits, y)
+
+    def loss(logits, y):
+        return token_loss(logits, y)
+
     d = diagnose(model, loss, [(ids[:3], ids[:3]), (ids[3:], ids[3:])], family="linear")
     assert [s.site for s in d.sites] == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert all(s.layout == "sequence" and s.shape == (3, 4) for s in d.sites)
@@ -388,7 +391,7 @@ def test_checkpoint_resume_after_interrupt_in_process(tmp_path):
         assert a.interval.to_dict() == b.interval.to_dict()
     assert read_checkpoint(ck)[0]["complete"]
     # a mismatched configuration is rejected
-    with pytest.raises(CheckpointError, match="another configuration.*family"):
+    with pytest.raises(CheckpointError, match=r"another configuration.*family"):
         diagnose(model, classification_loss, batches, family="poly:2", delta=0.1, realizability=True, checkpoint=ck)
     with pytest.raises(CheckpointError, match="already holds 10 batches"):
         diagnose(model, classification_loss, batches[:3], delta=0.1, realizability=True, checkpoint=ck)

@@ -390,7 +390,7 @@ def test_batchnorm_eval_mode_and_train_mode_error(device):
     with pytest.raises(SiteError, match="BatchNorm"):
         SiteRecorder(model, ["embed"]).__enter__()
     stats = statistics_for(parse_family("linear"), (4,), "vector")
-    with pytest.raises(SiteError, match="model.eval"):
+    with pytest.raises(SiteError, match=r"model\.eval"):
         accumulate(model, ["embed"], [(x, y)], ce, {"embed": stats})
     with pytest.warns(RuntimeWarning, match="BatchNorm"), SiteRecorder(model, ["embed"], batchnorm="warn") as rec:
         rec.backward(ce(model(x), y).sum())
@@ -603,8 +603,11 @@ def test_token_mean_reduction_rules(device):
     model = _CausalSeq().to(DT).to(device).eval()
     x, y, mask = _padded(device)
     stats = statistics_for(parse_family("linear"), (6, 4), "sequence")
+
     # the Hugging Face scalar (mean over all real tokens of the batch) is rejected
-    hf = lambda o, t: F.cross_entropy(o.transpose(1, 2), t, ignore_index=-100)
+    def hf(o, t):
+        return F.cross_entropy(o.transpose(1, 2), t, ignore_index=-100)
+
     with pytest.raises(ValueError, match="not E_D"):
         accumulate(model, ["block"], [(x, y, mask)], hf, {"block": stats}, reduction="token_mean")
     # ... and it is a different objective: its B-scaled gradient is not the per-example one

@@ -525,10 +525,8 @@ def pooled_raw(z: Tensor, g: Tensor, layout: str, unit: str, phi: np.ndarray | N
     r = math.sqrt(float(np.sum(m_hat**2)) / n)
     rho = float("nan")
     if phi is not None and r > 0:
-        if unit == "row":
-            m_rows = m_hat
-        else:  # back to rows for the row-wise projection
-            m_rows = np_rows(m_hat.reshape(z.shape), layout)
+        # tensor units go back to rows for the row-wise projection
+        m_rows = m_hat if unit == "row" else np_rows(m_hat.reshape(z.shape), layout)
         resid = m_rows - lstsq_projection(phi, m_rows)
         rho = math.sqrt(float(np.sum(resid**2)) / n) / r
     return r, rho, len(np.unique(inverse)) < zu.shape[0]

@@ -66,12 +66,11 @@ class BoundStatistics(FeatureStatistics):
         ``(B, T)`` (see :meth:`FeatureStatistics.update`): padded rows enter no moment."""
         super().update(z, g, mask)
         with torch.no_grad():
-            phi = self._features(z)
+            feats = self._features(z)
             if mask is not None:  # validated by the parent; zero rows drop out of every moment
-                phi = phi * torch.as_tensor(mask, device=phi.device)[..., None].to(phi.dtype)
-            phi = phi.reshape(z.shape[0], -1, self.k).cpu().numpy()
-        rows_g = to_rows(g.detach().to(torch.float64), self.layout).reshape(z.shape[0], -1, self.d)
-        rows_g = rows_g.cpu().numpy()
+                feats = feats * torch.as_tensor(mask, device=feats.device)[..., None].to(feats.dtype)
+            phi = feats.reshape(z.shape[0], -1, self.k).cpu().numpy()
+        rows_g = to_rows(g.detach().to(torch.float64), self.layout).reshape(z.shape[0], -1, self.d).cpu().numpy()
         if phi.shape[1] == 1:
             gsq = (rows_g[:, 0] ** 2).sum(1)
             q_batch = (phi[:, 0] * gsq[:, None]).T @ phi[:, 0]

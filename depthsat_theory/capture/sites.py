@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -126,7 +127,7 @@ def split_output(output, key, where: str):
 
         def rebuild_map(t):
             old = output[key]
-            output[key] = t  # ModelOutput.__setitem__ also sets the attribute
+            cast(MutableMapping, output)[key] = t  # ModelOutput.__setitem__ also sets the attribute
             if hasattr(output, "__dict__") and vars(output).get(key, None) is old:
                 object.__setattr__(output, key, t)
             return output
@@ -147,7 +148,7 @@ def split_output(output, key, where: str):
                 new[idx] = t
                 return new
             if hasattr(output, "_fields"):  # namedtuple
-                return output._replace(**{output._fields[idx]: t})
+                return cast(Any, output)._replace(**{output._fields[idx]: t})
             return (*tuple(output[:idx]), t, *tuple(output[idx + 1 :]))
 
         return output[idx], rebuild_seq

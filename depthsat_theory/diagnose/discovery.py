@@ -83,32 +83,12 @@ def discover_sites(model: nn.Module, example=None) -> list[str]:
     Raises:
         DiagnoseError: if no site is found.
     """
-    if callable(getattr(model, "site_names", None)):
-        names = list(model.site_names())
+    site_names = getattr(model, "site_names", None)
+    if callable(site_names):
+        names = list(site_names())
         if names:
             return names
-    mods = dict(model.named_modules())
-    found: list[str] = []
-    kinds: dict[str, str] = {}
-    blocks = [
-        n
-        for n in mods
-        if re.search(SITE_PATTERNS["torchvision ResNet block (layerN.M)"], n)
-        and type(mods[n]).__name__ in _RESNET_BLOCKS
-    ]
-    if blocks:
-        found, kinds = blocks, dict.fromkeys(blocks, "resnet")
-    else:
-        stages = [n for n in mods if re.search(SITE_PATTERNS["ResNet stage (layerN)"], n)]
-        if stages:
-            found, kinds = stages, dict.fromkeys(stages, "resnet")
-        for label, pat in SITE_PATTERNS.items():
-            if "ResNet" in label:
-                continue
-            for n in mods:
-                if n not in kinds and re.search(pat, n):
-                    found.append(n)
-                    kinds[n] = "stream"
+    found, kinds = _candidates(dict(model.named_modules()))
     # drop candidates nested inside another candidate (e.g. blocks.0.h.1)
     found = [n for n in found if not any(n != o and n.startswith(o + ".") for o in found)]
     if example is not None and found:
@@ -120,6 +100,28 @@ def discover_sites(model: nn.Module, example=None) -> list[str]:
             f"explicitly (sites=[...] / --sites a,b)"
         )
     return found
+
+
+def _candidates(mods: dict[str, nn.Module]) -> tuple[list[str], dict[str, str]]:
+    """Module names matching :data:`SITE_PATTERNS` and their kind (``"resnet"`` or ``"stream"``)."""
+    blocks = [
+        n
+        for n in mods
+        if re.search(SITE_PATTERNS["torchvision ResNet block (layerN.M)"], n)
+        and type(mods[n]).__name__ in _RESNET_BLOCKS
+    ]
+    if blocks:
+        return blocks, dict.fromkeys(blocks, "resnet")
+    found = [n for n in mods if re.search(SITE_PATTERNS["ResNet stage (layerN)"], n)]
+    kinds = dict.fromkeys(found, "resnet")
+    for label, pat in SITE_PATTERNS.items():
+        if "ResNet" in label:
+            continue
+        for n in mods:
+            if n not in kinds and re.search(pat, n):
+                found.append(n)
+                kinds[n] = "stream"
+    return found, kinds
 
 
 def _check_shapes(model: nn.Module, names: list[str], kinds: dict, example) -> list[str]:

@@ -148,9 +148,9 @@ def allreduce_statistics(stats: Sequence[StreamingStatistic]) -> None:
     pools = [st.variable_size_children() for st in stats]
     if not any(pools):
         return
-    gathered = all_gather_objects([{path: child.state_dict() for path, child in p.items()} for p in pools])
-    for i, p in enumerate(pools):
-        for path, child in p.items():
+    gathered = all_gather_objects([{path: child.state_dict() for path, child in pool.items()} for pool in pools])
+    for i, pool in enumerate(pools):
+        for path, child in pool.items():
             child.reset()
             for per_rank in gathered:
                 part = copy.deepcopy(child)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from depthsat_theory.io import atomic_write
 from depthsat_theory.statistics import SaturationResult
+
+if TYPE_CHECKING:
+    from depthsat_theory.bounds import ScoreInterval
 
 __all__ = ["Diagnosis", "SiteDiagnosis"]
 
@@ -37,7 +42,7 @@ class SiteDiagnosis:
     layout: str
     shape: tuple
     result: SaturationResult
-    interval: object | None = None
+    interval: ScoreInterval | None = None
 
     @property
     def verdict(self) -> str:
@@ -191,7 +196,7 @@ class Diagnosis:
         if any(iv is not None and not iv.vacuous for iv in ivs):  # vacuous ones are [0, γ]: not drawn
             lo = np.array([np.nan if iv is None or iv.vacuous else iv.score_lower for iv in ivs])
             hi = np.array([np.nan if iv is None or iv.vacuous else iv.score_upper for iv in ivs])
-            ax1.fill_between(xs, lo, hi, alpha=0.2, label=f"{1 - self.delta:g} interval (non-vacuous)")
+            ax1.fill_between(xs, lo, hi, alpha=0.2, label=f"{1 - (self.delta or 0.0):g} interval (non-vacuous)")
         ax1.set_ylabel("score s", fontsize=9)
         width = max(60, int(fig.get_figwidth() * 11))  # characters per title line at 9 pt
         title = (
@@ -210,7 +215,7 @@ class Diagnosis:
         out = []
         for ext in (".png", ".svg"):
             target = base.with_name(base.name + ext)
-            atomic_write(target, lambda fh, e=ext: fig.savefig(fh, format=e[1:]), binary=True)
+            atomic_write(target, functools.partial(_save_figure, fig, ext[1:]), binary=True)
             out.append(target)
         return out
 
@@ -223,6 +228,10 @@ _SHORT = {
     "saturated (within rounding)": "saturated",
     "s > 0 (improvable on the probe)": "s > 0",
 }
+
+
+def _save_figure(fig, fmt: str, fh) -> None:
+    fig.savefig(fh, format=fmt)
 
 
 def _g(v) -> str:

@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -192,7 +193,7 @@ def diagnose(
         raise DiagnoseError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if checkpoint_every < 1:
         raise DiagnoseError("checkpoint_every must be >= 1")
-    if total is None and hasattr(batches, "__len__"):
+    if total is None and isinstance(batches, Sized):
         total = len(batches)
     first, probe = _peek(batches)
     site_list = _resolve_sites(model, sites, first)
@@ -359,7 +360,9 @@ class _Run:
             self.layouts[s] = lay
             try:
                 if self.delta is not None:
-                    self.stats[s] = BoundStatistics(self.family, shp, lay, pool_ties=self.realizability)
+                    self.stats[s] = BoundStatistics(
+                        cast(FeatureFamily, self.family), shp, lay, pool_ties=self.realizability
+                    )
                 else:
                     self.stats[s] = statistics_for(self.family, shp, lay, pool_ties=self.realizability)
             except FamilyError as exc:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import scipy.sparse.linalg as spla
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from depthsat_theory.families import FamilyError, FeatureFamily, GeneralFamily, ResidualFamily, from_rows, to_rows
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
@@ -432,6 +432,8 @@ class FeatureStatistics(_Accumulator):
         FamilyError: if the family does not fit the site.
     """
 
+    family: FeatureFamily
+
     def __init__(self, family: FeatureFamily, shape, layout: str, *, pool_ties: bool = False, device=None):
         if not isinstance(family, FeatureFamily):
             raise FamilyError(f"{family!r} is not a feature family; use GeneralStatistics")
@@ -440,7 +442,7 @@ class FeatureStatistics(_Accumulator):
         self.k = family.augmented_dim(self.shape, layout)
         self.add_state("sigma", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
         self.add_state("cross", torch.zeros(self.d, self.k, dtype=torch.float64), Reduction.SUM)
-        self._fmap = None
+        self._fmap: nn.Module | None = None
         self._device = device
 
     def _features(self, z: Tensor) -> Tensor:
@@ -449,8 +451,9 @@ class FeatureStatistics(_Accumulator):
             self._fmap = self.family.frozen_feature_map(self.shape, self.layout, dtype=torch.float64, device=dev)
             for name in ("sigma", "cross"):
                 self.states[name] = self.states[name].to(dev)
+        fmap = self._fmap
         with torch.no_grad():
-            return self.family.augmented_features(self._fmap, z.detach().to(torch.float64))
+            return self.family.augmented_features(fmap, z.detach().to(torch.float64))
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch of site tensors ``z`` and activation gradients ``g``.
@@ -563,7 +566,7 @@ class FeatureStatistics(_Accumulator):
         """
         if self.n == 0:
             raise StatisticsError("no examples were accumulated: the probe is empty")
-        rtol = default_rtol(self.dtype, self.k) if rtol is None else float(rtol)
+        rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else float(rtol)
         sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
         s2, rank_sigma, cutoff, inv = pinv_quadratic(sig, big_g, rtol)
@@ -692,7 +695,7 @@ class GeneralStatistics(_Accumulator):
         def h(theta):
             return self.family.functional(theta, z64, layout)
 
-        _, vjp_fn = torch.func.vjp(h, theta0)
+        vjp_fn = torch.func.vjp(h, theta0)[1]
         b_sum = self.states["b"].to(z.device) + vjp_fn(g64)[0]
 
         def gram_column(v: Tensor) -> Tensor:  # Aᵀ(A v): one jvp and one vjp
@@ -743,7 +746,7 @@ class GeneralStatistics(_Accumulator):
         """Compute ``s² = bᵀ K⁺ b`` (eigh with a relative cutoff) and the other quantities."""
         if self.n == 0:
             raise StatisticsError("no examples were accumulated: the probe is empty")
-        rtol = default_rtol(self.dtype, self.p) if rtol is None else float(rtol)
+        rtol = default_rtol(self.dtype or torch.float64, self.p) if rtol is None else float(rtol)
         kmat, b = self.tangent_gram(), self.gradient()
         self._check_finite(kmat, b)
         s2, rank, cutoff, inv = pinv_quadratic(kmat, b[None, :], rtol)
@@ -756,7 +759,7 @@ class GeneralStatistics(_Accumulator):
             site, layout = units.to(torch.float64), "vector"
         else:
             site, layout = units.reshape(units.shape[0], *self.shape).to(torch.float64), self.layout
-        _, out = torch.func.jvp(lambda th: self.family.functional(th, site, layout), (theta0,), (self._coef,))
+        out = torch.func.jvp(lambda th: self.family.functional(th, site, layout), (theta0,), (self._coef,))[1]
         return out.reshape(units.shape[0], -1)
 
 
