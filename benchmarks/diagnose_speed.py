@@ -22,7 +22,7 @@ floor            one forward + ``loss.sum().backward()`` per batch (parameter gr
 floor-nograd     one forward + ``torch.autograd.grad(loss, x)`` per batch, parameters
                  frozen: the least backward that reaches every site.  This is the real
                  lower bound of any method that needs ``g`` at the lowest site.
-depthsat         ``depthsat_theory.capture.sites.accumulate`` with a
+depthsat         ``depthsat_theory.capture.probe.accumulate`` with a
                  :class:`~depthsat_theory.statistics.tangent.FeatureStatistics` per site: one
                  forward + one backward for all 8 sites, float64 ``G``, ``Σ`` (the pass).
 depthsat+finish  the same plus ``result()`` at every site (eigh of ``Σ``, ``s² = tr(GΣ⁺Gᵀ)``).

@@ -662,3 +662,17 @@ def test_checkpoint_holds_the_statistics_state_dicts(tmp_path):
     loss = ProbeLoss()
     loss.load_state_dict({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("@loss/")})
     assert loss.examples == 24 and loss.result() == full.loss
+
+
+def test_verdict_kind_uses_the_shared_vocabulary():
+    from depthsat_theory.vocabulary import Layout, Verdict
+
+    model, _, _, batches = _mlp_problem(n=40, batch=8)
+    plain = diagnose(model, classification_loss, batches)
+    assert all(s.layout is Layout.VECTOR for s in plain.sites)
+    for s in plain.sites:
+        assert s.verdict_kind == (Verdict.IMPROVABLE if s.verdict.startswith("s > 0") else Verdict.SATURATED)
+    bounded = diagnose(model, classification_loss, batches, delta=0.1)
+    expect = {"certified improvable": Verdict.IMPROVABLE, "not certified": Verdict.UNDETERMINED}
+    for s in bounded.sites:
+        assert s.verdict_kind == expect.get(s.verdict, Verdict.SATURATED)

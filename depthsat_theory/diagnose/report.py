@@ -15,6 +15,7 @@ import numpy as np
 
 from depthsat_theory.io import atomic_write
 from depthsat_theory.statistics import SaturationResult
+from depthsat_theory.vocabulary import Layout, Verdict
 
 if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
@@ -39,7 +40,7 @@ class SiteDiagnosis:
 
     site: str
     depth: int
-    layout: str
+    layout: Layout
     shape: tuple
     result: SaturationResult
     interval: ScoreInterval | None = None
@@ -54,6 +55,22 @@ class SiteDiagnosis:
         if self.interval is not None:
             return self.interval.certificate
         return "s > 0 (improvable on the probe)"
+
+    @property
+    def verdict_kind(self) -> Verdict:
+        """:attr:`verdict` in the shared vocabulary (:class:`~depthsat_theory.vocabulary.Verdict`).
+
+        ``DEGENERATE`` for ``T = {0}``; ``SATURATED`` within rounding or when certified
+        ε-saturated; ``IMPROVABLE`` when ``s > tol`` without an interval or when certified
+        improvable; ``UNDETERMINED`` when an interval certifies neither.
+        """
+        if self.result.degenerate:
+            return Verdict.DEGENERATE
+        if self.result.saturated:
+            return Verdict.SATURATED
+        if self.interval is None:
+            return Verdict.IMPROVABLE
+        return _CERTIFICATES.get(self.interval.certificate, Verdict.UNDETERMINED)
 
     def to_dict(self) -> dict:
         """JSON-ready dictionary."""
@@ -227,6 +244,13 @@ _SHORT = {
     "degenerate (T = {0})": "degenerate",
     "saturated (within rounding)": "saturated",
     "s > 0 (improvable on the probe)": "s > 0",
+}
+
+
+_CERTIFICATES = {
+    "certified improvable": Verdict.IMPROVABLE,
+    "certified ε-saturated": Verdict.SATURATED,
+    "degenerate (T = {0})": Verdict.DEGENERATE,
 }
 
 

@@ -77,13 +77,13 @@ def _adapt_length(acc, site: str, z: Tensor, index: int) -> None:
     only the accumulator's shape check is moved; anything else is an error.
     """
     new = tuple(int(v) for v in z.shape[1:])
-    if acc.layout == "sequence" and acc.family.unit == "row" and len(new) == 2 and new[-1] == acc.shape[-1]:
+    if acc.layout == Layout.SEQUENCE and acc.family.unit == "row" and len(new) == 2 and new[-1] == acc.shape[-1]:
         acc.shape = new
         return
     raise DiagnoseError(
         f"probe batch {index}: site {site!r} has per-example shape {new}, earlier batches had "
         f"{acc.shape}; only row-wise families at sequence sites accept a length that changes "
-        f"between batches (family {acc.family.spec!r}, layout {acc.layout!r}): pad the probe "
+        f"between batches (family {acc.family.spec!r}, layout '{acc.layout}'): pad the probe "
         f"to one shape"
     )
 
@@ -118,7 +118,7 @@ def diagnose(
     ``loss_fn(model(x), y)`` (shape ``(B,)``, nats per example) are summed and
     backpropagated once to all sites, and each site's float64 accumulator
     (:func:`~depthsat_theory.statistics.tangent.statistics_for`, or
-    :class:`~depthsat_theory.bounds.core.BoundStatistics` with ``delta``) adds the batch.
+    :class:`~depthsat_theory.bounds.statistics.BoundStatistics` with ``delta``) adds the batch.
     No parameter gradients are formed.
 
     Args:
@@ -151,14 +151,14 @@ def diagnose(
         config: extra JSON-serialisable configuration that must match to resume
             (e.g. the CLI's model name and batch size).
         description: free text stored in the result.
-        bound_kwargs: passed to :meth:`~depthsat_theory.bounds.core.BoundStatistics.interval`
+        bound_kwargs: passed to :meth:`~depthsat_theory.bounds.statistics.BoundStatistics.interval`
             (``grad_max``, ``leverage_max``, ``epsilon``, …).
-        reduction: how ``loss_fn`` reduces (:data:`~depthsat_theory.capture.sites.REDUCTIONS`):
+        reduction: how ``loss_fn`` reduces (:data:`~depthsat_theory.capture.probe.REDUCTIONS`):
             ``"none"`` per-example ``(B,)``; ``"sum"``/``"mean"`` a scalar over the batch
             (``mean`` is multiplied by ``B``); ``"token_mean"`` per-token ``(B, T)``
             losses averaged over each example's own non-padded tokens.  ``g`` is always
             the gradient of each example's own loss (as in
-            :func:`~depthsat_theory.capture.sites.accumulate`).
+            :func:`~depthsat_theory.capture.probe.accumulate`).
         mask_fn: ``mask_fn(inputs, targets) -> (B, T)`` bool padding mask (``True`` at
             real tokens) for batches without one; batches may also be
             ``(inputs, targets, mask)``.  Padded rows are dropped from the statistics of

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from depthsat_theory.families import FamilyError, FeatureFamily, GeneralFamily, ResidualFamily, from_rows, to_rows
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
+from depthsat_theory.vocabulary import Layout
 
 __all__ = [
     "GRAM_FACTOR",
@@ -198,7 +199,7 @@ class _Accumulator(StreamingStatistic):
         family.check_site(tuple(shape), layout)
         self.family = family
         self.shape = tuple(int(s) for s in shape)
-        self.layout = layout
+        self.layout = Layout(layout)
         self.pool_ties = pool_ties
         scalar = torch.zeros((), dtype=torch.float64)
         for name in ("n", "units", "g_sq", "z_sq"):
@@ -259,10 +260,10 @@ class _Accumulator(StreamingStatistic):
         mask = torch.as_tensor(mask, device=z.device)
         if mask.dtype != torch.bool:
             raise StatisticsError(f"the padding mask must be bool (True at real tokens), got {mask.dtype}")
-        if self.layout != "sequence" or self.family.unit != "row":
+        if self.layout != Layout.SEQUENCE or self.family.unit != "row":
             raise StatisticsError(
                 f"a padding mask drops rows of sequence sites for row-wise families; this site "
-                f"has layout {self.layout!r} and family {self.family.spec!r} (unit "
+                f"has layout '{self.layout}' and family {self.family.spec!r} (unit "
                 f"{self.family.unit!r}): a sequence-level family must mask padding itself"
             )
         if tuple(mask.shape) != tuple(z.shape[:2]):
