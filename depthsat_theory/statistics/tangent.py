@@ -690,7 +690,7 @@ class GeneralStatistics(_Accumulator):
         g64 = g.detach().to(torch.float64)
         layout = self.layout
         if mask is not None:  # row-wise family: the kept rows as a batch of vectors
-            z64, g64, layout = z64[mask], g64[mask], "vector"
+            z64, g64, layout = z64[mask], g64[mask], Layout.VECTOR
         theta0 = torch.zeros(self.p, dtype=torch.float64, device=z.device)
 
         def h(theta):
@@ -757,7 +757,7 @@ class GeneralStatistics(_Accumulator):
     def _project_units(self, units: Tensor) -> Tensor:
         theta0 = torch.zeros(self.p, dtype=torch.float64)
         if self.family.unit == "row":
-            site, layout = units.to(torch.float64), "vector"
+            site, layout = units.to(torch.float64), Layout.VECTOR
         else:
             site, layout = units.reshape(units.shape[0], *self.shape).to(torch.float64), self.layout
         out = torch.func.jvp(lambda th: self.family.functional(th, site, layout), (theta0,), (self._coef,))[1]
