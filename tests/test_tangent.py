@@ -1108,3 +1108,20 @@ def test_tie_pool_pools_exact_ties_only():
     assert len(copy_) == 3
     copy_.reset()
     assert len(copy_) == 0 and copy_.state_dict() == {}
+
+
+def test_bound_statistics_merge_into_feature_statistics_adds_the_base_state():
+    from depthsat_theory.bounds import BoundStatistics
+
+    z, g = _probe("vector", seed=53, device="cpu", n=8)
+    feat, bound, ref = (
+        statistics_for(linear(), (3,), "vector"),
+        BoundStatistics(linear(), (3,), "vector"),
+        statistics_for(linear(), (3,), "vector"),
+    )
+    feat.update(z[:4], g[:4])
+    bound.update(z[4:], g[4:])
+    ref.update(z, g)
+    _assert_same_result(feat.merge(bound).result(), ref.result())
+    with pytest.raises(StatisticsError, match="cannot merge"):
+        bound.merge(statistics_for(linear(), (3,), "vector"))

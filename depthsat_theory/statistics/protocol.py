@@ -116,13 +116,15 @@ class StreamingStatistic:
 
     # ------------------------------------------------------------------ generic operations
     def check_compatible(self, other: StreamingStatistic) -> None:
-        """Raise if ``other`` cannot be merged into ``self`` (default: same type and state shapes).
+        """Raise if ``other`` cannot be merged into ``self`` (default: its type or a subclass, same shapes).
+
+        A subclass instance may be merged into its base: only the base's state is added.
 
         Raises:
             TypeError: for another statistic type.
             ValueError: for state tensors of other shapes.
         """
-        if type(other) is not type(self):
+        if not isinstance(other, type(self)):
             raise TypeError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
         for name in self._reductions:
             a, b = self.states[name], other.states[name]
