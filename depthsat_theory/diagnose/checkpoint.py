@@ -86,7 +86,7 @@ def check_version(path: str | os.PathLike, header: dict) -> None:
     if version != CHECKPOINT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has format version {version}, this depthsat reads version "
-            f"{CHECKPOINT_VERSION} only; delete it or pass another --checkpoint path to start over"
+            f"{CHECKPOINT_VERSION} only; delete it or pass another checkpoint path to start over"
         )
 
 

@@ -97,7 +97,7 @@ def discover_sites(model: nn.Module, example=None) -> list[str]:
         raise DiagnoseError(
             f"no residual-stream sites found in {type(model).__name__}: no module named like "
             f"{', '.join(SITE_PATTERNS)} with a residual-stream output; pass the module names "
-            f"explicitly (sites=[...] / --sites a,b)"
+            f"explicitly (sites=[...])"
         )
     return found
 

@@ -187,7 +187,7 @@ def diagnose(
         delta = check_delta(delta)
         if not isinstance(fam, FeatureFamily):
             raise DiagnoseError(
-                f"--delta needs a zero-output feature family; {fam.spec!r} is a general family (no finite-sample bound)"
+                f"delta needs a zero-output feature family; {fam.spec!r} is a general family (no finite-sample bound)"
             )
     if reduction not in REDUCTIONS:
         raise DiagnoseError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
@@ -343,7 +343,7 @@ class _Run:
         if diff:
             raise CheckpointError(
                 f"checkpoint {ckpt} was written for another configuration (differs in: "
-                f"{', '.join(diff)}); delete it or pass another --checkpoint path"
+                f"{', '.join(diff)}); delete it or pass another checkpoint path"
             )
         self.start = int(header["batches"])
         if header.get("shapes"):
@@ -427,7 +427,7 @@ class _Run:
         if start > counted.count:
             raise CheckpointError(
                 f"checkpoint {self.ckpt} already holds {start} batches but this probe has only "
-                f"{counted.count}; pass the same probe (e.g. the same --batches) or another path"
+                f"{counted.count}; pass the same probe (the same batches) or another checkpoint path"
             )
         if self.stats:
             self.save(max(counted.count, start), True)
