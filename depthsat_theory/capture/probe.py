@@ -358,10 +358,9 @@ def accumulate(
     sequence site ``(B, T, d)`` ``g`` must then be exactly ``0`` at padded positions
     (else the model or the loss reads padding: :class:`SiteError`), and the padded rows
     are dropped from the statistics, so their units count only real tokens.  Rows are
-    dropped by passing ``mask=`` to accumulators whose ``update`` takes it, else (for
-    :mod:`depthsat_theory.statistics.tangent` accumulators of row-wise families) by accumulating
-    the selected rows and merging; other accumulators raise :class:`SiteError` when
-    a batch has padding.  Vector sites ``(B, d)`` are not masked.
+    dropped by passing ``mask=`` to accumulators whose ``update`` takes it (the tangent
+    statistics of row-wise families); other accumulators raise :class:`SiteError` when
+    a batch has padding (:func:`update_statistics`).  Vector sites ``(B, d)`` are not masked.
 
     Args:
         model: the reference network (eval mode for BatchNorm).
