@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from depthsat_theory.engines.symbolic.engine import _is_zero, _simp, cross_gradient
+from depthsat_theory.engines.symbolic.algebra import is_zero, simplified
+from depthsat_theory.engines.symbolic.engine import gradient
 from depthsat_theory.engines.symbolic.family import SymbolicFamily
 from depthsat_theory.engines.symbolic.measures import as_measure
 from depthsat_theory.optimizers import UPDATES
@@ -245,7 +246,7 @@ def zero_state_step(name: str, b_symbols, hyper: dict | None = None) -> sp.Matri
     th0 = [sp.Symbol(f"theta0_{i}", real=True) for i in range(1, len(bs) + 1)]
     th1 = zero_state_update(name, th0, bs, lr, hyper)
     direction = (-(th1 - sp.Matrix(th0)) / lr).xreplace(dict.fromkeys(th0, 0))
-    out = direction.applyfunc(lambda e: _simp(sp.piecewise_fold(e)))
+    out = direction.applyfunc(lambda e: simplified(sp.piecewise_fold(e)))
     if any(e.has(lr) for e in out):
         raise ValueError(f"the first step of {name!r} is not proportional to the learning rate: {list(out)}")
     return out
@@ -304,10 +305,10 @@ def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict |
     """
     mu = as_measure(measure, fam.d)
     mm = fam.coerce(m)
-    b = cross_gradient(fam, mu, mm)
+    b = gradient(fam, mu, mm)
     bs = _b_symbols(fam.p)
-    step = zero_state_step(name, bs, hyper).xreplace(dict(zip(bs, b, strict=False))).applyfunc(_simp)
-    predicted = _simp(-(b.T * step)[0, 0])
+    step = zero_state_step(name, bs, hyper).xreplace(dict(zip(bs, b, strict=False))).applyfunc(simplified)
+    predicted = simplified(-(b.T * step)[0, 0])
     eta = sp.Symbol("eta", positive=True)
     # Generic direction s first: F(η) = E<m, h(−η s, u)> is exact in s, and its right
     # derivative at 0 must equal −bᵀs identically in s (a rational polynomial identity,
@@ -318,20 +319,20 @@ def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict |
     f_eta = mu.expect(sp.expand((mm.T * moved)[0, 0]), fam.units)
     if f_eta.is_polynomial(eta):
         generic = sp.expand(sp.diff(f_eta, eta).xreplace({eta: 0}))
-        linear = _is_zero(generic + (b.T * sp.Matrix(sdir))[0, 0])
-        deriv = _simp(generic.xreplace(dict(zip(sdir, step, strict=False))))
+        linear = is_zero(generic + (b.T * sp.Matrix(sdir))[0, 0])
+        deriv = simplified(generic.xreplace(dict(zip(sdir, step, strict=False))))
     else:
         linear = False
         f_eta = f_eta.xreplace(dict(zip(sdir, step, strict=False)))
         f0 = f_eta.xreplace({eta: 0})
-        deriv = _simp(sp.limit((f_eta - f0) / eta, eta, 0, dir="+"))
+        deriv = simplified(sp.limit((f_eta - f0) / eta, eta, 0, dir="+"))
     return FirstOrderChange(
         name=name,
         gradient=b,
         step=step,
         derivative=deriv,
         predicted=predicted,
-        agrees=_is_zero(deriv - predicted),
+        agrees=is_zero(deriv - predicted),
         differentiable=linear,
     )
 
@@ -355,9 +356,9 @@ def is_descent_compatible(name: str, hyper: dict | None = None, dim: int = 3) ->
     """
     bs = _b_symbols(int(dim))
     p = zero_state_step(name, bs, hyper)
-    if not all(_is_zero(e) for e in p.xreplace(dict.fromkeys(bs, 0))):
+    if not all(is_zero(e) for e in p.xreplace(dict.fromkeys(bs, 0))):
         return False
-    inner = _simp((sp.Matrix(bs).T * p)[0, 0])
+    inner = simplified((sp.Matrix(bs).T * p)[0, 0])
     if inner == 0:
         return False
     if all(p[i].free_symbols <= {bs[i]} for i in range(len(bs))):
@@ -366,7 +367,7 @@ def is_descent_compatible(name: str, hyper: dict | None = None, dim: int = 3) ->
         for i in range(len(bs)):
             term = bs[i] * p[i]
             for sub in (x, -x):
-                val = _simp(term.xreplace({bs[i]: sub}))
+                val = simplified(term.xreplace({bs[i]: sub}))
                 verdicts.append(val.is_positive)
         if all(v is True for v in verdicts):
             return True
