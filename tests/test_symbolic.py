@@ -515,6 +515,26 @@ def test_descent_compatibility_matches_registry(name):
     assert is_descent_compatible(name) is expected
 
 
+def test_descent_compatibility_takes_the_numeric_engines_arguments():
+    """Same arguments as :func:`depthsat_theory.optimizers.is_descent_compatible`: a
+    ``ZeroStateUpdate`` (its own hyperparameters), ``hyper`` overrides, keyword ``dim``."""
+    import dataclasses
+
+    adam = UPDATES["adam"]
+    assert is_descent_compatible(adam) is True
+    assert is_descent_compatible(adam, {"eps": sp.Rational(1, 2)}, dim=2) is True
+    # a variant instance's hyperparameters are used: P(b) = b / (|b| + eps) at eps = 1/2
+    half = dataclasses.replace(adam, eps=0.5)
+    b = sp.Symbol("b1", real=True)
+    step = zero_state_step("adam", [b], S.default_hyper(half))
+    assert sp.simplify(step[0] - b / (sp.Abs(b) + sp.Rational(1, 2))) == 0
+    assert is_descent_compatible(UPDATES["rotation"], dim=4) is False
+    with pytest.raises(TypeError):
+        is_descent_compatible(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no hyperparameter"):
+        is_descent_compatible("adam", {"epsilon": 1})
+
+
 # ----------------------------------------------------------------------------- bridge
 def _mixed_family() -> SymbolicFamily:
     t1, t2, t3 = S.param_symbols(3)

@@ -6,10 +6,14 @@ r"""The descent-compatibility predicate, checked numerically (T2, T3).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from depthsat_theory.optimizers.base import ZeroStateUpdate
 from depthsat_theory.optimizers.numerics import inner_sign, threshold
+from depthsat_theory.optimizers.updates import resolve_update
 
 __all__ = ["is_descent_compatible", "threshold"]
 
@@ -33,13 +37,14 @@ def _default_samples(dim: int, n: int, seed: int) -> torch.Tensor:
 
 
 def is_descent_compatible(
-    update: ZeroStateUpdate,
-    samples: torch.Tensor | None = None,
+    update: str | ZeroStateUpdate,
+    hyper: Mapping[str, Any] | None = None,
     *,
-    dim: int = 8,
+    dim: int | None = None,
+    samples: torch.Tensor | None = None,
     n: int = 256,
     seed: int = 0,
-) -> bool:
+) -> bool | None:
     r"""Numerically check that a first-step map is descent-compatible.
 
     Checks :math:`P(0) = 0` (exactly) and, for every nonzero row :math:`b` of
@@ -55,32 +60,41 @@ def is_descent_compatible(
     :math:`b \ne 0`).
 
     This is evidence, not a proof; the proved property is
-    ``update.descent_compatible``.
+    ``update.descent_compatible``.  The symbolic counterpart
+    :func:`depthsat_theory.engines.symbolic.is_descent_compatible` takes the same
+    ``update``, ``hyper`` and ``dim`` and returns the same type.
 
     Args:
-        update: The map to check.
+        update: The map to check: a name in :data:`~depthsat_theory.optimizers.UPDATES`
+            or a :class:`ZeroStateUpdate`.
+        hyper: Hyperparameter overrides (see
+            :func:`~depthsat_theory.optimizers.updates.resolve_update`).
         samples: Test gradients, shape ``(m, d)``, real floating dtype,
             finite, ``d >= 1``. Default: seeded float64 rows of width ``dim``:
             ``n`` standard Gaussian rows, ``max(n // 4, 1)`` rows each of
             mostly exact zeros, of scale 1e-30, and of scale 1e30, and the
             ``2 * dim`` signed basis vectors.
-        dim: Width of the default samples (``>= 1``); ignored if ``samples``
-            is given.
+        dim: Width of the default samples (``>= 1``, default 8); ignored if
+            ``samples`` is given.
         n: Number of Gaussian default rows (``>= 1``); ignored if ``samples``
             is given.
         seed: Seed of the default samples.
 
     Returns:
-        ``True`` iff every check passed.
+        ``True`` when every check passed (no counterexample among the samples),
+        ``False`` on a counterexample (``P(0) ≠ 0``, a non-finite ``P(b)`` or
+        ``⟨b, P(b)⟩ ≤ 0``).  The type is ``bool | None`` as in the symbolic engine, where
+        ``None`` means undecided; the numeric check always decides.
 
     Raises:
-        TypeError: If ``update`` is not a :class:`ZeroStateUpdate`.
-        ValueError: If ``samples`` is not a finite 2-D floating tensor with
-            at least one column, or ``dim``/``n`` is not a positive integer.
+        TypeError: If ``update`` is neither a name nor a :class:`ZeroStateUpdate`.
+        ValueError: On an unknown name or hyperparameter, if ``samples`` is not a
+            finite 2-D floating tensor with at least one column, or ``dim``/``n``
+            is not a positive integer.
     """
-    if not isinstance(update, ZeroStateUpdate):
-        raise TypeError(f"update must be a ZeroStateUpdate, got {type(update).__name__}")
+    update = resolve_update(update, hyper)
     if samples is None:
+        dim = 8 if dim is None else dim
         for val, argname in ((dim, "dim"), (n, "n")):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{argname} must be a positive int, got {val!r}")

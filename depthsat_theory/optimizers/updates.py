@@ -43,6 +43,10 @@ be made with :func:`dataclasses.replace`, e.g.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 from depthsat_theory.optimizers.base import ZeroStateUpdate
 from depthsat_theory.optimizers.first_steps import (
     AdagradUpdate,
@@ -62,6 +66,7 @@ __all__ = [
     "UPDATES",
     "ZeroStateUpdate",
     "get_update",
+    "resolve_update",
 ]
 
 
@@ -110,3 +115,39 @@ def get_update(name: str) -> ZeroStateUpdate:
     if isinstance(name, str) and name in UPDATES:
         return UPDATES[name]
     raise ValueError(f"unknown update {name!r}; valid names: {', '.join(sorted(UPDATES))}")
+
+
+#: Fields of a :class:`ZeroStateUpdate` that are not hyperparameters.
+_NOT_HYPER = ("name", "descent_compatible")
+
+
+def resolve_update(update: str | ZeroStateUpdate, hyper: Mapping[str, Any] | None = None) -> ZeroStateUpdate:
+    """The map named or given by ``update``, with hyperparameters overridden by ``hyper``.
+
+    The argument convention shared by the numeric and the symbolic
+    ``is_descent_compatible``.
+
+    Args:
+        update: a name in :data:`UPDATES` or a :class:`ZeroStateUpdate` instance.
+        hyper: hyperparameter overrides (dataclass field names, e.g. ``{"eps": 1e-6}``),
+            applied with :func:`dataclasses.replace`.
+
+    Returns:
+        The resolved :class:`ZeroStateUpdate` (``update`` itself when ``hyper`` is empty).
+
+    Raises:
+        TypeError: if ``update`` is neither a string nor a :class:`ZeroStateUpdate`.
+        ValueError: on an unknown name, or a key of ``hyper`` that is not a
+            hyperparameter of the map (the message lists the valid ones).
+    """
+    if isinstance(update, str):
+        update = get_update(update)
+    elif not isinstance(update, ZeroStateUpdate):
+        raise TypeError(f"update must be a name or a ZeroStateUpdate, got {type(update).__name__}")
+    if not hyper:
+        return update
+    valid = sorted(f.name for f in dataclasses.fields(update) if f.name not in _NOT_HYPER)
+    bad = sorted(set(hyper) - set(valid))
+    if bad:
+        raise ValueError(f"{update.name} has no hyperparameter {bad[0]!r}; it has {valid}")
+    return dataclasses.replace(update, **dict(hyper))

@@ -29,7 +29,9 @@ step is SGD's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
@@ -37,7 +39,7 @@ from depthsat_theory.engines.symbolic.algebra import is_zero, simplified
 from depthsat_theory.engines.symbolic.engine import gradient
 from depthsat_theory.engines.symbolic.family import SymbolicFamily
 from depthsat_theory.engines.symbolic.measures import as_measure
-from depthsat_theory.optimizers import UPDATES
+from depthsat_theory.optimizers import UPDATES, ZeroStateUpdate
 
 __all__ = [
     "EXTRA_UPDATES",
@@ -74,18 +76,25 @@ def _rat(x):
     return sp.sympify(x)
 
 
-def default_hyper(name: str) -> dict:
+def default_hyper(name: str | ZeroStateUpdate) -> dict:
     """The hyperparameters of a map, as exact sympy numbers.
 
-    Read from the registered :class:`~depthsat_theory.optimizers.updates.ZeroStateUpdate`
-    dataclass (all fields but ``name``/``descent_compatible``), or the ``torch.optim``
-    defaults for :data:`EXTRA_UPDATES`.
+    Read from the :class:`~depthsat_theory.optimizers.ZeroStateUpdate` dataclass (all
+    fields but ``name``/``descent_compatible``): the registered one for a name in
+    :data:`~depthsat_theory.optimizers.UPDATES`, or the given instance; the
+    ``torch.optim`` defaults for :data:`EXTRA_UPDATES`.
+
+    Args:
+        name: a name in :data:`SYMBOLIC_UPDATES` or a :class:`ZeroStateUpdate`.
+
+    Returns:
+        ``{hyperparameter: exact sympy value}`` (tuples for ``betas``).
 
     Raises:
         ValueError: on an unknown name (the message lists the valid ones).
     """
-    if name in UPDATES:
-        upd = UPDATES[name]
+    upd = name if isinstance(name, ZeroStateUpdate) else UPDATES.get(name)
+    if upd is not None:
         return {
             f.name: _rat(getattr(upd, f.name))
             for f in dataclasses.fields(upd)
@@ -113,7 +122,7 @@ def _ew(f, *vecs) -> sp.Matrix:
     return sp.Matrix([f(*(v[i] for v in vecs)) for i in range(n)])
 
 
-def zero_state_update(name: str, theta0, b, lr, hyper: dict | None = None) -> sp.Matrix:
+def zero_state_update(name: str, theta0, b, lr, hyper: Mapping[str, Any] | None = None) -> sp.Matrix:
     r"""One optimizer step :math:`\theta_1` from zero optimizer state, step :math:`t = 1`.
 
     Args:
@@ -220,7 +229,7 @@ def zero_state_update(name: str, theta0, b, lr, hyper: dict | None = None) -> sp
     raise ValueError(f"unknown update {name!r}; valid names: {', '.join(SYMBOLIC_UPDATES)}")
 
 
-def zero_state_step(name: str, b_symbols, hyper: dict | None = None) -> sp.Matrix:
+def zero_state_step(name: str, b_symbols, hyper: Mapping[str, Any] | None = None) -> sp.Matrix:
     r"""The first-step map :math:`P(b)` (so :math:`\Delta\theta = -\eta P(b)`), derived.
 
     Computes :func:`zero_state_update` at a symbolic :math:`\theta_0` and learning rate
@@ -279,7 +288,9 @@ class FirstOrderChange:
     differentiable: bool = True
 
 
-def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict | None = None) -> FirstOrderChange:
+def first_order_change(
+    fam: SymbolicFamily, measure, m, name: str, hyper: Mapping[str, Any] | None = None
+) -> FirstOrderChange:
     r"""Show :math:`\frac{d}{d\eta} J(\theta(\eta))|_{\eta=0^+} = -\langle b, P(b)\rangle` (T1–T3).
 
     The first-order model of the objective is
@@ -337,25 +348,45 @@ def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict |
     )
 
 
-def is_descent_compatible(name: str, hyper: dict | None = None, dim: int = 3) -> bool | None:
-    r"""Decide descent compatibility symbolically: :math:`P(0) = 0`, :math:`\langle b, P(b)\rangle > 0` for :math:`b \ne 0`.
+def is_descent_compatible(
+    update: str | ZeroStateUpdate, hyper: Mapping[str, Any] | None = None, *, dim: int | None = None
+) -> bool | None:
+    r"""Decide descent compatibility symbolically (theory label thm-iff, T2, T3).
 
-    For coordinatewise maps (:math:`P_i` depends on :math:`b_i` only) the inner product
-    is :math:`\sum_i b_i P_i(b_i)`, positive for every :math:`b \ne 0` iff each term is
-    positive for :math:`b_i > 0` and for :math:`b_i < 0` (given :math:`P(0) = 0`); this is
-    decided with sympy's assumptions (e.g. Adam: :math:`b_i^2/(|b_i| + \epsilon) > 0`).
-    An inner product that simplifies to 0 identically (the rotation) gives ``False``.
+    The predicate is :math:`P(0) = 0` and :math:`\langle b, P(b)\rangle > 0` for
+    :math:`b \ne 0`.  For coordinatewise maps (:math:`P_i` depends on :math:`b_i` only)
+    the inner product is :math:`\sum_i b_i P_i(b_i)`, positive for every :math:`b \ne 0`
+    iff each term is positive for :math:`b_i > 0` and for :math:`b_i < 0` (given
+    :math:`P(0) = 0`); this is decided with sympy's assumptions (e.g. Adam:
+    :math:`b_i^2/(|b_i| + \epsilon) > 0`).  An inner product that simplifies to 0
+    identically (the rotation) gives ``False``.
+
+    Same arguments and return type as the numeric
+    :func:`depthsat_theory.optimizers.is_descent_compatible` (which also accepts
+    ``samples``, ``n`` and ``seed`` for its sampled check).
 
     Args:
-        name: a name in :data:`SYMBOLIC_UPDATES`.
-        hyper: hyperparameter overrides.
-        dim: number of gradient coordinates used (``>= 2`` so pairings show).
+        update: a name in :data:`SYMBOLIC_UPDATES` or a
+            :class:`~depthsat_theory.optimizers.ZeroStateUpdate` (its hyperparameters
+            are used).
+        hyper: hyperparameter overrides (see :func:`default_hyper`).
+        dim: number of gradient coordinates used (default 3; ``>= 2`` so pairings show).
 
     Returns:
         ``True``/``False`` when decided, ``None`` when sympy cannot decide.
+
+    Raises:
+        TypeError: if ``update`` is neither a name nor a ``ZeroStateUpdate``.
+        ValueError: on an unknown name or hyperparameter.
     """
+    if not isinstance(update, (str, ZeroStateUpdate)):
+        raise TypeError(f"update must be a name or a ZeroStateUpdate, got {type(update).__name__}")
+    if isinstance(update, ZeroStateUpdate):
+        hyper = {**default_hyper(update), **dict(hyper or {})}
+        update = update.name
+    dim = 3 if dim is None else dim
     bs = _b_symbols(int(dim))
-    p = zero_state_step(name, bs, hyper)
+    p = zero_state_step(update, bs, hyper)
     if not all(is_zero(e) for e in p.xreplace(dict.fromkeys(bs, 0))):
         return False
     inner = simplified((sp.Matrix(bs).T * p)[0, 0])
