@@ -47,6 +47,8 @@ def dense_jacobian(family: ResidualFamily, z: Tensor, layout: Layout | str) -> n
     z64 = z.detach().to(torch.float64)
     p = family.param_dim(tuple(z.shape[1:]))
     theta0 = torch.zeros(p, dtype=torch.float64, device=z.device)
+    with torch.no_grad():  # build (and cache) lazily created feature modules outside the transform
+        family.functional(theta0, z64, str(layout))
     jac = torch.func.jacrev(lambda th: family.functional(th, z64, str(layout)))(theta0)
     return jac.reshape(-1, p).cpu().numpy()
 
