@@ -29,7 +29,8 @@ step is SGD's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,136 @@ def _ew(f, *vecs) -> sp.Matrix:
     return sp.Matrix([f(*(v[i] for v in vecs)) for i in range(n)])
 
 
+# one function per optimizer: θ₁ from θ₀ (th), gradient g, learning rate lr, hyperparameters h;
+# zero optimizer state, step t = 1
+def _step_sgd(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    grad = g + h["weight_decay"] * th
+    return th - lr * grad
+
+
+def _step_momentum(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    buf = g  # torch: at t = 1 the buffer is clone(grad); dampening is not applied
+    return th - lr * buf
+
+
+def _step_nesterov(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    buf = g
+    return th - lr * (g + h["momentum"] * buf)
+
+
+def _step_adam(th: sp.Matrix, g: sp.Matrix, lr, h: dict, *, decoupled: bool = False) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    wd, eps = h["weight_decay"], h["eps"]
+    if decoupled:  # AdamW: θ ← θ (1 − η λ), then the Adam step
+        th_dec, grad = th * (1 - lr * wd), g
+    else:  # coupled L2: grad ← grad + λ θ
+        th_dec, grad = th, g + wd * th
+    m1 = b1 * zero + (1 - b1) * grad
+    v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
+    mhat = m1 / (1 - b1**t)
+    vhat = v1 / (1 - b2**t)
+    return th_dec - lr * _ew(lambda mm, vv: mm / (sp.sqrt(vv) + eps), mhat, vhat)
+
+
+def _step_rmsprop(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    alpha, eps = h["alpha"], h["eps"]
+    v1 = alpha * zero + _ew(lambda x: (1 - alpha) * x**2, g)
+    return th - lr * _ew(lambda x, vv: x / (sp.sqrt(vv) + eps), g, v1)
+
+
+def _step_adagrad(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    a0, eps = h["initial_accumulator_value"], h["eps"]
+    clr = lr  # lr / (1 + (t − 1) lr_decay) at t = 1
+    acc = _ew(lambda x: a0 + x**2, g)
+    return th - clr * _ew(lambda x, s: x / (sp.sqrt(s) + eps), g, acc)
+
+
+def _step_signsgd(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    return th - lr * g.applyfunc(sp.sign)
+
+
+def _step_lion(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    b1, _ = h["betas"]
+    c = b1 * zero + (1 - b1) * g
+    return th - lr * (c.applyfunc(sp.sign) + h["weight_decay"] * th)
+
+
+def _step_rotation(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    rot = sp.zeros(*g.shape)
+    for i in range(0, (len(g) // 2) * 2, 2):
+        rot[i], rot[i + 1] = -g[i + 1], g[i]
+    return th - lr * rot
+
+
+def _step_nadam(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    eps, psi = h["eps"], h["momentum_decay"]
+    grad = g + h["weight_decay"] * th
+    mu = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** (t * psi))
+    mu_next = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** ((t + 1) * psi))
+    mu_product = 1 * mu
+    m1 = b1 * zero + (1 - b1) * grad
+    v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
+    denom = _ew(lambda vv: sp.sqrt(vv / (1 - b2**t)) + eps, v1)
+    step = _ew(lambda x, dd: x / dd, grad, denom) * ((1 - mu) / (1 - mu_product)) + _ew(
+        lambda x, dd: x / dd, m1, denom
+    ) * (mu_next / (1 - mu_product * mu_next))
+    return th - lr * step
+
+
+def _step_adamax(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    eps = h["eps"]
+    grad = g + h["weight_decay"] * th
+    m1 = b1 * zero + (1 - b1) * grad
+    u1 = _ew(lambda z, x: sp.Max(b2 * z, sp.Abs(x) + eps), zero, grad)
+    clr = lr / (1 - b1**t)
+    return th - clr * _ew(lambda mm, uu: mm / uu, m1, u1)
+
+
+def _step_radam(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    eps = h["eps"]
+    grad = g + h["weight_decay"] * th
+    m1 = b1 * zero + (1 - b1) * grad
+    v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
+    mhat = m1 / (1 - b1**t)
+    rho_inf = 2 / (1 - b2) - 1
+    rho_t = sp.simplify(rho_inf - 2 * t * b2**t / (1 - b2**t))
+    rect = sp.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+    adaptive = _ew(lambda mm, vv: mm * rect * sp.sqrt(1 - b2**t) / (sp.sqrt(vv) + eps), mhat, v1)
+    return th - lr * sp.Matrix(
+        [sp.Piecewise((a_, rho_t > 5), (s_, True)) for a_, s_ in zip(adaptive, mhat, strict=False)]
+    )
+
+
+_STEPS: dict[str, Callable[..., sp.Matrix]] = {
+    "sgd": _step_sgd,
+    "momentum": _step_momentum,
+    "nesterov": _step_nesterov,
+    "adam": _step_adam,
+    "adamw": functools.partial(_step_adam, decoupled=True),
+    "rmsprop": _step_rmsprop,
+    "adagrad": _step_adagrad,
+    "signsgd": _step_signsgd,
+    "lion": _step_lion,
+    "rotation": _step_rotation,
+    "nadam": _step_nadam,
+    "adamax": _step_adamax,
+    "radam": _step_radam,
+}
+
+
 def zero_state_update(name: str, theta0, b, lr, hyper: Mapping[str, Any] | None = None) -> sp.Matrix:
     r"""One optimizer step :math:`\theta_1` from zero optimizer state, step :math:`t = 1`.
 
@@ -147,86 +278,9 @@ def zero_state_update(name: str, theta0, b, lr, hyper: Mapping[str, Any] | None 
     g = sp.Matrix(list(b))
     if th.shape != g.shape:
         raise ValueError(f"theta0 and b must have the same length, got {len(th)} and {len(g)}")
-    zero = sp.zeros(*g.shape)
-    t = 1
-    if name == "sgd":
-        grad = g + h["weight_decay"] * th
-        return th - lr * grad
-    if name == "momentum":
-        buf = g  # torch: at t = 1 the buffer is clone(grad); dampening is not applied
-        return th - lr * buf
-    if name == "nesterov":
-        buf = g
-        return th - lr * (g + h["momentum"] * buf)
-    if name in ("adam", "adamw"):
-        b1, b2 = h["betas"]
-        wd, eps = h["weight_decay"], h["eps"]
-        if name == "adamw":  # decoupled: θ ← θ (1 − η λ), then the Adam step
-            th_dec, grad = th * (1 - lr * wd), g
-        else:  # coupled L2: grad ← grad + λ θ
-            th_dec, grad = th, g + wd * th
-        m1 = b1 * zero + (1 - b1) * grad
-        v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
-        mhat = m1 / (1 - b1**t)
-        vhat = v1 / (1 - b2**t)
-        return th_dec - lr * _ew(lambda mm, vv: mm / (sp.sqrt(vv) + eps), mhat, vhat)
-    if name == "rmsprop":
-        alpha, eps = h["alpha"], h["eps"]
-        v1 = alpha * zero + _ew(lambda x: (1 - alpha) * x**2, g)
-        return th - lr * _ew(lambda x, vv: x / (sp.sqrt(vv) + eps), g, v1)
-    if name == "adagrad":
-        a0, eps = h["initial_accumulator_value"], h["eps"]
-        clr = lr  # lr / (1 + (t − 1) lr_decay) at t = 1
-        acc = _ew(lambda x: a0 + x**2, g)
-        return th - clr * _ew(lambda x, s: x / (sp.sqrt(s) + eps), g, acc)
-    if name == "signsgd":
-        return th - lr * g.applyfunc(sp.sign)
-    if name == "lion":
-        b1, _ = h["betas"]
-        c = b1 * zero + (1 - b1) * g
-        return th - lr * (c.applyfunc(sp.sign) + h["weight_decay"] * th)
-    if name == "rotation":
-        rot = sp.zeros(*g.shape)
-        for i in range(0, (len(g) // 2) * 2, 2):
-            rot[i], rot[i + 1] = -g[i + 1], g[i]
-        return th - lr * rot
-    if name == "nadam":
-        b1, b2 = h["betas"]
-        eps, psi = h["eps"], h["momentum_decay"]
-        grad = g + h["weight_decay"] * th
-        mu = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** (t * psi))
-        mu_next = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** ((t + 1) * psi))
-        mu_product = 1 * mu
-        m1 = b1 * zero + (1 - b1) * grad
-        v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
-        denom = _ew(lambda vv: sp.sqrt(vv / (1 - b2**t)) + eps, v1)
-        step = _ew(lambda x, dd: x / dd, grad, denom) * ((1 - mu) / (1 - mu_product)) + _ew(
-            lambda x, dd: x / dd, m1, denom
-        ) * (mu_next / (1 - mu_product * mu_next))
-        return th - lr * step
-    if name == "adamax":
-        b1, b2 = h["betas"]
-        eps = h["eps"]
-        grad = g + h["weight_decay"] * th
-        m1 = b1 * zero + (1 - b1) * grad
-        u1 = _ew(lambda z, x: sp.Max(b2 * z, sp.Abs(x) + eps), zero, grad)
-        clr = lr / (1 - b1**t)
-        return th - clr * _ew(lambda mm, uu: mm / uu, m1, u1)
-    if name == "radam":
-        b1, b2 = h["betas"]
-        eps = h["eps"]
-        grad = g + h["weight_decay"] * th
-        m1 = b1 * zero + (1 - b1) * grad
-        v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
-        mhat = m1 / (1 - b1**t)
-        rho_inf = 2 / (1 - b2) - 1
-        rho_t = sp.simplify(rho_inf - 2 * t * b2**t / (1 - b2**t))
-        rect = sp.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        adaptive = _ew(lambda mm, vv: mm * rect * sp.sqrt(1 - b2**t) / (sp.sqrt(vv) + eps), mhat, v1)
-        return th - lr * sp.Matrix(
-            [sp.Piecewise((a_, rho_t > 5), (s_, True)) for a_, s_ in zip(adaptive, mhat, strict=False)]
-        )
-    raise ValueError(f"unknown update {name!r}; valid names: {', '.join(SYMBOLIC_UPDATES)}")
+    if name not in _STEPS:
+        raise ValueError(f"unknown update {name!r}; valid names: {', '.join(SYMBOLIC_UPDATES)}")
+    return _STEPS[name](th, g, lr, h)
 
 
 def zero_state_step(name: str, b_symbols, hyper: Mapping[str, Any] | None = None) -> sp.Matrix:
