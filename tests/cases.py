@@ -61,6 +61,7 @@ class Case:
         m: the conditional activation gradient ``m(u)`` on the measure (symbolic grammar).
         tangent_rank: expected ``rank K`` when a closed form exists, else ``None``.
         tangent_dim: expected ``p`` when a closed form exists, else ``None``.
+        realizable: ``m ∈ T`` by construction (exact cases): ``s = r`` and ``ρ = 0``.
     """
 
     name: str
@@ -76,6 +77,7 @@ class Case:
     m: str | None = None
     tangent_rank: int | None = None
     tangent_dim: int | None = None
+    realizable: bool = False
 
     @property
     def exact(self) -> bool:
@@ -134,6 +136,7 @@ EXACT_CASES: list[Case] = [
         points=_WEIGHTED,
         weights=_WEIGHTS,
         m="[2*u1**2 - u2 + 1, u1 - 3*u2**2]",
+        realizable=True,
     ),
     Case(
         "product-weighted-degenerate",
