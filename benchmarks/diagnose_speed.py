@@ -559,7 +559,7 @@ def dense_rows(quick: bool):
                 "dense_s": med(t["dense"]),
                 "stream_s": med(t["stream"]),
                 "speedup": med(t["dense"]) / med(t["stream"]),
-                "score_rel_diff": abs(res.score - ref["score"]) / ref["score"],
+                "score_rel_diff": abs(res.score - ref.score) / ref.score,
             }
         )
     return rows

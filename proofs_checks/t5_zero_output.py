@@ -218,10 +218,10 @@ def dense_reference(ctx: Context) -> Outcome:
         acc = _feature_stats(fam, z, g, task.layout)
         res = acc.result()
         ref = dense_saturation(fam, z, g, task.layout)
-        ds = abs(res.score - ref["score"]) / max(ref["score"], res.tol)
-        db = float(np.abs(res.gradient - ref["gradient"]).max() / max(np.abs(ref["gradient"]).max(), 1e-300))
+        ds = abs(res.score - ref.score) / max(ref.score, res.tol)
+        db = float(np.abs(res.gradient - ref.gradient).max() / max(np.abs(ref.gradient).max(), 1e-300))
         worst_s, worst_b = max(worst_s, ds), max(worst_b, db)
-        bad += not (ds <= DENSE_RTOL and db <= DENSE_RTOL and res.tangent_rank == ref["rank"])
+        bad += not (ds <= DENSE_RTOL and db <= DENSE_RTOL and res.tangent_rank == ref.tangent_rank)
     return Outcome(
         n,
         bad,

@@ -24,6 +24,7 @@ from depthsat_theory.optimizers import (
     ZeroStateUpdate,
     get_update,
     is_descent_compatible,
+    resolve_update,
     threshold,
 )
 
@@ -400,7 +401,7 @@ def test_is_descent_compatible_detects_planted_failures():
     # only the sparse rows / basis vectors expose this one
     assert is_descent_compatible(FirstCoordOnly("first", False)) is False
     dense = torch.tensor([[1.0, 2.0], [-3.0, 0.5]], dtype=DT)
-    assert is_descent_compatible(FirstCoordOnly("first", False), dense) is True
+    assert is_descent_compatible(FirstCoordOnly("first", False), samples=dense) is True
 
 
 def test_is_descent_compatible_custom_samples_and_extremes():
@@ -409,10 +410,10 @@ def test_is_descent_compatible_custom_samples_and_extremes():
         dtype=DT,
     )
     for name in ALL_NAMES:
-        assert is_descent_compatible(get_update(name), rows) is (name in DESCENT_COMPATIBLE)
+        assert is_descent_compatible(get_update(name), samples=rows) is (name in DESCENT_COMPATIBLE)
     rows32 = torch.tensor([[1e-30, -1e-38, 0.0], [1e30, 2.0, -3.0]], dtype=torch.float32)
     for name in DESCENT_COMPATIBLE:
-        assert is_descent_compatible(get_update(name), rows32) is True
+        assert is_descent_compatible(get_update(name), samples=rows32) is True
 
 
 @pytest.mark.parametrize(
@@ -428,7 +429,7 @@ def test_is_descent_compatible_custom_samples_and_extremes():
 )
 def test_is_descent_compatible_rejects_bad_samples(samples):
     with pytest.raises(ValueError):
-        is_descent_compatible(get_update("sgd"), samples)
+        is_descent_compatible(get_update("sgd"), samples=samples)
 
 
 def test_is_descent_compatible_rejects_bad_args():
@@ -437,7 +438,34 @@ def test_is_descent_compatible_rejects_bad_args():
     with pytest.raises(ValueError):
         is_descent_compatible(get_update("sgd"), n=-3)
     with pytest.raises(TypeError):
-        is_descent_compatible("sgd")  # type: ignore[arg-type]
+        is_descent_compatible(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown update"):
+        is_descent_compatible("sgdd")
+    with pytest.raises(ValueError, match="no hyperparameter 'epsilon'"):
+        is_descent_compatible("adam", {"epsilon": 1e-3})
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_is_descent_compatible_accepts_a_name_like_the_symbolic_engine(name):
+    """The shared argument convention: a registry name is the registered map."""
+    assert is_descent_compatible(name) is is_descent_compatible(get_update(name)) is get_update(name).descent_compatible
+
+
+def test_resolve_update_applies_hyperparameter_overrides():
+    assert resolve_update("sgd") is get_update("sgd")
+    adam = get_update("adam")
+    assert resolve_update(adam) is adam
+    loose = resolve_update("adam", {"eps": 0.5})
+    assert loose.eps == 0.5 and loose.betas == adam.betas and loose.name == "adam"
+    # P(b) = b / (|b| + eps): with eps = 0.5 and b = 0.5 the step is exactly 1/2
+    b = torch.tensor([0.5, -1.5], dtype=DT)
+    assert torch.equal(loose.first_step(b), torch.tensor([0.5, -0.75], dtype=DT))
+    # overrides reach the numeric predicate
+    assert is_descent_compatible("adam", {"eps": 1.0}) is True
+    with pytest.raises(ValueError, match="no hyperparameter 'name'"):
+        resolve_update("adam", {"name": "x"})
+    with pytest.raises(TypeError):
+        resolve_update(3.0)  # type: ignore[arg-type]
 
 
 _finite = st.one_of(

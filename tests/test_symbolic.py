@@ -29,8 +29,8 @@ from depthsat_theory.engines.symbolic import (
     FiniteMeasure,
     MeasureError,
     SymbolicFamily,
-    cross_gradient,
     first_order_change,
+    gradient,
     is_degenerate,
     is_descent_compatible,
     is_function_preserving,
@@ -137,7 +137,7 @@ def test_linear_bias_normal_closed_form():
     K = [[E u², E u], [E u, 1]] = I, s² = 1, r² = E u⁴ = 3, ρ² = 1 − s²/r² = 2/3."""
     res = saturation(S.linear(1), [sps.Normal("X", 0, 1)], "u1**2")
     assert res.gradient == sp.Matrix([0, 1])
-    assert res.gram == sp.eye(2)
+    assert res.tangent_gram == sp.eye(2)
     assert res.score == 1 and res.score_squared == 1
     assert res.raw_score == sp.sqrt(3)
     assert sp.simplify(res.realizability_defect - sp.sqrt(sp.Rational(2, 3))) == 0
@@ -158,7 +158,7 @@ def test_linear_nobias_uniform_closed_form():
     r² = E u⁶ = 1/7, ρ² = 1 − (3/25)·7 = 4/25."""
     res = saturation(S.linear(1, bias=False), [sps.Uniform("V", -1, 1)], "u1**3")
     assert res.gradient == sp.Matrix([sp.Rational(1, 5)])
-    assert res.gram == sp.Matrix([[sp.Rational(1, 3)]])
+    assert res.tangent_gram == sp.Matrix([[sp.Rational(1, 3)]])
     assert res.score == sp.sqrt(3) / 5
     assert res.raw_score == 1 / sp.sqrt(7)
     assert res.realizability_defect == sp.Rational(2, 5)
@@ -176,7 +176,7 @@ def test_saturation_score_raw_score_defect_functions_agree_with_bundle():
     assert S.realizability_defect(fam, mu, m) == res.realizability_defect
     # by hand: points -1, 0, 2 with probabilities 1/4, 1/2, 1/4; A = (u, u²); m = u³ + 1
     # K = [[5/4, 7/4], [7/4, 17/4]], b = E[(u⁴ + u, u⁵ + u²)] = (17/4 + 1/4, 31/4 + 5/4)
-    assert res.gram == sp.Matrix([[5, 7], [7, 17]]) / 4
+    assert res.tangent_gram == sp.Matrix([[5, 7], [7, 17]]) / 4
     assert res.gradient == sp.Matrix([sp.Rational(9, 2), 9])
     kk = sp.Matrix([[5, 7], [7, 17]]) / 4
     assert res.score_squared == (res.gradient.T * kk.inv() * res.gradient)[0, 0]
@@ -220,7 +220,7 @@ def test_invertible_linear_reparameterization_keeps_s_and_maps_b():
     b = saturation(reparameterize(fam, chi, xi), mu, m)
     assert b.score == a.score and b.score_squared == a.score_squared
     assert b.gradient == c.T * a.gradient
-    assert b.gram == c.T * a.gram * c
+    assert b.tangent_gram == c.T * a.tangent_gram * c
     assert b.gradient.norm() != a.gradient.norm()  # ‖b‖ is not invariant
     # a rank-deficient C loses a direction: not regular
     c1 = sp.Matrix([[1, 2], [2, 4]])
@@ -246,9 +246,9 @@ def test_rank_deficient_gram_min_norm_coefficients():
     fam = S.polynomial(1, 2)
     mu = FiniteMeasure([0, 1])
     res = saturation(fam, mu, "3*u1 + 1")
-    assert res.gram == sp.Matrix([[1, 1, 1], [1, 1, 1], [1, 1, 2]]) / 2
+    assert res.tangent_gram == sp.Matrix([[1, 1, 1], [1, 1, 1], [1, 1, 2]]) / 2
     assert res.tangent_rank == 2 and tangent_rank(fam) == 3
-    assert res.coefficients == res.gram.pinv() * res.gradient
+    assert res.coefficients == res.tangent_gram.pinv() * res.gradient
     assert res.coefficients == sp.Matrix([sp.Rational(3, 2), sp.Rational(3, 2), 1])
     assert res.score == res.raw_score and res.realizability_defect == 0
 
@@ -283,7 +283,7 @@ def test_projection_is_an_orthogonal_projector():
     # idempotent, residual ⟂ T, Pythagoras
     _v2, pm2 = projection(fam, mu, pm)
     assert (pm2 - pm).applyfunc(sp.expand) == sp.zeros(2, 1)
-    assert cross_gradient(fam, mu, m - pm) == sp.zeros(fam.p, 1)
+    assert gradient(fam, mu, m - pm) == sp.zeros(fam.p, 1)
     res = saturation(fam, mu, m)
     assert sp.simplify(res.raw_score**2 * (1 - res.realizability_defect**2) - res.score_squared) == 0
 
@@ -360,7 +360,7 @@ def test_total_mass_matches_sequence_sites():
     fam = S.linear(2)
     m = "[u1**2, u2 - u1]"
     r1, r3 = saturation(fam, mu1, m), saturation(fam, mu3, m)
-    assert r3.gram == 3 * r1.gram and r3.gradient == 3 * r1.gradient
+    assert r3.tangent_gram == 3 * r1.tangent_gram and r3.gradient == 3 * r1.gradient
     assert r3.score_squared == 3 * r1.score_squared
     assert r3.realizability_defect == r1.realizability_defect
     rows = S.replicated_support(mu1)  # 4 rows
@@ -513,6 +513,26 @@ def test_first_order_change_nondifferentiable_family():
 def test_descent_compatibility_matches_registry(name):
     expected = UPDATES[name].descent_compatible if name in UPDATES else True
     assert is_descent_compatible(name) is expected
+
+
+def test_descent_compatibility_takes_the_numeric_engines_arguments():
+    """Same arguments as :func:`depthsat_theory.optimizers.is_descent_compatible`: a
+    ``ZeroStateUpdate`` (its own hyperparameters), ``hyper`` overrides, keyword ``dim``."""
+    import dataclasses
+
+    adam = UPDATES["adam"]
+    assert is_descent_compatible(adam) is True
+    assert is_descent_compatible(adam, {"eps": sp.Rational(1, 2)}, dim=2) is True
+    # a variant instance's hyperparameters are used: P(b) = b / (|b| + eps) at eps = 1/2
+    half = dataclasses.replace(adam, eps=0.5)
+    b = sp.Symbol("b1", real=True)
+    step = zero_state_step("adam", [b], S.default_hyper(half))
+    assert sp.simplify(step[0] - b / (sp.Abs(b) + sp.Rational(1, 2))) == 0
+    assert is_descent_compatible(UPDATES["rotation"], dim=4) is False
+    with pytest.raises(TypeError):
+        is_descent_compatible(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no hyperparameter"):
+        is_descent_compatible("adam", {"epsilon": 1})
 
 
 # ----------------------------------------------------------------------------- bridge
@@ -690,7 +710,7 @@ def test_agreement_with_general_statistics_random_polynomial_families(problem):
     fam = SymbolicFamily.parse(text, d=d)
     mu = FiniteMeasure(pts, wts)
     exact = saturation(fam, mu, m)
-    kf = exact.gram_array()
+    kf = exact.tangent_gram_array()
     diag = np.diag(kf).copy()
     live = diag > 0
     if live.any():
@@ -726,7 +746,7 @@ def _mc_check(fam, nfam, measure, m, n=20000, seed=0):
     se_b = contrib.std(axis=0, ddof=1) / math.sqrt(n)
     b = exact.gradient_array()
     assert np.all(np.abs(out.gradient - b) <= 5 * se_b + 1e-12), (out.gradient, b, se_b)
-    v = np.linalg.solve(exact.gram_array(), b)
+    v = np.linalg.solve(exact.tangent_gram_array(), b)
     av = np.einsum("ndp,p->nd", a, v)
     q = 2 * (av * g).sum(1) - (av * av).sum(1)
     se_s = q.std(ddof=1) / (2 * float(exact.score) * math.sqrt(n))
@@ -740,7 +760,7 @@ def test_monte_carlo_agreement_normal_polynomial():
     Tolerance: 5 standard errors estimated from the n = 20000 sample (see _mc_check)."""
     exact = _mc_check(S.polynomial(1, 2), F.polynomial(2), [sps.Normal("N1", 0, 1)], "u1**3 - u1/2 + 1")
     assert exact.gradient == sp.Matrix([sp.Rational(5, 2), 1, 1])
-    assert exact.gram == sp.Matrix([[1, 0, 0], [0, 3, 1], [0, 1, 1]])
+    assert exact.tangent_gram == sp.Matrix([[1, 0, 0], [0, 3, 1], [0, 1, 1]])
 
 
 def test_monte_carlo_agreement_uniform_normal_linear():

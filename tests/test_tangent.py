@@ -249,13 +249,13 @@ def test_cross_gradient_score_matches_dense_and_numpy(spec, layout, device):
     grows = np_rows(g, layout)
     s_np = feature_score(phi, grows, n)
     assert res.score > 0.1  # a random g is far from saturated: the comparison is not vacuous
-    assert _close(res.score, dense["score"], rtol=1e-9)
+    assert _close(res.score, dense.score, rtol=1e-9)
     assert _close(res.score, s_np, rtol=1e-9)
-    assert _close(res.gradient, dense["gradient"], rtol=1e-9, atol=1e-12)
+    assert _close(res.gradient, dense.gradient, rtol=1e-9, atol=1e-12)
     assert _close(res.gradient, feature_gradient(phi, grows, n, fam.bias), rtol=1e-9, atol=1e-12)
     d = fam.site_dim(shape, layout)
-    assert res.tangent_rank == dense["rank"] == d * np.linalg.matrix_rank(phi)
-    assert res.tangent_dim == dense["jacobian"].shape[1]
+    assert res.tangent_rank == dense.tangent_rank == d * np.linalg.matrix_rank(phi)
+    assert res.tangent_dim == dense.jacobian.shape[1]
     assert not res.degenerate and not res.saturated
     # raw quantities on the whole site tensor
     gn = g.detach().cpu().numpy().reshape(n, -1)
@@ -302,11 +302,11 @@ def test_general_family_matches_dense_and_closed_form(layout, device):
     dense = dense_saturation(fam, z, g, layout)
     s_np, b_np, rank_np = general_tanh_sq_expected(z, g, layout)
     assert res.score > 0.1
-    assert _close(res.score, dense["score"], rtol=1e-9)
+    assert _close(res.score, dense.score, rtol=1e-9)
     assert _close(res.score, s_np, rtol=1e-9)
-    assert _close(res.gradient, dense["gradient"], rtol=1e-9, atol=1e-13)
+    assert _close(res.gradient, dense.gradient, rtol=1e-9, atol=1e-13)
     assert _close(res.gradient, b_np, rtol=1e-9, atol=1e-13)
-    assert res.tangent_rank == dense["rank"] == rank_np == 2 * shape[0 if layout == "image" else -1]
+    assert res.tangent_rank == dense.tangent_rank == rank_np == 2 * shape[0 if layout == "image" else -1]
     assert res.tangent_dim == 2 * shape[0 if layout == "image" else -1]
 
 
@@ -341,13 +341,13 @@ def test_rank_deficient_constant_column_linear(device):
     stats.update(z, g)
     res = stats.result()
     dense = dense_saturation(fam, z, g, "vector")
-    assert res.tangent_rank == dense["rank"] == d * d  # closed form: d · (d + 1 − 1)
+    assert res.tangent_rank == dense.tangent_rank == d * d  # closed form: d · (d + 1 − 1)
     assert res.tangent_dim == d * (d + 1)
     a = linear_jacobian_np(z.cpu().numpy(), True)
     proj = lstsq_projection(a, g.cpu().numpy().reshape(-1))
     assert _close(res.score, math.sqrt(proj @ proj / 10), rtol=1e-9)
-    assert _close(res.score, dense["score"], rtol=1e-9)
-    assert _close(res.gradient, dense["gradient"], rtol=1e-9, atol=1e-13)
+    assert _close(res.score, dense.score, rtol=1e-9)
+    assert _close(res.gradient, dense.gradient, rtol=1e-9, atol=1e-13)
 
 
 def test_rank_deficient_duplicate_features(device):
@@ -361,8 +361,8 @@ def test_rank_deficient_duplicate_features(device):
     stats.update(z, g)
     res = stats.result()
     dense = dense_saturation(fam, z, g, "vector")
-    assert res.tangent_rank == dense["rank"] == d * (d - 1)
-    assert _close(res.score, dense["score"], rtol=1e-9)
+    assert res.tangent_rank == dense.tangent_rank == d * (d - 1)
+    assert _close(res.score, dense.score, rtol=1e-9)
     a = linear_jacobian_np(z.cpu().numpy(), False)
     proj = lstsq_projection(a, g.cpu().numpy().reshape(-1))
     assert _close(res.score, math.sqrt(proj @ proj / 10), rtol=1e-9)
@@ -377,9 +377,9 @@ def test_rank_deficient_duplicate_features(device):
     res = stats.result()
     dense = dense_saturation(fam, zr, gr, "vector")
     phi = phi_tilde(fam, zr, "vector")
-    assert res.tangent_rank == dense["rank"] == d * np.linalg.matrix_rank(phi)
+    assert res.tangent_rank == dense.tangent_rank == d * np.linalg.matrix_rank(phi)
     assert res.tangent_rank <= 3 * d
-    assert _close(res.score, dense["score"], rtol=1e-9)
+    assert _close(res.score, dense.score, rtol=1e-9)
 
 
 def test_rank_deficient_general_family(device):
@@ -393,7 +393,7 @@ def test_rank_deficient_general_family(device):
     res = stats.result()
     dense = dense_saturation(fam, z, g, "vector")
     s_np, b_np, rank_np = general_tanh_sq_expected(z, g, "vector")
-    assert res.tangent_rank == dense["rank"] == rank_np == 2 * d - 1
+    assert res.tangent_rank == dense.tangent_rank == rank_np == 2 * d - 1
     assert _close(res.score, s_np, rtol=1e-9)
     assert _close(res.gradient, b_np, rtol=1e-9, atol=1e-13)
 
@@ -840,7 +840,7 @@ def test_lsq_readout_linear_families_exactly_saturated(readout_task, device):
         assert res.saturated and not res.degenerate
         assert res.ag_max > 0 and res.raw_score > 0  # g ≠ 0 with s = 0
         dense = dense_saturation(parse_family(spec), z, g, "vector")
-        assert dense["score"] <= 1e-10 * res.ag_rms
+        assert dense.score <= 1e-10 * res.ag_rms
     # a site before the LayerNorm is not saturated by the linear family
     z0, g0 = zg["embed"]
     stats = statistics_for(parse_family("linear"), (4,), "vector")

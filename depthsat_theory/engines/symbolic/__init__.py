@@ -6,6 +6,7 @@ cross-checked (theory/definitions.md; theory labels thm-gradient T1, thm-iff T2,
 thm-update-invariance T3, thm-reparameterization T4, thm-zero-output T5,
 thm-realizability T6):
 
+- :mod:`.algebra`: exact zero tests and simplification (:func:`is_zero`, :func:`simplified`);
 - :mod:`.family`: :class:`SymbolicFamily` (parse text, built-in factories);
 - :mod:`.measures`: :class:`FiniteMeasure`, :class:`ProductMeasure` (``sympy.stats``);
 - :mod:`.engine`: tangent map, ``K``, ``b``, projection, ``s``, ``r``, ``ρ``, ranks,
@@ -15,6 +16,7 @@ thm-realizability T6):
   wrappers and numeric probes from measures.
 """
 
+from depthsat_theory.engines.symbolic.algebra import is_zero, simplified
 from depthsat_theory.engines.symbolic.bridge import (
     finite_support,
     lambdify_family,
@@ -26,7 +28,7 @@ from depthsat_theory.engines.symbolic.bridge import (
 )
 from depthsat_theory.engines.symbolic.engine import (
     SymbolicSaturation,
-    cross_gradient,
+    gradient,
     is_degenerate,
     is_function_preserving,
     is_regular_reparameterization,
@@ -51,7 +53,14 @@ from depthsat_theory.engines.symbolic.family import (
     random_features,
     unit_symbols,
 )
-from depthsat_theory.engines.symbolic.measures import FiniteMeasure, Measure, MeasureError, ProductMeasure, as_measure
+from depthsat_theory.engines.symbolic.measures import (
+    FiniteMeasure,
+    Measure,
+    MeasureError,
+    ProductMeasure,
+    as_measure,
+    finite_density,
+)
 from depthsat_theory.engines.symbolic.optimizers import (
     EXTRA_UPDATES,
     SYMBOLIC_UPDATES,
@@ -75,15 +84,17 @@ __all__ = [
     "SymbolicFamily",
     "SymbolicSaturation",
     "as_measure",
-    "cross_gradient",
     "default_hyper",
     "elementwise_square_param",
+    "finite_density",
     "finite_support",
     "first_order_change",
+    "gradient",
     "is_degenerate",
     "is_descent_compatible",
     "is_function_preserving",
     "is_regular_reparameterization",
+    "is_zero",
     "lambdify_family",
     "lambdify_matrix",
     "lambdify_units",
@@ -100,6 +111,7 @@ __all__ = [
     "sample",
     "saturation",
     "saturation_score",
+    "simplified",
     "tangent_gram",
     "tangent_map",
     "tangent_rank",

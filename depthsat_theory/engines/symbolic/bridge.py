@@ -33,8 +33,8 @@ from depthsat_theory.engines.symbolic.measures import (
     FiniteMeasure,
     MeasureError,
     ProductMeasure,
-    _finite_density,
     as_measure,
+    finite_density,
 )
 from depthsat_theory.families import FamilyError, GeneralFamily
 
@@ -380,7 +380,7 @@ def _rv_sampler(rv) -> Callable[[np.random.Generator, int], np.ndarray]:
     if isinstance(dist, UniformDistribution):
         a, b = (float(x) for x in dist.args)
         return lambda g, n: g.uniform(a, b, size=n)
-    dens = _finite_density(rv)
+    dens = finite_density(rv)
     if dens is not None:
         vals = np.array([float(v) for v in dens])
         probs = np.array([float(q) for q in dens.values()])

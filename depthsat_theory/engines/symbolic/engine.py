@@ -31,13 +31,15 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import sympy as sp
 
+from depthsat_theory.engines.symbolic.algebra import is_zero, simplified
 from depthsat_theory.engines.symbolic.family import SymbolicFamily, to_matrix
 from depthsat_theory.engines.symbolic.measures import Measure, MeasureError, as_measure
 from depthsat_theory.families import FamilyError
+from depthsat_theory.vocabulary import Verdict
 
 __all__ = [
     "SymbolicSaturation",
-    "cross_gradient",
+    "gradient",
     "is_degenerate",
     "is_function_preserving",
     "is_regular_reparameterization",
@@ -54,34 +56,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- helpers
-def _simp(e) -> sp.Expr:
-    e = sp.sympify(e)
-    if e.is_Rational or e.is_Symbol:
-        return e
-    return sp.simplify(e)
-
-
-def _is_zero(e) -> bool:
-    """Exact zero test: rational arithmetic, expansion, a 60-digit numeric screen for
-    nonzero constants, then ``cancel``/``simplify``."""
-    e = sp.sympify(e)
-    if e.is_Rational:
-        return e == 0
-    ex = sp.expand(e)
-    if ex == 0:
-        return True
-    if ex.is_number:
-        try:
-            val = complex(ex.evalf(60))
-        except (TypeError, ValueError):  # pragma: no cover - unevaluable constants
-            val = None
-        if val is not None and abs(val) > 1e-30:
-            return False
-        if sp.cancel(sp.together(ex)) == 0:
-            return True
-    return sp.simplify(ex) == 0
-
-
 def _check_family(fam) -> SymbolicFamily:
     if not isinstance(fam, SymbolicFamily):
         raise FamilyError(f"expected a SymbolicFamily, got {type(fam).__name__}")
@@ -95,7 +69,7 @@ def _measure(fam: SymbolicFamily, measure) -> Measure:
 def _rank(mat: sp.Matrix) -> int:
     if mat.rows == 0 or mat.cols == 0:
         return 0
-    return int(mat.rank(iszerofunc=_is_zero, simplify=True))
+    return int(mat.rank(iszerofunc=is_zero, simplify=True))
 
 
 # ----------------------------------------------------------------------------- tangent map
@@ -113,7 +87,7 @@ def is_function_preserving(fam: SymbolicFamily) -> tuple[bool, sp.Matrix]:
         FamilyError: if ``fam`` is not a :class:`SymbolicFamily`.
     """
     _check_family(fam)
-    res = fam.expr.xreplace(dict.fromkeys(fam.params, 0)).applyfunc(_simp)
+    res = fam.expr.xreplace(dict.fromkeys(fam.params, 0)).applyfunc(simplified)
     return all(e == 0 for e in res), res
 
 
@@ -159,7 +133,7 @@ def tangent_gram(fam: SymbolicFamily, measure, *, tangent: sp.Matrix | None = No
     return (k + k.T) / 2
 
 
-def cross_gradient(fam: SymbolicFamily, measure, m, *, tangent: sp.Matrix | None = None) -> sp.Matrix:
+def gradient(fam: SymbolicFamily, measure, m, *, tangent: sp.Matrix | None = None) -> sp.Matrix:
     """``b = E_μ[A^T m] = ∇_θ J(0)`` (theory label thm-gradient, ``thm-gradient``).
 
     Args:
@@ -188,7 +162,7 @@ def _min_norm_solve(k: sp.Matrix, b: sp.Matrix) -> sp.Matrix:
     p = k.rows
     if p == 0:
         return sp.zeros(0, 1)
-    if all(_is_zero(e) for e in b):
+    if all(is_zero(e) for e in b):
         return sp.zeros(p, 1)
     try:
         sol, free = k.gauss_jordan_solve(b)
@@ -197,11 +171,11 @@ def _min_norm_solve(k: sp.Matrix, b: sp.Matrix) -> sp.Matrix:
             f"b is not in the range of K ({exc}); m is not square-integrable or an expectation did not simplify"
         ) from None
     sol = sol.xreplace(dict.fromkeys(free, 0))
-    null = k.nullspace(simplify=True, iszerofunc=_is_zero)
+    null = k.nullspace(simplify=True, iszerofunc=is_zero)
     if null:
         n = sp.Matrix.hstack(*null)
         sol = sol - n * (n.T * n).inv() * (n.T * sol)
-    return sol.applyfunc(_simp)
+    return sol.applyfunc(simplified)
 
 
 def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
@@ -223,7 +197,7 @@ def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
     """
     a = tangent_map(fam)
     k = tangent_gram(fam, measure, tangent=a)
-    b = cross_gradient(fam, measure, m, tangent=a)
+    b = gradient(fam, measure, m, tangent=a)
     v = _min_norm_solve(k, b)
     return v, (a * v).applyfunc(sp.expand)
 
@@ -236,9 +210,9 @@ def saturation_score(fam: SymbolicFamily, measure, m) -> tuple[sp.Expr, sp.Expr]
     """
     a = tangent_map(fam)
     k = tangent_gram(fam, measure, tangent=a)
-    b = cross_gradient(fam, measure, m, tangent=a)
-    s2 = _simp((b.T * _min_norm_solve(k, b))[0, 0])
-    return _simp(sp.sqrt(s2)), s2
+    b = gradient(fam, measure, m, tangent=a)
+    s2 = simplified((b.T * _min_norm_solve(k, b))[0, 0])
+    return simplified(sp.sqrt(s2)), s2
 
 
 def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
@@ -246,7 +220,7 @@ def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
     _check_family(fam)
     mu = _measure(fam, measure)
     mm = fam.coerce(m)
-    return _simp(sp.sqrt(mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units)))
+    return simplified(sp.sqrt(mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units)))
 
 
 def realizability_defect(fam: SymbolicFamily, measure, m) -> sp.Expr:
@@ -256,11 +230,11 @@ def realizability_defect(fam: SymbolicFamily, measure, m) -> sp.Expr:
     mm = fam.coerce(m)
     _, proj = projection(fam, mu, mm)
     r2 = mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units)
-    if _is_zero(r2):
+    if is_zero(r2):
         return sp.nan
     resid = mm - proj
     defect2 = mu.expect(sp.expand((resid.T * resid)[0, 0]), fam.units)
-    return _simp(sp.sqrt(defect2 / r2))
+    return simplified(sp.sqrt(defect2 / r2))
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -363,8 +337,11 @@ def tangent_rank(fam: SymbolicFamily, measure=None) -> int:
 
 
 def is_degenerate(fam: SymbolicFamily) -> bool:
-    """``A ≡ 0`` symbolically, so ``T = {0}`` (theory label thm-reparameterization): report *degenerate*, never saturated."""
-    return all(_is_zero(e) for e in tangent_map(fam))
+    """``A ≡ 0`` symbolically, so ``T = {0}`` (theory label thm-reparameterization).
+
+    Such a family is reported *degenerate*, never saturated.
+    """
+    return all(is_zero(e) for e in tangent_map(fam))
 
 
 # ----------------------------------------------------------------------------- reparameterization
@@ -377,7 +354,7 @@ def _chi_matrix(fam: SymbolicFamily, chi, xi) -> tuple[sp.Matrix, tuple]:
     if extra:
         raise FamilyError(f"chi contains symbols {sorted(map(str, extra))} that are not in xi")
     at0 = chi_m.xreplace(dict.fromkeys(xi, 0))
-    if not all(_is_zero(e) for e in at0):
+    if not all(is_zero(e) for e in at0):
         raise FamilyError(
             f"chi(0) = {list(at0)} must be 0 (theory label thm-reparameterization: the origin maps to the origin)"
         )
@@ -445,7 +422,7 @@ class SymbolicSaturation:
         saturated: ``s = 0`` exactly and not degenerate (T2: no descent-compatible
             zero-state update decreases ``J`` at first order).
         gradient: ``b = E[Aᵀ m]`` (``p × 1`` Matrix, the family's coordinate order).
-        gram: ``K`` (``p × p``).
+        tangent_gram: ``K = E[AᵀA]`` (``p × p``).
         coefficients: ``v* = K⁺ b``.
         projection: ``Π m = A v*`` (``d × 1`` in the unit symbols).
         family: the family's name.
@@ -460,7 +437,7 @@ class SymbolicSaturation:
     degenerate: bool
     saturated: bool
     gradient: sp.Matrix = field(repr=False)
-    gram: sp.Matrix = field(repr=False)
+    tangent_gram: sp.Matrix = field(repr=False)
     coefficients: sp.Matrix = field(repr=False)
     projection: sp.Matrix = field(repr=False)
     family: str = "symbolic"
@@ -496,9 +473,16 @@ class SymbolicSaturation:
         """``b`` as a float64 numpy vector ``(p,)``."""
         return np.array([float(e) for e in self.gradient], dtype=np.float64)
 
-    def gram_array(self) -> np.ndarray:
+    def tangent_gram_array(self) -> np.ndarray:
         """``K`` as a float64 numpy matrix ``(p, p)``."""
-        return np.array(self.gram.evalf(17).tolist(), dtype=np.float64).reshape(self.gram.shape)
+        return np.array(self.tangent_gram.evalf(17).tolist(), dtype=np.float64).reshape(self.tangent_gram.shape)
+
+    @property
+    def verdict(self) -> Verdict:
+        """:attr:`Verdict.DEGENERATE`, :attr:`Verdict.SATURATED` (``s = 0`` exactly) or :attr:`Verdict.IMPROVABLE`."""
+        if self.degenerate:
+            return Verdict.DEGENERATE
+        return Verdict.SATURATED if self.saturated else Verdict.IMPROVABLE
 
     def __float__(self) -> float:
         return float(self.score)
@@ -524,29 +508,29 @@ def saturation(fam: SymbolicFamily, measure, m) -> SymbolicSaturation:
     mm = fam.coerce(m)
     a = tangent_map(fam)
     k = tangent_gram(fam, mu, tangent=a)
-    b = cross_gradient(fam, mu, mm, tangent=a)
+    b = gradient(fam, mu, mm, tangent=a)
     v = _min_norm_solve(k, b)
-    s2 = _simp((b.T * v)[0, 0])
+    s2 = simplified((b.T * v)[0, 0])
     proj = (a * v).applyfunc(sp.expand)
-    r2 = _simp(mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units))
-    if _is_zero(r2):
+    r2 = simplified(mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units))
+    if is_zero(r2):
         rho = sp.nan
     else:
         resid = mm - proj
-        rho = _simp(sp.sqrt(mu.expect(sp.expand((resid.T * resid)[0, 0]), fam.units) / r2))
+        rho = simplified(sp.sqrt(mu.expect(sp.expand((resid.T * resid)[0, 0]), fam.units) / r2))
     rank = _rank(k)
     degenerate = rank == 0
     return SymbolicSaturation(
-        score=_simp(sp.sqrt(s2)),
+        score=simplified(sp.sqrt(s2)),
         score_squared=s2,
-        raw_score=_simp(sp.sqrt(r2)),
+        raw_score=simplified(sp.sqrt(r2)),
         realizability_defect=rho,
         tangent_rank=rank,
         tangent_dim=fam.p,
         degenerate=degenerate,
-        saturated=(not degenerate) and _is_zero(s2),
+        saturated=(not degenerate) and is_zero(s2),
         gradient=b,
-        gram=k,
+        tangent_gram=k,
         coefficients=v,
         projection=proj,
         family=fam.name,

@@ -278,30 +278,8 @@ class SymbolicFamily:
         if not isinstance(text, str):
             raise FamilyError(f"family text must be a string, got {type(text).__name__}")
         _check_tokens(text, "family text", _grammar_name, "u (d = 1) or u1..ud, t1..tp or theta1..thetap")
-        names = _scan_names(text)
-        unit_idx, bare_u, param_idx = set(), False, set()
-        for nm in names:
-            if nm == "u":
-                bare_u = True
-            elif re.fullmatch(r"u[1-9]\d*", nm):
-                unit_idx.add(int(nm[1:]))
-            elif nm in ("t", "theta"):
-                param_idx.add(1)
-            elif re.fullmatch(r"(t|theta)[1-9]\d*", nm):
-                param_idx.add(int(re.sub(r"^(theta|t)", "", nm)))
-        if bare_u and unit_idx:
-            raise FamilyError(f"family text {text!r} mixes the unit names 'u' and u1..ud; use u1..ud")
-        if bare_u:
-            if d not in (None, 1):
-                raise FamilyError(f"bare 'u' names the unit only when d = 1 (got d = {d}); use u1..u{d}")
-            units = (sp.Symbol("u", real=True),)
-        else:
-            dd = max(unit_idx, default=1) if d is None else int(d)
-            if dd < 1:
-                raise FamilyError(f"unit dimension d must be >= 1, got {d}")
-            if unit_idx and max(unit_idx) > dd:
-                raise FamilyError(f"family text {text!r} uses u{max(unit_idx)} but d = {dd}")
-            units = unit_symbols(dd)
+        unit_idx, bare_u, param_idx = _symbol_indices(_scan_names(text))
+        units = _parsed_units(text, d, unit_idx, bare_u)
         if not param_idx:
             raise FamilyError(f"family text {text!r} has no parameters (use t1..tp)")
         params = param_symbols(max(param_idx))
@@ -391,6 +369,39 @@ def _tokens(text: str, what: str):
 
 def _scan_names(text: str, what: str = "family text") -> list[str]:
     return [t.string for t in _tokens(text, what) if t.type == tokenize.NAME]
+
+
+def _symbol_indices(names: Sequence[str]) -> tuple[set[int], bool, set[int]]:
+    """Unit indices, whether bare ``u`` occurs, and parameter indices among ``names``."""
+    unit_idx: set[int] = set()
+    param_idx: set[int] = set()
+    bare_u = False
+    for nm in names:
+        if nm == "u":
+            bare_u = True
+        elif re.fullmatch(r"u[1-9]\d*", nm):
+            unit_idx.add(int(nm[1:]))
+        elif nm in ("t", "theta"):
+            param_idx.add(1)
+        elif re.fullmatch(r"(t|theta)[1-9]\d*", nm):
+            param_idx.add(int(re.sub(r"^(theta|t)", "", nm)))
+    return unit_idx, bare_u, param_idx
+
+
+def _parsed_units(text: str, d: int | None, unit_idx: set[int], bare_u: bool) -> tuple[sp.Symbol, ...]:
+    """The unit symbols of a parsed family text (``(u,)`` for bare ``u``, else ``u1..ud``)."""
+    if bare_u and unit_idx:
+        raise FamilyError(f"family text {text!r} mixes the unit names 'u' and u1..ud; use u1..ud")
+    if bare_u:
+        if d not in (None, 1):
+            raise FamilyError(f"bare 'u' names the unit only when d = 1 (got d = {d}); use u1..u{d}")
+        return (sp.Symbol("u", real=True),)
+    dd = max(unit_idx, default=1) if d is None else int(d)
+    if dd < 1:
+        raise FamilyError(f"unit dimension d must be >= 1, got {d}")
+    if unit_idx and max(unit_idx) > dd:
+        raise FamilyError(f"family text {text!r} uses u{max(unit_idx)} but d = {dd}")
+    return unit_symbols(dd)
 
 
 def _first_line(exc: BaseException) -> str:

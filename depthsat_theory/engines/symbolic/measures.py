@@ -46,6 +46,7 @@ __all__ = [
     "MeasureError",
     "ProductMeasure",
     "as_measure",
+    "finite_density",
 ]
 
 
@@ -181,7 +182,16 @@ class FiniteMeasure(Measure):
 
 
 # ----------------------------------------------------------------------------- product
-def _finite_density(rv: RandomSymbol) -> dict | None:
+def finite_density(rv: RandomSymbol) -> dict | None:
+    """The probability mass function of a finite ``sympy.stats`` random variable.
+
+    Args:
+        rv: a single random variable (``Die``, ``Bernoulli``, ``FiniteRV``, ``Normal``, …).
+
+    Returns:
+        ``{value: probability}`` (exact sympy values) when ``rv`` has finite support,
+        else ``None``.
+    """
     try:
         from sympy.stats.frv import SingleFinitePSpace
     except ImportError:  # pragma: no cover
@@ -206,7 +216,7 @@ def _moment(rv: RandomSymbol, k: int) -> sp.Expr:
     if isinstance(dist, UniformDistribution):
         a, b = dist.args
         return sp.cancel((b ** (k + 1) - a ** (k + 1)) / ((k + 1) * (b - a)))
-    dens = _finite_density(rv)
+    dens = finite_density(rv)
     if dens is not None:
         return sum((q * sp.sympify(x) ** k for x, q in dens.items()), sp.Integer(0))
     val = sps.E(rv**k)
@@ -245,7 +255,7 @@ class ProductMeasure(Measure):
     @property
     def is_finite(self) -> bool:
         """All coordinates have finite support."""
-        return all(_finite_density(rv) is not None for rv in self.rvs)
+        return all(finite_density(rv) is not None for rv in self.rvs)
 
     def to_finite(self) -> FiniteMeasure:
         """The product of finite supports as a :class:`FiniteMeasure` (exact).
@@ -253,8 +263,8 @@ class ProductMeasure(Measure):
         Raises:
             MeasureError: if a coordinate is not finite.
         """
-        dens = [_finite_density(rv) for rv in self.rvs]
-        if any(x is None for x in dens):
+        dens = [dd for dd in (finite_density(rv) for rv in self.rvs) if dd is not None]
+        if len(dens) != len(self.rvs):
             raise MeasureError("not every coordinate of this product measure is finite")
         pts, ws = [], []
         for combo in itertools.product(*[list(dd.items()) for dd in dens]):

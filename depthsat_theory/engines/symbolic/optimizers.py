@@ -29,14 +29,18 @@ step is SGD's.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
-from depthsat_theory.engines.symbolic.engine import _is_zero, _simp, cross_gradient
+from depthsat_theory.engines.symbolic.algebra import is_zero, simplified
+from depthsat_theory.engines.symbolic.engine import gradient
 from depthsat_theory.engines.symbolic.family import SymbolicFamily
 from depthsat_theory.engines.symbolic.measures import as_measure
-from depthsat_theory.optimizers import UPDATES
+from depthsat_theory.optimizers import UPDATES, ZeroStateUpdate
 
 __all__ = [
     "EXTRA_UPDATES",
@@ -73,18 +77,25 @@ def _rat(x):
     return sp.sympify(x)
 
 
-def default_hyper(name: str) -> dict:
+def default_hyper(name: str | ZeroStateUpdate) -> dict:
     """The hyperparameters of a map, as exact sympy numbers.
 
-    Read from the registered :class:`~depthsat_theory.optimizers.updates.ZeroStateUpdate`
-    dataclass (all fields but ``name``/``descent_compatible``), or the ``torch.optim``
-    defaults for :data:`EXTRA_UPDATES`.
+    Read from the :class:`~depthsat_theory.optimizers.ZeroStateUpdate` dataclass (all
+    fields but ``name``/``descent_compatible``): the registered one for a name in
+    :data:`~depthsat_theory.optimizers.UPDATES`, or the given instance; the
+    ``torch.optim`` defaults for :data:`EXTRA_UPDATES`.
+
+    Args:
+        name: a name in :data:`SYMBOLIC_UPDATES` or a :class:`ZeroStateUpdate`.
+
+    Returns:
+        ``{hyperparameter: exact sympy value}`` (tuples for ``betas``).
 
     Raises:
         ValueError: on an unknown name (the message lists the valid ones).
     """
-    if name in UPDATES:
-        upd = UPDATES[name]
+    upd = name if isinstance(name, ZeroStateUpdate) else UPDATES.get(name)
+    if upd is not None:
         return {
             f.name: _rat(getattr(upd, f.name))
             for f in dataclasses.fields(upd)
@@ -112,7 +123,137 @@ def _ew(f, *vecs) -> sp.Matrix:
     return sp.Matrix([f(*(v[i] for v in vecs)) for i in range(n)])
 
 
-def zero_state_update(name: str, theta0, b, lr, hyper: dict | None = None) -> sp.Matrix:
+# one function per optimizer: θ₁ from θ₀ (th), gradient g, learning rate lr, hyperparameters h;
+# zero optimizer state, step t = 1
+def _step_sgd(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    grad = g + h["weight_decay"] * th
+    return th - lr * grad
+
+
+def _step_momentum(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    buf = g  # torch: at t = 1 the buffer is clone(grad); dampening is not applied
+    return th - lr * buf
+
+
+def _step_nesterov(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    buf = g
+    return th - lr * (g + h["momentum"] * buf)
+
+
+def _step_adam(th: sp.Matrix, g: sp.Matrix, lr, h: dict, *, decoupled: bool = False) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    wd, eps = h["weight_decay"], h["eps"]
+    if decoupled:  # AdamW: θ ← θ (1 − η λ), then the Adam step
+        th_dec, grad = th * (1 - lr * wd), g
+    else:  # coupled L2: grad ← grad + λ θ
+        th_dec, grad = th, g + wd * th
+    m1 = b1 * zero + (1 - b1) * grad
+    v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
+    mhat = m1 / (1 - b1**t)
+    vhat = v1 / (1 - b2**t)
+    return th_dec - lr * _ew(lambda mm, vv: mm / (sp.sqrt(vv) + eps), mhat, vhat)
+
+
+def _step_rmsprop(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    alpha, eps = h["alpha"], h["eps"]
+    v1 = alpha * zero + _ew(lambda x: (1 - alpha) * x**2, g)
+    return th - lr * _ew(lambda x, vv: x / (sp.sqrt(vv) + eps), g, v1)
+
+
+def _step_adagrad(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    a0, eps = h["initial_accumulator_value"], h["eps"]
+    clr = lr  # lr / (1 + (t − 1) lr_decay) at t = 1
+    acc = _ew(lambda x: a0 + x**2, g)
+    return th - clr * _ew(lambda x, s: x / (sp.sqrt(s) + eps), g, acc)
+
+
+def _step_signsgd(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    return th - lr * g.applyfunc(sp.sign)
+
+
+def _step_lion(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    b1, _ = h["betas"]
+    c = b1 * zero + (1 - b1) * g
+    return th - lr * (c.applyfunc(sp.sign) + h["weight_decay"] * th)
+
+
+def _step_rotation(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    rot = sp.zeros(*g.shape)
+    for i in range(0, (len(g) // 2) * 2, 2):
+        rot[i], rot[i + 1] = -g[i + 1], g[i]
+    return th - lr * rot
+
+
+def _step_nadam(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    eps, psi = h["eps"], h["momentum_decay"]
+    grad = g + h["weight_decay"] * th
+    mu = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** (t * psi))
+    mu_next = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** ((t + 1) * psi))
+    mu_product = 1 * mu
+    m1 = b1 * zero + (1 - b1) * grad
+    v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
+    denom = _ew(lambda vv: sp.sqrt(vv / (1 - b2**t)) + eps, v1)
+    step = _ew(lambda x, dd: x / dd, grad, denom) * ((1 - mu) / (1 - mu_product)) + _ew(
+        lambda x, dd: x / dd, m1, denom
+    ) * (mu_next / (1 - mu_product * mu_next))
+    return th - lr * step
+
+
+def _step_adamax(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    eps = h["eps"]
+    grad = g + h["weight_decay"] * th
+    m1 = b1 * zero + (1 - b1) * grad
+    u1 = _ew(lambda z, x: sp.Max(b2 * z, sp.Abs(x) + eps), zero, grad)
+    clr = lr / (1 - b1**t)
+    return th - clr * _ew(lambda mm, uu: mm / uu, m1, u1)
+
+
+def _step_radam(th: sp.Matrix, g: sp.Matrix, lr, h: dict) -> sp.Matrix:
+    zero = sp.zeros(*g.shape)
+    t = 1
+    b1, b2 = h["betas"]
+    eps = h["eps"]
+    grad = g + h["weight_decay"] * th
+    m1 = b1 * zero + (1 - b1) * grad
+    v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
+    mhat = m1 / (1 - b1**t)
+    rho_inf = 2 / (1 - b2) - 1
+    rho_t = sp.simplify(rho_inf - 2 * t * b2**t / (1 - b2**t))
+    rect = sp.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+    adaptive = _ew(lambda mm, vv: mm * rect * sp.sqrt(1 - b2**t) / (sp.sqrt(vv) + eps), mhat, v1)
+    return th - lr * sp.Matrix(
+        [sp.Piecewise((a_, rho_t > 5), (s_, True)) for a_, s_ in zip(adaptive, mhat, strict=False)]
+    )
+
+
+_STEPS: dict[str, Callable[..., sp.Matrix]] = {
+    "sgd": _step_sgd,
+    "momentum": _step_momentum,
+    "nesterov": _step_nesterov,
+    "adam": _step_adam,
+    "adamw": functools.partial(_step_adam, decoupled=True),
+    "rmsprop": _step_rmsprop,
+    "adagrad": _step_adagrad,
+    "signsgd": _step_signsgd,
+    "lion": _step_lion,
+    "rotation": _step_rotation,
+    "nadam": _step_nadam,
+    "adamax": _step_adamax,
+    "radam": _step_radam,
+}
+
+
+def zero_state_update(name: str, theta0, b, lr, hyper: Mapping[str, Any] | None = None) -> sp.Matrix:
     r"""One optimizer step :math:`\theta_1` from zero optimizer state, step :math:`t = 1`.
 
     Args:
@@ -137,89 +278,12 @@ def zero_state_update(name: str, theta0, b, lr, hyper: dict | None = None) -> sp
     g = sp.Matrix(list(b))
     if th.shape != g.shape:
         raise ValueError(f"theta0 and b must have the same length, got {len(th)} and {len(g)}")
-    zero = sp.zeros(*g.shape)
-    t = 1
-    if name == "sgd":
-        grad = g + h["weight_decay"] * th
-        return th - lr * grad
-    if name == "momentum":
-        buf = g  # torch: at t = 1 the buffer is clone(grad); dampening is not applied
-        return th - lr * buf
-    if name == "nesterov":
-        buf = g
-        return th - lr * (g + h["momentum"] * buf)
-    if name in ("adam", "adamw"):
-        b1, b2 = h["betas"]
-        wd, eps = h["weight_decay"], h["eps"]
-        if name == "adamw":  # decoupled: θ ← θ (1 − η λ), then the Adam step
-            th_dec, grad = th * (1 - lr * wd), g
-        else:  # coupled L2: grad ← grad + λ θ
-            th_dec, grad = th, g + wd * th
-        m1 = b1 * zero + (1 - b1) * grad
-        v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
-        mhat = m1 / (1 - b1**t)
-        vhat = v1 / (1 - b2**t)
-        return th_dec - lr * _ew(lambda mm, vv: mm / (sp.sqrt(vv) + eps), mhat, vhat)
-    if name == "rmsprop":
-        alpha, eps = h["alpha"], h["eps"]
-        v1 = alpha * zero + _ew(lambda x: (1 - alpha) * x**2, g)
-        return th - lr * _ew(lambda x, vv: x / (sp.sqrt(vv) + eps), g, v1)
-    if name == "adagrad":
-        a0, eps = h["initial_accumulator_value"], h["eps"]
-        clr = lr  # lr / (1 + (t − 1) lr_decay) at t = 1
-        acc = _ew(lambda x: a0 + x**2, g)
-        return th - clr * _ew(lambda x, s: x / (sp.sqrt(s) + eps), g, acc)
-    if name == "signsgd":
-        return th - lr * g.applyfunc(sp.sign)
-    if name == "lion":
-        b1, _ = h["betas"]
-        c = b1 * zero + (1 - b1) * g
-        return th - lr * (c.applyfunc(sp.sign) + h["weight_decay"] * th)
-    if name == "rotation":
-        rot = sp.zeros(*g.shape)
-        for i in range(0, (len(g) // 2) * 2, 2):
-            rot[i], rot[i + 1] = -g[i + 1], g[i]
-        return th - lr * rot
-    if name == "nadam":
-        b1, b2 = h["betas"]
-        eps, psi = h["eps"], h["momentum_decay"]
-        grad = g + h["weight_decay"] * th
-        mu = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** (t * psi))
-        mu_next = b1 * (1 - sp.Rational(1, 2) * sp.Rational(96, 100) ** ((t + 1) * psi))
-        mu_product = 1 * mu
-        m1 = b1 * zero + (1 - b1) * grad
-        v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
-        denom = _ew(lambda vv: sp.sqrt(vv / (1 - b2**t)) + eps, v1)
-        step = _ew(lambda x, dd: x / dd, grad, denom) * ((1 - mu) / (1 - mu_product)) + _ew(
-            lambda x, dd: x / dd, m1, denom
-        ) * (mu_next / (1 - mu_product * mu_next))
-        return th - lr * step
-    if name == "adamax":
-        b1, b2 = h["betas"]
-        eps = h["eps"]
-        grad = g + h["weight_decay"] * th
-        m1 = b1 * zero + (1 - b1) * grad
-        u1 = _ew(lambda z, x: sp.Max(b2 * z, sp.Abs(x) + eps), zero, grad)
-        clr = lr / (1 - b1**t)
-        return th - clr * _ew(lambda mm, uu: mm / uu, m1, u1)
-    if name == "radam":
-        b1, b2 = h["betas"]
-        eps = h["eps"]
-        grad = g + h["weight_decay"] * th
-        m1 = b1 * zero + (1 - b1) * grad
-        v1 = b2 * zero + _ew(lambda x: (1 - b2) * x**2, grad)
-        mhat = m1 / (1 - b1**t)
-        rho_inf = 2 / (1 - b2) - 1
-        rho_t = sp.simplify(rho_inf - 2 * t * b2**t / (1 - b2**t))
-        rect = sp.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-        adaptive = _ew(lambda mm, vv: mm * rect * sp.sqrt(1 - b2**t) / (sp.sqrt(vv) + eps), mhat, v1)
-        return th - lr * sp.Matrix(
-            [sp.Piecewise((a_, rho_t > 5), (s_, True)) for a_, s_ in zip(adaptive, mhat, strict=False)]
-        )
-    raise ValueError(f"unknown update {name!r}; valid names: {', '.join(SYMBOLIC_UPDATES)}")
+    if name not in _STEPS:
+        raise ValueError(f"unknown update {name!r}; valid names: {', '.join(SYMBOLIC_UPDATES)}")
+    return _STEPS[name](th, g, lr, h)
 
 
-def zero_state_step(name: str, b_symbols, hyper: dict | None = None) -> sp.Matrix:
+def zero_state_step(name: str, b_symbols, hyper: Mapping[str, Any] | None = None) -> sp.Matrix:
     r"""The first-step map :math:`P(b)` (so :math:`\Delta\theta = -\eta P(b)`), derived.
 
     Computes :func:`zero_state_update` at a symbolic :math:`\theta_0` and learning rate
@@ -245,7 +309,7 @@ def zero_state_step(name: str, b_symbols, hyper: dict | None = None) -> sp.Matri
     th0 = [sp.Symbol(f"theta0_{i}", real=True) for i in range(1, len(bs) + 1)]
     th1 = zero_state_update(name, th0, bs, lr, hyper)
     direction = (-(th1 - sp.Matrix(th0)) / lr).xreplace(dict.fromkeys(th0, 0))
-    out = direction.applyfunc(lambda e: _simp(sp.piecewise_fold(e)))
+    out = direction.applyfunc(lambda e: simplified(sp.piecewise_fold(e)))
     if any(e.has(lr) for e in out):
         raise ValueError(f"the first step of {name!r} is not proportional to the learning rate: {list(out)}")
     return out
@@ -278,7 +342,9 @@ class FirstOrderChange:
     differentiable: bool = True
 
 
-def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict | None = None) -> FirstOrderChange:
+def first_order_change(
+    fam: SymbolicFamily, measure, m, name: str, hyper: Mapping[str, Any] | None = None
+) -> FirstOrderChange:
     r"""Show :math:`\frac{d}{d\eta} J(\theta(\eta))|_{\eta=0^+} = -\langle b, P(b)\rangle` (T1–T3).
 
     The first-order model of the objective is
@@ -304,10 +370,10 @@ def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict |
     """
     mu = as_measure(measure, fam.d)
     mm = fam.coerce(m)
-    b = cross_gradient(fam, mu, mm)
+    b = gradient(fam, mu, mm)
     bs = _b_symbols(fam.p)
-    step = zero_state_step(name, bs, hyper).xreplace(dict(zip(bs, b, strict=False))).applyfunc(_simp)
-    predicted = _simp(-(b.T * step)[0, 0])
+    step = zero_state_step(name, bs, hyper).xreplace(dict(zip(bs, b, strict=False))).applyfunc(simplified)
+    predicted = simplified(-(b.T * step)[0, 0])
     eta = sp.Symbol("eta", positive=True)
     # Generic direction s first: F(η) = E<m, h(−η s, u)> is exact in s, and its right
     # derivative at 0 must equal −bᵀs identically in s (a rational polynomial identity,
@@ -318,46 +384,66 @@ def first_order_change(fam: SymbolicFamily, measure, m, name: str, hyper: dict |
     f_eta = mu.expect(sp.expand((mm.T * moved)[0, 0]), fam.units)
     if f_eta.is_polynomial(eta):
         generic = sp.expand(sp.diff(f_eta, eta).xreplace({eta: 0}))
-        linear = _is_zero(generic + (b.T * sp.Matrix(sdir))[0, 0])
-        deriv = _simp(generic.xreplace(dict(zip(sdir, step, strict=False))))
+        linear = is_zero(generic + (b.T * sp.Matrix(sdir))[0, 0])
+        deriv = simplified(generic.xreplace(dict(zip(sdir, step, strict=False))))
     else:
         linear = False
         f_eta = f_eta.xreplace(dict(zip(sdir, step, strict=False)))
         f0 = f_eta.xreplace({eta: 0})
-        deriv = _simp(sp.limit((f_eta - f0) / eta, eta, 0, dir="+"))
+        deriv = simplified(sp.limit((f_eta - f0) / eta, eta, 0, dir="+"))
     return FirstOrderChange(
         name=name,
         gradient=b,
         step=step,
         derivative=deriv,
         predicted=predicted,
-        agrees=_is_zero(deriv - predicted),
+        agrees=is_zero(deriv - predicted),
         differentiable=linear,
     )
 
 
-def is_descent_compatible(name: str, hyper: dict | None = None, dim: int = 3) -> bool | None:
-    r"""Decide descent compatibility symbolically: :math:`P(0) = 0`, :math:`\langle b, P(b)\rangle > 0` for :math:`b \ne 0`.
+def is_descent_compatible(
+    update: str | ZeroStateUpdate, hyper: Mapping[str, Any] | None = None, *, dim: int | None = None
+) -> bool | None:
+    r"""Decide descent compatibility symbolically (theory label thm-iff, T2, T3).
 
-    For coordinatewise maps (:math:`P_i` depends on :math:`b_i` only) the inner product
-    is :math:`\sum_i b_i P_i(b_i)`, positive for every :math:`b \ne 0` iff each term is
-    positive for :math:`b_i > 0` and for :math:`b_i < 0` (given :math:`P(0) = 0`); this is
-    decided with sympy's assumptions (e.g. Adam: :math:`b_i^2/(|b_i| + \epsilon) > 0`).
-    An inner product that simplifies to 0 identically (the rotation) gives ``False``.
+    The predicate is :math:`P(0) = 0` and :math:`\langle b, P(b)\rangle > 0` for
+    :math:`b \ne 0`.  For coordinatewise maps (:math:`P_i` depends on :math:`b_i` only)
+    the inner product is :math:`\sum_i b_i P_i(b_i)`, positive for every :math:`b \ne 0`
+    iff each term is positive for :math:`b_i > 0` and for :math:`b_i < 0` (given
+    :math:`P(0) = 0`); this is decided with sympy's assumptions (e.g. Adam:
+    :math:`b_i^2/(|b_i| + \epsilon) > 0`).  An inner product that simplifies to 0
+    identically (the rotation) gives ``False``.
+
+    Same arguments and return type as the numeric
+    :func:`depthsat_theory.optimizers.is_descent_compatible` (which also accepts
+    ``samples``, ``n`` and ``seed`` for its sampled check).
 
     Args:
-        name: a name in :data:`SYMBOLIC_UPDATES`.
-        hyper: hyperparameter overrides.
-        dim: number of gradient coordinates used (``>= 2`` so pairings show).
+        update: a name in :data:`SYMBOLIC_UPDATES` or a
+            :class:`~depthsat_theory.optimizers.ZeroStateUpdate` (its hyperparameters
+            are used).
+        hyper: hyperparameter overrides (see :func:`default_hyper`).
+        dim: number of gradient coordinates used (default 3; ``>= 2`` so pairings show).
 
     Returns:
         ``True``/``False`` when decided, ``None`` when sympy cannot decide.
+
+    Raises:
+        TypeError: if ``update`` is neither a name nor a ``ZeroStateUpdate``.
+        ValueError: on an unknown name or hyperparameter.
     """
+    if not isinstance(update, (str, ZeroStateUpdate)):
+        raise TypeError(f"update must be a name or a ZeroStateUpdate, got {type(update).__name__}")
+    if isinstance(update, ZeroStateUpdate):
+        hyper = {**default_hyper(update), **dict(hyper or {})}
+        update = update.name
+    dim = 3 if dim is None else dim
     bs = _b_symbols(int(dim))
-    p = zero_state_step(name, bs, hyper)
-    if not all(_is_zero(e) for e in p.xreplace(dict.fromkeys(bs, 0))):
+    p = zero_state_step(update, bs, hyper)
+    if not all(is_zero(e) for e in p.xreplace(dict.fromkeys(bs, 0))):
         return False
-    inner = _simp((sp.Matrix(bs).T * p)[0, 0])
+    inner = simplified((sp.Matrix(bs).T * p)[0, 0])
     if inner == 0:
         return False
     if all(p[i].free_symbols <= {bs[i]} for i in range(len(bs))):
@@ -366,7 +452,7 @@ def is_descent_compatible(name: str, hyper: dict | None = None, dim: int = 3) ->
         for i in range(len(bs)):
             term = bs[i] * p[i]
             for sub in (x, -x):
-                val = _simp(term.xreplace({bs[i]: sub}))
+                val = simplified(term.xreplace({bs[i]: sub}))
                 verdicts.append(val.is_positive)
         if all(v is True for v in verdicts):
             return True
