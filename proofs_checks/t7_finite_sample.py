@@ -63,8 +63,6 @@ import torch
 from scipy.optimize import brentq
 
 from depthsat_theory.bounds import (
-    CERTIFIED_IMPROVABLE,
-    CERTIFIED_SATURATED,
     ProbeMoments,
     SequentialCertifier,
     ag_rms_upper,
@@ -75,6 +73,7 @@ from depthsat_theory.bounds import (
     unbiased_score_squared,
 )
 from depthsat_theory.statistics import default_rtol
+from depthsat_theory.vocabulary import Certificate
 
 from ._registry import Context, Outcome, check
 
@@ -253,8 +252,8 @@ def coverage(ctx: Context) -> Outcome:
                 )
                 cover += it.score_lower <= pop.s <= it.score_upper
                 nonvac += not it.vacuous
-                impr += it.certificate == CERTIFIED_IMPROVABLE
-                sat += it.certificate == CERTIFIED_SATURATED
+                impr += it.certificate == Certificate.IMPROVABLE
+                sat += it.certificate == Certificate.SATURATED
                 errs.append(abs(it.score - pop.s))
                 halves.append(0.5 * (it.score_upper - it.score_lower))
                 pi = interval_from_moments(m, DELTA, ridge=pop.ridge)  # constants from the probe
@@ -355,12 +354,12 @@ def sequential(ctx: Context) -> Outcome:
                 cert.add_moments(m)
         cover = sum(all(h.score_lower <= pop.s <= h.score_upper for h in c.history) for c in certs)
         wrong = sum(
-            (c.decision == CERTIFIED_IMPROVABLE and pop.s == 0.0)
-            or (c.decision == CERTIFIED_SATURATED and pop.s > pop.eps_sat)
+            (c.decision == Certificate.IMPROVABLE and pop.s == 0.0)
+            or (c.decision == Certificate.SATURATED and pop.s > pop.eps_sat)
             for c in certs
         )
-        impr = sum(c.decision == CERTIFIED_IMPROVABLE for c in certs)
-        sat = sum(c.decision == CERTIFIED_SATURATED for c in certs)
+        impr = sum(c.decision == Certificate.IMPROVABLE for c in certs)
+        sat = sum(c.decision == Certificate.SATURATED for c in certs)
         stops = [c.stopped_at for c in certs if c.stopped_at is not None]
         cov = cover / reps
         bad += cov < floor
