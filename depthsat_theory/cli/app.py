@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import typer
@@ -122,7 +123,7 @@ def score(
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples with --delta (0: none)."),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
-    constants = dict(
+    constants: dict[str, Any] = dict(
         grad_max=grad_max,
         leverage_max=leverage_max,
         feature_norm_max=feature_norm_max,
@@ -225,7 +226,7 @@ def audit(
     render.print_audit(rep, report_table(rep), as_json=as_json)
 
 
-def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int):
+def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int) -> Any:
     """The audit report on a probe file, at a site of a trained model, or on the synthetic probe."""
     from depthsat_theory.audit import audit_family, audit_model, load_family, synthetic_probe
     from depthsat_theory.tasks import KINDS, trained_task
@@ -239,15 +240,16 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
             raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
         fam = load_family(family)
         task = trained_task(model, seed)
+        net: Any = task.model
         return audit_model(
             fam,
-            task.model,
+            net,
             site,
             task.inputs,
             task.targets,
             task.loss,
             layout=task.layout,
-            sites=task.model.site_names(),
+            sites=net.site_names(),
             probe=f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}",
         )
     fam = load_family(family)
@@ -370,4 +372,4 @@ def main() -> None:
 
 
 # click's UsageError, whether typer vendors click or depends on it
-_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_USAGE_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")

@@ -143,7 +143,8 @@ def _trained_target(name: str, seed: int, n_batches: int | None, batch_size: int
     count = avail if n_batches is None else n_batches
     batches = [(x[i * size : (i + 1) * size], y[i * size : (i + 1) * size]) for i in range(count)]
     desc = f"{name} (seed {seed}, {task.data} probe, {sum(b[0].shape[0] for b in batches)} examples)"
-    return DiagnoseTarget(task.model, task.loss, batches, task.model.site_names(), task.layout, desc)
+    model: Any = task.model
+    return DiagnoseTarget(model, task.loss, batches, model.site_names(), task.layout, desc)
 
 
 def _zoo_extra(zm: Any) -> dict:
@@ -173,6 +174,15 @@ def _zoo_target(zoo: Any, name: str, seed: int, n_batches: int | None, batch_siz
     return DiagnoseTarget(zm.model, zm.loss_fn, batches, list(zm.sites), zm.layout, zm.description, _zoo_extra(zm))
 
 
+def _zoo_module() -> Any:
+    """``depthsat_theory.tasks.zoo``, or ``None`` when its optional dependencies are missing."""
+    try:
+        from depthsat_theory.tasks import zoo
+    except ImportError:
+        return None
+    return zoo
+
+
 def diagnose_target(name: str, seed: int, n_batches: int | None, batch_size: int | None) -> DiagnoseTarget:
     """The model, loss and probe batches of ``diagnose --model NAME``.
 
@@ -190,10 +200,7 @@ def diagnose_target(name: str, seed: int, n_batches: int | None, batch_size: int
     _check_counts(n_batches, batch_size)
     if name in KINDS:
         return _trained_target(name, seed, n_batches, batch_size)
-    try:
-        from depthsat_theory.tasks import zoo
-    except ImportError:
-        zoo = None
+    zoo = _zoo_module()
     names = tuple(getattr(zoo, "NAMES", ())) if zoo is not None else ()
     if name not in names:
         raise UserError(f"unknown --model {name!r}; valid: {', '.join(tuple(KINDS) + names)}")
