@@ -1,11 +1,11 @@
 """T7: finite-sample bounds for the saturation score (``theory/finite-sample.md``).
 
 Claim (theory label thm-finite-sample): on an i.i.d. probe of ``n`` examples, ``ŝ_n → s`` and the interval of
-:func:`depthsat_theory.bounds.core.interval_from_moments` contains ``s`` with probability at
+:func:`depthsat_theory.bounds.interval_from_moments` contains ``s`` with probability at
 least ``1 − δ`` (``thm-finite-sample``), which gives the certificates
 ``cor-certified-improvable`` and ``cor-certified-saturated``; the ``AG_rms`` upper bound
 ``cor-agmax-certificate-finite`` covers the population ``AG_rms ≥ s``; the checkpoint
-intervals of :class:`~depthsat_theory.bounds.core.SequentialCertifier` hold simultaneously
+intervals of :class:`~depthsat_theory.bounds.SequentialCertifier` hold simultaneously
 (``thm-sequential``).
 
 Populations are *finite*, so the exact ``s`` (and the exact essential suprema ``γ``,

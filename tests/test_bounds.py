@@ -1,4 +1,4 @@
-"""Finite-sample bounds (``depthsat_theory.bounds.core``, theory/finite-sample.md).
+"""Finite-sample bounds (``depthsat_theory.bounds``, theory/finite-sample.md).
 
 Expected values are derived independently of the library: the U-statistic by enumerating
 every i.i.d. sample of a tiny population, the interval and the estimates by numpy
