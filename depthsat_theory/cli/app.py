@@ -330,7 +330,7 @@ def proofs(
 ) -> None:
     """Run the machine checks of every claim in theory/ (same as python -m proofs_checks); exit 1 on a failure."""
     from proofs_checks import Context
-    from proofs_checks._report import run_and_report  # public `proofs_checks.run_and_report` comes with H-proofs
+    from proofs_checks._report import run_and_report  # not yet exported by proofs_checks on this branch
 
     claims = list(_split(only)) if only else None
     raise typer.Exit(run_and_report(Context(seed=seed, quick=quick), only=claims, json_path=json_path, quiet=quiet))
