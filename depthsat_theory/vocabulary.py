@@ -1,4 +1,4 @@
-"""The toolkit's shared vocabulary: site layouts and verdicts (one name per concept).
+"""The toolkit's shared vocabulary: site layouts, verdicts and certificates (one name per concept).
 
 Both enums derive from :class:`str`, so a member compares equal to its value
 (``Verdict.SATURATED == "saturated"``) and serialises to JSON as that string.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Layout", "Verdict"]
+__all__ = ["Certificate", "Layout", "Verdict"]
 
 
 class Layout(str, Enum):
@@ -41,6 +41,26 @@ class Verdict(str, Enum):
     SATURATED = "saturated"
     DEGENERATE = "degenerate"
     UNDETERMINED = "undetermined"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Certificate(str, Enum):
+    """The finite-sample certificate on one (site, family) pair (theory/finite-sample.md).
+
+    - ``IMPROVABLE``: the ``(1 − δ)`` interval's lower end is ``> 0``
+      (``cor-certified-improvable``);
+    - ``SATURATED``: the upper end (for the unregularized ``s``) is ``≤ ε``
+      (``cor-certified-saturated``);
+    - ``NOT_CERTIFIED``: neither.
+
+    A degenerate family (``T = {0}``) gets :attr:`Verdict.DEGENERATE` instead.
+    """
+
+    IMPROVABLE = "certified improvable"
+    SATURATED = "certified ε-saturated"
+    NOT_CERTIFIED = "not certified"
 
     def __str__(self) -> str:
         return self.value

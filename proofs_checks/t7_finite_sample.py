@@ -1,11 +1,11 @@
 """T7: finite-sample bounds for the saturation score (``theory/finite-sample.md``).
 
 Claim (theory label thm-finite-sample): on an i.i.d. probe of ``n`` examples, ``ŝ_n → s`` and the interval of
-:func:`depthsat_theory.bounds.core.interval_from_moments` contains ``s`` with probability at
+:func:`depthsat_theory.bounds.interval_from_moments` contains ``s`` with probability at
 least ``1 − δ`` (``thm-finite-sample``), which gives the certificates
 ``cor-certified-improvable`` and ``cor-certified-saturated``; the ``AG_rms`` upper bound
 ``cor-agmax-certificate-finite`` covers the population ``AG_rms ≥ s``; the checkpoint
-intervals of :class:`~depthsat_theory.bounds.core.SequentialCertifier` hold simultaneously
+intervals of :class:`~depthsat_theory.bounds.SequentialCertifier` hold simultaneously
 (``thm-sequential``).
 
 Populations are *finite*, so the exact ``s`` (and the exact essential suprema ``γ``,
@@ -63,8 +63,6 @@ import torch
 from scipy.optimize import brentq
 
 from depthsat_theory.bounds import (
-    CERTIFIED_IMPROVABLE,
-    CERTIFIED_SATURATED,
     ProbeMoments,
     SequentialCertifier,
     ag_rms_upper,
@@ -75,6 +73,7 @@ from depthsat_theory.bounds import (
     unbiased_score_squared,
 )
 from depthsat_theory.statistics import default_rtol
+from depthsat_theory.vocabulary import Certificate
 
 from ._registry import Context, Outcome, check
 
@@ -173,7 +172,7 @@ def _cache_dir() -> str:
 def _digits_populations() -> list[Population]:
     """Per-example (z, g) of all 1,797 digits through the trained residual MLP."""
     from depthsat_theory.capture import SiteRecorder
-    from depthsat_theory.families import parse_family
+    from depthsat_theory.families import FeatureFamily, parse_family
     from depthsat_theory.tasks import load_digits, trained_task
 
     task = trained_task("mlp", seed=0, cache_dir=_cache_dir())
@@ -188,6 +187,7 @@ def _digits_populations() -> list[Population]:
         z, g = rec.z[site], rec.g[site].numpy()
         for spec in ("linear", "relu:64"):
             fam = parse_family(spec)
+            assert isinstance(fam, FeatureFamily)  # linear and relu:64 are feature families
             fmap = fam.frozen_feature_map(tuple(z.shape[1:]), "vector", dtype=torch.float64)
             with torch.no_grad():
                 phi = fam.augmented_features(fmap, z).reshape(z.shape[0], -1).numpy()
@@ -253,8 +253,8 @@ def coverage(ctx: Context) -> Outcome:
                 )
                 cover += it.score_lower <= pop.s <= it.score_upper
                 nonvac += not it.vacuous
-                impr += it.certificate == CERTIFIED_IMPROVABLE
-                sat += it.certificate == CERTIFIED_SATURATED
+                impr += it.certificate == Certificate.IMPROVABLE
+                sat += it.certificate == Certificate.SATURATED
                 errs.append(abs(it.score - pop.s))
                 halves.append(0.5 * (it.score_upper - it.score_lower))
                 pi = interval_from_moments(m, DELTA, ridge=pop.ridge)  # constants from the probe
@@ -355,12 +355,12 @@ def sequential(ctx: Context) -> Outcome:
                 cert.add_moments(m)
         cover = sum(all(h.score_lower <= pop.s <= h.score_upper for h in c.history) for c in certs)
         wrong = sum(
-            (c.decision == CERTIFIED_IMPROVABLE and pop.s == 0.0)
-            or (c.decision == CERTIFIED_SATURATED and pop.s > pop.eps_sat)
+            (c.decision == Certificate.IMPROVABLE and pop.s == 0.0)
+            or (c.decision == Certificate.SATURATED and pop.s > pop.eps_sat)
             for c in certs
         )
-        impr = sum(c.decision == CERTIFIED_IMPROVABLE for c in certs)
-        sat = sum(c.decision == CERTIFIED_SATURATED for c in certs)
+        impr = sum(c.decision == Certificate.IMPROVABLE for c in certs)
+        sat = sum(c.decision == Certificate.SATURATED for c in certs)
         stops = [c.stopped_at for c in certs if c.stopped_at is not None]
         cov = cover / reps
         bad += cov < floor
@@ -448,10 +448,11 @@ def ustatistic(ctx: Context) -> Outcome:
         n_pop, n = 5, 3
         phi = np.hstack([rng.normal(size=(n_pop, 2)), np.ones((n_pop, 1))])
         g = rng.normal(size=(n_pop, 2)) + (0.5 * phi[:, :2] if trial % 2 else 0.0)
-        pop = ProbeMoments.from_arrays(phi, g)
-        est = estimate(pop, 0.0)
+        whole = ProbeMoments.from_arrays(phi, g)
+        est = estimate(whole, 0.0)
         s2, v = est.s2, est.v_hat
-        us, sq = [], []
+        us: list[float] = []
+        sq: list[float] = []
         for idx in itertools.product(range(n_pop), repeat=n):  # all N^n ordered i.i.d. samples
             w = np.bincount(idx, minlength=n_pop)
             m = ProbeMoments.from_arrays(phi, g, w, keep=False)
@@ -470,16 +471,16 @@ def ustatistic(ctx: Context) -> Outcome:
         n = pop.sizes[1]
         ms = pop.moments(design, pop.draw(rng, n, reps))
         s2p = np.array([estimate(m, 0.0, leverage=False).s2 for m in ms])
-        us = np.array([unbiased_score_squared(m) for m in ms])
-        se = float(us.std(ddof=1) / math.sqrt(reps))
+        ustats = np.array([unbiased_score_squared(m) for m in ms])
+        se = float(ustats.std(ddof=1) / math.sqrt(reps))
         pred = (pop.v - pop.s**2) / n
         notes.append(
             f"{pop.name} n={n}: E ŝ²−s² = {s2p.mean() - pop.s**2:.3g} (predicted {pred:.3g}), "
-            f"E Û−s² = {us.mean() - pop.s**2:.3g} ± {se:.2g}"
+            f"E Û−s² = {ustats.mean() - pop.s**2:.3g} ± {se:.2g}"
         )
         inst += 1
         if pop.s == 0.0 or pop.s < 1e-12:
-            bad += abs(us.mean()) > 4 * se  # at s = 0 the U-statistic's bias is o(1/n)
+            bad += abs(ustats.mean()) > 4 * se  # at s = 0 the U-statistic's bias is o(1/n)
     return Outcome(
         instances=inst,
         counterexamples=int(bad),
@@ -517,6 +518,7 @@ def _calculator_instance(kw: dict, target: float) -> tuple[bool, float]:
     """Compare the calculator's n for ``target`` with brentq on an independently coded ``h``."""
     plan = plan_bound(epsilon=target, **kw)
     n_req = plan.n_required
+    assert n_req is not None  # epsilon was given
 
     def h(n):
         return plan_bound(n=n, **kw).halfwidth
@@ -567,7 +569,7 @@ def assumptions_converse(ctx: Context) -> Outcome:
     reps = ctx.count(400, 100)
     rng = ctx.rng("t7-converse")
     floor = _allowed(reps)
-    results = []
+    results: list[tuple[str, float, float]] = []
     n_pop, rare, n = 10000, 10, 100
     # (a) asm-bounded-gradient: g = M on 10 of 10,000 examples, 0 elsewhere; intercept-only family
     phi_a = np.ones((n_pop, 1))
@@ -590,8 +592,7 @@ def assumptions_converse(ctx: Context) -> Outcome:
             b = interval_from_moments(m, DELTA, grad_max=pop.gamma, leverage_max=pop.lev)
             plug += a.score_lower <= pop.s <= a.score_upper
             true += b.score_lower <= pop.s <= b.score_upper
-        plug, true = plug / reps, true / reps
-        results.append((name, plug, true))
+        results.append((name, plug / reps, true / reps))
     # (c) asm-variance: an optimistic V = 0 at a saturated site gives false "improvable" verdicts
     pop0 = next(p for p in populations(ctx) if p.name == "synthetic s=0")
     ms = pop0.moments(pop0.design(), pop0.draw(rng, 16000, reps))

@@ -1,4 +1,4 @@
-"""Finite-sample bounds (``depthsat_theory.bounds.core``, theory/finite-sample.md).
+"""Finite-sample bounds (``depthsat_theory.bounds``, theory/finite-sample.md).
 
 Expected values are derived independently of the library: the U-statistic by enumerating
 every i.i.d. sample of a tiny population, the interval and the estimates by numpy
@@ -22,8 +22,6 @@ from scipy.optimize import brentq
 from typer.testing import CliRunner
 
 from depthsat_theory.bounds import (
-    CERTIFIED_IMPROVABLE,
-    CERTIFIED_SATURATED,
     BoundError,
     BoundStatistics,
     ProbeMoments,
@@ -32,14 +30,16 @@ from depthsat_theory.bounds import (
     bootstrap_interval,
     estimate,
     interval_from_moments,
+    interval_from_probe,
     plan_bound,
     required_n,
     spending,
     unbiased_score_squared,
 )
 from depthsat_theory.cli import app
-from depthsat_theory.families import parse_family
+from depthsat_theory.families import FamilyError, parse_family
 from depthsat_theory.statistics import FeatureStatistics
+from depthsat_theory.vocabulary import Certificate, Verdict
 
 runner = CliRunner()
 
@@ -251,8 +251,8 @@ def test_coverage_on_small_finite_populations():
                 epsilon=0.5 * max(s_true, 0.2),
             )
             hits += it.score_lower <= s_true <= it.score_upper
-            wrong += (it.certificate == CERTIFIED_IMPROVABLE and signal == 0.0) or (
-                it.certificate == CERTIFIED_SATURATED and signal > 0
+            wrong += (it.certificate == Certificate.IMPROVABLE and signal == 0.0) or (
+                it.certificate == Certificate.SATURATED and signal > 0
             )
         assert hits / reps >= floor
         assert wrong / reps <= 1 - floor
@@ -302,7 +302,7 @@ def test_sequential_certifier_levels_and_decision():
         step = cert.update(torch.from_numpy(z), torch.from_numpy(np.clip(g, -3, 3)))
         sizes.append(step.n)
         assert step.delta == pytest.approx(spending(len(cert.history), 0.1))
-    assert cert.decision == CERTIFIED_IMPROVABLE and cert.stopped_at == sizes[-1]
+    assert cert.decision == Certificate.IMPROVABLE and cert.stopped_at == sizes[-1]
     assert sizes == sorted(sizes)
 
 
@@ -381,8 +381,8 @@ def test_bound_command_round_trip():
         (["bound", "--n", "10", "--delta", "0", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
         (["bound", "--n", "10", "--delta", "1.5", "--grad-max", "1", "--leverage-max", "2"], "(0, 1)"),
         (["bound", "--n", "0", "--delta", "0.1", "--grad-max", "1", "--leverage-max", "2"], "positive integer"),
-        (["bound", "--n", "10", "--delta", "0.1", "--leverage-max", "2"], "missing constant grad_max"),
-        (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "1"], "missing constant leverage_max"),
+        (["bound", "--n", "10", "--delta", "0.1", "--leverage-max", "2"], "missing constant --grad-max"),
+        (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "1"], "missing constant --leverage-max"),
         (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "-1", "--leverage-max", "2"], ">= 0"),
         (["bound", "--n", "10", "--delta", "0.1", "--grad-max", "nan", "--leverage-max", "2"], "NaN"),
         (["score", "--family", "linear", "--delta", "1"], "(0, 1)"),
@@ -420,7 +420,7 @@ def test_bad_delta_subprocess_one_line():
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: delta")
+    assert len(lines) == 1 and lines[0].startswith("error: --delta must be in (0, 1)")
 
 
 def test_bound_statistics_padding_mask_matches_unpadded_examples():
@@ -555,7 +555,7 @@ def test_probe_tension_notes_for_variance_eig_floor_and_leverage():
         ridge=0.0,
     )
     text = " | ".join(it.notes)
-    assert "--variance" in text and "plug-in v̂" in text
+    assert "--variance" in text and "plug-in v̂" in text  # notes keep the CLI spelling
     assert "--eig-floor" in text and "smallest nonzero eigenvalue" in text
     assert "largest leverage" in text
     clean = interval_from_moments(
@@ -564,7 +564,7 @@ def test_probe_tension_notes_for_variance_eig_floor_and_leverage():
     assert clean.notes == []
     with pytest.raises(BoundError, match="max leverage"):  # far below ℓ̂_max: contradiction
         interval_from_moments(m, 0.1, grad_max=gam, leverage_max=0.5 * est.lev_max)
-    with pytest.raises(BoundError, match="--dim 2 is below the probe's rank"):
+    with pytest.raises(BoundError, match=r"^dim=2 is below the probe's rank"):
         interval_from_moments(m, 0.1, grad_max=gam, leverage_max=est.lev_max, dim=2)
 
 
@@ -624,7 +624,7 @@ def test_bound_dim_is_an_integer_floor_of_l():
     assert out["constants"]["dim"]["value"] == 9.0
     # with a ridge, E ℓ_λ < rank Σ: no rank bound from L (D must be given)
     _one_line_error(
-        runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "5", "--ridge", "0.1"]), "missing constant dim"
+        runner.invoke(app, [*base, "--n", "1000", "--leverage-max", "5", "--ridge", "0.1"]), "missing constant --dim"
     )
 
 
@@ -650,3 +650,98 @@ def test_one_row_probe_suggests_bootstrap_0(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["n"] == 1 and out["vacuous"] is True and out["score_squared_unbiased"] is None
+
+
+# ----------------------------------------------------------------------------- library errors name arguments
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda m: interval_from_moments(m, 0.1, leverage_max=-2.0),
+            "leverage_max must be > 0, got -2",
+        ),
+        (lambda m: interval_from_moments(m, 1.5), "delta must be in (0, 1), got 1.5"),
+        (lambda m: interval_from_moments(m, 0.1, candidates=0), "candidates must be a positive integer"),
+        (
+            lambda m: interval_from_moments(m, 0.1, leverage_max=3.0, feature_norm_max=2.0, eig_floor=1.0),
+            "give either leverage_max or feature_norm_max with eig_floor/ridge, not both",
+        ),
+        (lambda m: plan_bound(delta=0.1, n=10, leverage_max=2.0), "missing constant grad_max: "),
+        (lambda m: plan_bound(delta=0.1, grad_max=1.0, leverage_max=2.0), "give exactly one of n "),
+    ],
+)
+def test_library_errors_name_python_arguments(call, message):
+    """A Python caller is told about the argument (``leverage_max``), never a CLI flag."""
+    phi, g = _population()
+    m = ProbeMoments.from_arrays(phi, g)
+    with pytest.raises(BoundError) as info:
+        call(m)
+    text = str(info.value)
+    assert message in text, text
+    assert "--" not in text and "⟦" not in text, text
+    assert repr(info.value) == f"BoundError({text!r})"
+
+
+def test_bound_error_render_spells_arguments_with_a_mapping():
+    """``render`` respells each argument (and its quoted value) by the mapping given."""
+    phi, g = _population()
+    m = ProbeMoments.from_arrays(phi, g)
+    with pytest.raises(BoundError) as info:
+        interval_from_moments(m, 0.1, grad_max=1e-3, leverage_max=50.0)
+    assert str(info.value).startswith("grad_max=0.001 is below the probe's own max ‖g(x)‖_F")
+    spelled = info.value.render({"grad_max": "GRAD"})
+    assert spelled.startswith("GRAD 0.001 is below the probe's own max ‖g(x)‖_F")
+    assert info.value.render({"other": "x"}) == str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra,library,cli",
+    [
+        (["--leverage-max", "-2"], "leverage_max must be > 0, got -2", "--leverage-max must be > 0, got -2"),
+        (["--candidates", "0"], "candidates must be a positive integer", "--candidates must be a positive integer"),
+        (["--epsilon", "0"], "epsilon must be > 0, got 0", "--epsilon must be > 0, got 0"),
+    ],
+)
+def test_cli_maps_argument_names_to_flags(tmp_path, extra, library, cli):
+    """The same error: the library names the argument, ``depthsat score`` names its flag."""
+    path = _probe(tmp_path, n=30)
+    data = np.load(path)
+    kwargs = {"leverage_max": -2.0} if "--leverage-max" in extra else {}
+    kwargs |= {"candidates": 0} if "--candidates" in extra else {}
+    kwargs |= {"epsilon": 0.0} if "--epsilon" in extra else {}
+    with pytest.raises(BoundError) as info:
+        interval_from_probe(data["z"], data["g"], parse_family("linear"), delta=0.1, **kwargs)
+    assert str(info.value).startswith(library), str(info.value)
+    res = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--delta", "0.1", *extra])
+    line = _one_line_error(res, cli)
+    assert line.startswith(f"error: {cli}")
+
+
+def test_interval_from_probe_matches_moments_of_the_rows():
+    """The probe-file interval equals the interval of the moments built from the same rows."""
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(400, 2))
+    g = 0.4 * np.tanh(z) + rng.normal(size=z.shape)
+    fam = parse_family("linear")
+    got = interval_from_probe(z, g, fam, delta=0.1, epsilon=0.5, bootstrap=0, grad_max=10.0, leverage_max=40.0)
+    phi = np.hstack([z, np.ones((400, 1))])  # linear: φ̃ = (z, 1)
+    ref = interval_from_moments(ProbeMoments.from_arrays(phi, g), 0.1, epsilon=0.5, grad_max=10.0, leverage_max=40.0)
+    assert got.score == pytest.approx(ref.score, rel=1e-10)
+    assert got.score_lower == pytest.approx(ref.score_lower, rel=1e-9)
+    assert got.score_upper == pytest.approx(ref.score_upper, rel=1e-9)
+    assert got.certificate == ref.certificate
+    assert isinstance(got.certificate, Certificate)
+    with pytest.raises(FamilyError, match="feature family"):
+        interval_from_probe(z, g, parse_family("product:2"), delta=0.1)
+
+
+def test_degenerate_family_gets_the_degenerate_verdict():
+    """``Σ̂ = 0`` (every feature row zero): the certificate is ``Verdict.DEGENERATE``, in JSON ``"degenerate"``."""
+    rng = np.random.default_rng(0)
+    phi = np.zeros((50, 3))
+    g = rng.normal(size=(50, 2))
+    m = ProbeMoments.from_arrays(phi, g)
+    gam = float(np.linalg.norm(g, axis=1).max())
+    it = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=1.0, dim=1)
+    assert it.certificate is Verdict.DEGENERATE
+    assert it.to_dict()["certificate"] == "degenerate"

@@ -296,3 +296,45 @@ def test_bad_paths_are_user_errors_not_internal_errors(tmp_path):
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and ln.startswith("error")]
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_score_json_is_the_result_dict_plus_note(tmp_path):
+    """``depthsat score --json`` prints ``SaturationResult.to_dict()`` (computed here) and a note."""
+    import torch
+
+    from depthsat_theory.families import parse_family
+    from depthsat_theory.statistics import statistics_for
+
+    path, z, g = _probe(tmp_path)
+    out = _json(runner.invoke(app, ["score", "--probe", str(path), "--family", "poly:2", "--json"]))
+    acc = statistics_for(parse_family("poly:2"), (z.shape[1],), "vector", pool_ties=True)
+    acc.update(torch.from_numpy(z), torch.from_numpy(g))
+    ref = acc.result().to_dict()
+    assert set(out) == set(ref) | {"note"}
+    for key, val in ref.items():
+        assert out[key] == (pytest.approx(val, rel=1e-12) if isinstance(val, float) else val), key
+    assert "empirical measure of the probe" in out["note"]
+
+
+def test_every_bound_argument_has_a_flag():
+    """Each Python argument of the bounds the CLI passes on has a flag of ``depthsat bound``/``score``."""
+    import inspect
+
+    from depthsat_theory.bounds import interval_from_probe, plan_bound
+    from depthsat_theory.cli.flags import FLAGS
+
+    args = set(inspect.signature(plan_bound).parameters) | {"epsilon", "candidates", "bootstrap"}
+    args |= {"grad_max", "leverage_max", "feature_norm_max", "eig_floor", "ridge", "variance"}
+    assert args <= set(FLAGS)
+    assert {"delta", "epsilon", "candidates", "bootstrap"} <= set(inspect.signature(interval_from_probe).parameters)
+    helps = {cmd: runner.invoke(app, [cmd, "--help"]).stdout for cmd in ("bound", "score")}
+    for name, flag in FLAGS.items():
+        assert flag == "--" + name.replace("_", "-")
+        assert any(flag in text for text in helps.values()), flag
+
+
+def test_cli_package_exports_app_and_main():
+    import depthsat_theory.cli as cli
+
+    assert cli.__all__ == ["app", "main"]
+    assert callable(cli.main) and cli.app.registered_commands

@@ -1,42 +1,53 @@
-"""Finite-sample intervals, certificates and the sample-size calculator (T7)."""
+"""Finite-sample intervals, certificates and the sample-size calculator (T7, ``theory/finite-sample.md``).
 
-from depthsat_theory.bounds.core import (
-    CERTIFIED_IMPROVABLE,
-    CERTIFIED_SATURATED,
-    NOT_CERTIFIED,
-    BoundError,
-    BoundPlan,
-    Constant,
-    Estimate,
-    ProbeMoments,
+A probe of ``n`` examples drawn i.i.d. from the data distribution, independently of
+training, gives the estimate ``ŝ`` of the population score ``s`` of a zero-output
+feature family at one site.  This package turns it into statements users can act on:
+
+- :func:`interval_from_moments` / :meth:`BoundStatistics.interval` /
+  :func:`interval_from_probe`: a ``(1 − δ)`` confidence interval for ``s`` (or the
+  ridge score ``s_λ``), label ``thm-finite-sample``, with a
+  :class:`~depthsat_theory.vocabulary.Certificate` (``cor-certified-improvable``,
+  ``cor-certified-saturated``), the family-free certificate from ``AG_rms``
+  (``cor-agmax-certificate-finite``), the U-statistic of ``s²`` and an optional
+  bootstrap interval (approximate, labelled as such);
+- :func:`plan_bound`: the half-width for ``(n, δ, constants)``, or the probe size
+  needed for a target half-width (formulas derived with sympy in :mod:`.formula`);
+- :class:`SequentialCertifier`: the anytime-valid variant over checkpoints
+  (``thm-sequential``).
+
+Constants of the bound (Python arguments): ``grad_max`` ``γ ≥ ‖g(x)‖_F`` a.s.;
+``leverage_max`` ``L ≥ ℓ_λ(x) = tr(Σ_λ⁺ Σ_x)`` a.s., or ``L = B²/(μ + λ)`` from
+``feature_norm_max`` ``B`` with ``eig_floor`` ``μ`` and/or ``ridge`` ``λ``;
+``variance`` ``V``; ``dim`` ``D ≥ rank Σ``.  When ``γ`` or ``L`` are not given, the
+probe's maxima are used and the result says so: a plug-in, not a guarantee.  Every
+result lists each constant with its source (``user``, ``probe`` or ``derived``).
+Errors are :class:`BoundError`, whose messages name these arguments.
+
+Modules: :mod:`.constants` (argument checks, :class:`Constant`, resolving the
+constants), :mod:`.terms` (the deviation terms ``ε_n``, ``Δ_n``, ``h_n``),
+:mod:`.moments` (:class:`ProbeMoments`, :func:`estimate`), :mod:`.interval`
+(:class:`ScoreInterval` and the interval), :mod:`.probe` (the interval of a dumped
+probe), :mod:`.plan` (the calculator), :mod:`.formula` (sympy), :mod:`.sequential`,
+:mod:`.statistics` (:class:`BoundStatistics`, streaming).
+"""
+
+from depthsat_theory.bounds.constants import BoundError, Constant, check_delta
+from depthsat_theory.bounds.formula import Formulas, combined_required_n, formulas
+from depthsat_theory.bounds.interval import (
     ScoreInterval,
-    SequentialCertifier,
     ag_rms_upper,
     bootstrap_interval,
-    bound_report,
-    check_delta,
-    estimate,
-    halfwidth,
     interval_from_moments,
-    plan_bound,
-    required_n,
-    score_report,
-    spending,
     unbiased_score_squared,
 )
-from depthsat_theory.bounds.formula import (
-    Formulas,
-    combined_required_n,
-    formulas,
-)
-from depthsat_theory.bounds.statistics import (
-    BoundStatistics,
-)
+from depthsat_theory.bounds.moments import Estimate, ProbeMoments, estimate
+from depthsat_theory.bounds.plan import BoundPlan, halfwidth, plan_bound, required_n
+from depthsat_theory.bounds.probe import interval_from_probe
+from depthsat_theory.bounds.sequential import SequentialCertifier, spending
+from depthsat_theory.bounds.statistics import BoundStatistics
 
 __all__ = [
-    "CERTIFIED_IMPROVABLE",
-    "CERTIFIED_SATURATED",
-    "NOT_CERTIFIED",
     "BoundError",
     "BoundPlan",
     "BoundStatistics",
@@ -48,16 +59,15 @@ __all__ = [
     "SequentialCertifier",
     "ag_rms_upper",
     "bootstrap_interval",
-    "bound_report",
     "check_delta",
     "combined_required_n",
     "estimate",
     "formulas",
     "halfwidth",
     "interval_from_moments",
+    "interval_from_probe",
     "plan_bound",
     "required_n",
-    "score_report",
     "spending",
     "unbiased_score_squared",
 ]

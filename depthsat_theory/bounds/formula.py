@@ -1,6 +1,6 @@
 """Symbolic derivation (sympy) of the finite-sample half-width and the sample-size formula.
 
-The confidence interval of :func:`depthsat_theory.bounds.core.interval_from_moments`
+The confidence interval of :func:`depthsat_theory.bounds.interval.interval_from_moments`
 (theory label ``thm-finite-sample``) is built from two deviation terms of a probe of
 ``n`` examples,
 

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from depthsat_theory.bounds.core import ProbeMoments, ScoreInterval, interval_from_moments
+from depthsat_theory.bounds.interval import ScoreInterval, interval_from_moments
+from depthsat_theory.bounds.moments import ProbeMoments
 from depthsat_theory.families import FeatureFamily, to_rows
 from depthsat_theory.statistics import FeatureStatistics, Reduction, StatisticsError, default_rtol
 

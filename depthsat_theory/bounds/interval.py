@@ -1,0 +1,542 @@
+r"""The ``(1 − δ)`` confidence interval for the saturation score (label ``thm-finite-sample``).
+
+:func:`interval_from_moments` turns a probe's :class:`~depthsat_theory.bounds.moments.ProbeMoments`
+into a :class:`ScoreInterval`: the interval ``[score_lower, score_upper]`` for ``s`` (or
+the ridge score ``s_λ``), the certificate (:class:`~depthsat_theory.vocabulary.Certificate`,
+``cor-certified-improvable`` / ``cor-certified-saturated``; a degenerate family gets
+:attr:`~depthsat_theory.vocabulary.Verdict.DEGENERATE`), the family-free certificate
+from ``AG_rms`` (:func:`ag_rms_upper`, ``cor-agmax-certificate-finite``), the plug-in
+``ŝ²`` and the U-statistic of ``s²`` (:func:`unbiased_score_squared`) and an optional
+bootstrap interval (:func:`bootstrap_interval`, approximate, labelled as such).
+Theory page ``theory/finite-sample.md``; units: loss units per unit function-space step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from depthsat_theory.bounds.constants import (
+    SLACK,
+    BoundError,
+    Constant,
+    argument,
+    check_delta,
+    check_n,
+    check_number,
+    resolve_constants,
+)
+from depthsat_theory.bounds.moments import Estimate, ProbeMoments, estimate
+from depthsat_theory.bounds.terms import bernstein_mean_upper, epsilon_n, relative_deviation, split_delta
+from depthsat_theory.vocabulary import Certificate, Verdict
+
+__all__ = [
+    "ScoreInterval",
+    "ag_rms_upper",
+    "bootstrap_interval",
+    "interval_from_moments",
+    "unbiased_score_squared",
+]
+
+
+def ag_rms_upper(n: int, ag_rms: float, grad_max: float, delta: float) -> float:
+    """``(1 − δ)`` upper confidence bound on the population ``AG_rms = (E‖g‖_F²)^{1/2}``.
+
+    Bernstein's inequality for ``‖g‖_F² ∈ [0, γ²]`` (label ``cor-agmax-certificate-finite``).
+    Since ``s ≤ r ≤ AG_rms`` for every family at the site, the result is an upper
+    confidence bound on all their scores at once.
+
+    Args:
+        n: probe size.
+        ag_rms: the probe's ``AG_rms`` (loss units per unit step).
+        grad_max: ``γ``, an almost-sure bound on ``‖g(x)‖_F``.
+        delta: ``δ ∈ (0, 1)``.
+
+    Raises:
+        BoundError: on ``δ ∉ (0, 1)``, ``n ≤ 0`` or a negative/NaN constant.
+    """
+    n = check_n(n)
+    delta = check_delta(delta)
+    gam = check_number("grad_max", grad_max, allow_none=False)
+    rms = check_number("ag_rms", ag_rms, allow_none=False)
+    assert gam is not None and rms is not None  # allow_none=False
+    return math.sqrt(bernstein_mean_upper(rms * rms, gam * gam, n, math.log(1 / delta)))
+
+
+@dataclass
+class ScoreInterval:
+    """A confidence statement about the saturation score of one (site, family).
+
+    Attributes:
+        score: ``ŝ_λ`` on the probe (``ŝ`` when ``ridge = 0``).
+        score_lower, score_upper: the interval for ``s_λ`` (``thm-finite-sample``);
+            ``[0, γ]`` when the bound is vacuous.
+        score_upper_unregularized: with ``ridge > 0`` and an ``eig_floor`` μ, an upper
+            bound on the unregularized ``s`` (``s ≤ s_λ √(1 + λ/μ)``); else ``None``
+            (equal to ``score_upper`` when ``ridge = 0``).
+        delta: ``δ``; ``candidates``: ``m`` of the union bound (each interval at ``δ/m``).
+        n: probe size.
+        ridge: ``λ``.
+        epsilon_n: additive half-width ``ε_n`` (loss units per unit step).
+        relative_deviation: ``Δ_n`` (dimensionless), the bound on ``‖Ψ̄ − EΨ‖``.
+        vacuous: ``Δ_n ≥ 1`` (``n`` too small for the leverage bound).
+        certificate: a :class:`~depthsat_theory.vocabulary.Certificate` (``"certified
+            improvable"``, ``"certified ε-saturated"``, ``"not certified"``), or
+            :attr:`~depthsat_theory.vocabulary.Verdict.DEGENERATE` when ``Σ̂ = 0``.
+        saturation_epsilon: the ``ε`` of the saturation certificate (``None``: not asked).
+        guaranteed: ``True`` when every constant is the user's or derived from the
+            user's (then the ``1 − δ`` coverage is a theorem); ``False`` for plug-ins.
+        label: one line saying what kind of interval this is.
+        constants: each constant with its source.
+        assumptions: the theory labels (``asm-*``) the guarantee rests on, in words.
+        score_squared: plug-in ``ŝ_λ²`` (biased upward by about ``v/n``).
+        score_squared_unbiased: ``(n ŝ² − v̂)/(n − 1)`` (``None`` for ``n = 1``); exactly
+            unbiased for ``s²`` when the whitening is the population ``Σ``, and with the
+            probe's ``Σ̂`` it removes the leading ``v/n`` bias term.
+        variance_plugin: ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖_F²``.
+        ag_rms_upper: ``(1 − δ)`` upper bound on the population ``AG_rms`` (bounds ``s``
+            of every family at the site), ``cor-agmax-certificate-finite``.
+        ag_certificate: the verdict of that bound against ``saturation_epsilon``.
+        bootstrap_interval: ``None`` or a dict (``lower``, ``upper``, ``method``,
+            ``resamples``, ``label``): approximate, not a guarantee.
+        looseness: ``(score_upper − score_lower)`` over the bootstrap interval's width.
+        tangent_rank: numerical rank of ``Σ̂``.
+        notes: further remarks.
+    """
+
+    score: float
+    score_lower: float
+    score_upper: float
+    score_upper_unregularized: float | None
+    delta: float
+    candidates: int
+    n: int
+    ridge: float
+    epsilon_n: float
+    relative_deviation: float
+    vacuous: bool
+    certificate: Certificate | Verdict
+    saturation_epsilon: float | None
+    guaranteed: bool
+    label: str
+    constants: dict[str, Constant]
+    assumptions: list[str]
+    score_squared: float
+    score_squared_unbiased: float | None
+    variance_plugin: float
+    ag_rms_upper: float
+    ag_certificate: Certificate | str
+    bootstrap_interval: dict | None
+    looseness: float | None
+    tangent_rank: int
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dictionary (``nan`` becomes ``None``)."""
+        d = asdict(self)
+        d["constants"] = {k: c.to_dict() for k, c in self.constants.items()}
+        return _clean(d)
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, float):
+        return None if math.isnan(obj) else obj
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+_ASSUMPTIONS = {
+    "iid": "asm-iid: the probe's examples are i.i.d. from the data distribution and independent "
+    "of the network, the site and the family (not the training set)",
+    "grad": "asm-bounded-gradient: ‖g(x)‖_F ≤ γ almost surely",
+    "lev": "asm-leverage: ℓ_λ(x) = tr(Σ_λ⁺ Σ_x) ≤ L almost surely (given, or L = B²/(μ+λ) from a "
+    "feature-norm bound B and an eigenvalue floor μ or ridge λ)",
+    "dim": "rank Σ ≤ D",
+    "var": "asm-variance: E‖G_x Σ_λ^{+1/2}‖_F² ≤ V (given by the user)",
+}
+
+
+def interval_from_moments(
+    m: ProbeMoments,
+    delta: float,
+    *,
+    ridge: float = 0.0,
+    grad_max: float | None = None,
+    leverage_max: float | None = None,
+    feature_norm_max: float | None = None,
+    eig_floor: float | None = None,
+    variance: float | None = None,
+    dim: int | None = None,
+    epsilon: float | None = None,
+    candidates: int = 1,
+    bootstrap: int = 0,
+    seed: int = 0,
+    bootstrap_method: str = "ustat",
+) -> ScoreInterval:
+    """The ``(1 − δ)`` confidence interval for ``s_λ`` from a probe's moments (``thm-finite-sample``).
+
+    With ``u_1 = ln(2/δ_1)``, ``u_2 = ln(2D/δ_2)``, ``L_1 = max(L, 1)``, ``R = γ√L``::
+
+        Δ_n = √(2 L_1 u_2 / n) + 2 L_1 u_2 / (3n),      ε_n = √(2 V u_1 / n) + 2 R u_1 / n,
+        s_λ ∈ [ŝ_λ √(1 − Δ_n) − ε_n,  ŝ_λ √(1 + Δ_n) + ε_n]   (when Δ_n < 1),
+
+    where ``V`` is the user's bound, or (``variance=None``) the empirical-Bernstein upper
+    bound ``((c + √(c² + 4e))/2)²``, ``c = √(2R²u_3/n)``, ``e = (1 + Δ_n) v̂ + 2R²u_3/(3n)``,
+    ``u_3 = ln(1/δ_3)``.  ``δ/m`` (``m = candidates``) is split equally over the two
+    (three) events.  The upper end is capped at ``γ`` (``s_λ ≤ AG_rms ≤ γ``).
+
+    Args:
+        m: the probe's moments (:class:`ProbeMoments`, or :meth:`BoundStatistics.moments`).
+        delta: ``δ ∈ (0, 1)``.
+        ridge: ``λ ≥ 0`` (feature² units); ``0`` is the plain score ``s``.
+        grad_max: ``γ`` (default: the probe's ``AG_max``, a plug-in).
+        leverage_max: ``L`` (default: derived from ``feature_norm_max``, else the
+            probe's largest leverage, a plug-in).
+        feature_norm_max: ``B`` with ``eig_floor`` and/or ``ridge``: ``L = B²/(μ + λ)``.
+        eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ``; also turns the
+            ridge interval into an upper bound on ``s``.
+        variance: ``V`` (default: empirical Bernstein from the probe).
+        dim: ``D ≥ rank Σ`` (default ``k̃``; ``min(k̃, ⌊L⌋)`` when ``ridge = 0``).
+        epsilon: the ``ε`` of the saturation certificate (``None``: no such verdict).
+        candidates: number ``m ≥ 1`` of (site, family) candidates judged on this probe
+            (union bound).
+        bootstrap: number of bootstrap resamples (``0``: none); needs kept rows.
+        seed: bootstrap seed.
+        bootstrap_method: see :func:`bootstrap_interval` (default ``"ustat"``).
+
+    Returns:
+        A :class:`ScoreInterval`.
+
+    Raises:
+        BoundError: ``δ ∉ (0, 1)``, negative/NaN/missing constants, ``epsilon ≤ 0``,
+            ``candidates < 1``, or a bootstrap without kept rows; the message names the
+            Python arguments.
+    """
+    delta = check_delta(delta)
+    candidates = check_n(candidates, "candidates")
+    eps_target = check_number("epsilon", epsilon, positive=True)
+    nboot = int(check_number("bootstrap", bootstrap) or 0)
+    ridge = check_number("ridge", ridge) or 0.0
+    n = check_n(m.n)
+    est = estimate(m, ridge)
+    probe = {
+        "g_max": m.g_max,
+        "lev_max": est.lev_max,
+        "lev_exact": est.lev_exact,
+        "k": m.k,
+        "feat_max": math.sqrt(m.feat_sq_max),
+        "rank": est.rank,
+    }
+    const = resolve_constants(
+        ridge=ridge,
+        grad_max=grad_max,
+        leverage_max=leverage_max,
+        feature_norm_max=feature_norm_max,
+        eig_floor=eig_floor,
+        variance=variance,
+        dim=dim,
+        probe=probe,
+    )
+    big_l = const["leverage_max"].value
+    r = const["whitened_max"].value
+    d1, d2, d3 = split_delta(delta, candidates, "variance" not in const)
+    u1, u2 = math.log(2 / d1), math.log(2 * const["dim"].value / d2)
+    dev = relative_deviation(n, big_l, u2)
+    s_hat = math.sqrt(est.s2)
+    notes: list[str] = []
+    _probe_checks(const, m, est, dev, notes)
+    var = _variance(const, est, dev, n, math.log(1 / d3) if d3 > 0 else math.inf)
+    eps_n = epsilon_n(n, var, r, u1)
+    lower, upper = _ends(s_hat, dev, eps_n, const, n, notes)
+    upper_s = _upper_unregularized(upper, ridge, const, notes)
+    if lower > upper or (upper_s is not None and lower > upper_s):
+        raise BoundError(
+            f"inconsistent constants: the interval would be inverted (lower end "
+            f"{lower:.4g} > upper end {min(upper, upper_s if upper_s is not None else upper):.4g}); "
+            f"check {argument('grad_max')}, {argument('leverage_max')}, {argument('variance')} and "
+            f"{argument('eig_floor')} against the probe"
+        )
+    ag_up = ag_rms_upper(n, math.sqrt(m.g_sq), const["grad_max"].value, delta / candidates)
+    guaranteed = const["grad_max"].source != "probe" and const["leverage_max"].source != "probe"
+    if candidates > 1:
+        notes.append(f"union bound over {candidates} candidates: each interval at level δ/{candidates}")
+    boot, loose = _bootstrap(m, delta / candidates, nboot, ridge, seed, bootstrap_method, upper - lower)
+    return ScoreInterval(
+        score=s_hat,
+        score_lower=lower,
+        score_upper=upper,
+        score_upper_unregularized=upper_s,
+        delta=delta,
+        candidates=candidates,
+        n=n,
+        ridge=ridge,
+        epsilon_n=eps_n,
+        relative_deviation=dev,
+        vacuous=dev >= 1,
+        certificate=_certificate(m, lower, upper_s, eps_target),
+        saturation_epsilon=eps_target,
+        guaranteed=guaranteed,
+        label=_label(guaranteed),
+        constants=const,
+        assumptions=_assumptions(const),
+        score_squared=est.s2,
+        score_squared_unbiased=(n * est.s2 - est.v_hat) / (n - 1) if n > 1 else None,
+        variance_plugin=est.v_hat,
+        ag_rms_upper=ag_up,
+        ag_certificate=_ag_certificate(ag_up, eps_target),
+        bootstrap_interval=boot,
+        looseness=loose,
+        tangent_rank=est.rank,
+        notes=notes,
+    )
+
+
+def _variance(const: dict[str, Constant], est: Estimate, dev: float, n: int, u3: float) -> float:
+    """``V``: the user's, else empirical Bernstein from ``v̂`` (recorded in ``const``), else ``R²``."""
+    if "variance" in const:
+        return const["variance"].value
+    r = const["whitened_max"].value
+    if dev < 1:
+        var = bernstein_mean_upper((1 + dev) * est.v_hat, r * r, n, u3)
+        const["variance"] = Constant(
+            "V",
+            var,
+            "probe",
+            "empirical-Bernstein upper bound on E‖G_x Σ_λ^{+1/2}‖² from v̂ = "
+            f"{est.v_hat:.6g} (rigorous given γ and L)",
+        )
+        return var
+    const["variance"] = Constant("V", r * r, "derived", "worst case R² (the bound is vacuous)")
+    return r * r
+
+
+def _ends(s_hat: float, dev: float, eps_n: float, const: dict[str, Constant], n: int, notes: list[str]):
+    """``(lower, upper)`` for ``s_λ``: ``[0, γ]`` when vacuous, capped at a non-probe ``γ``."""
+    gam = const["grad_max"].value
+    if dev >= 1:
+        notes.append(
+            f"vacuous: Δ_n = {dev:.3g} ≥ 1 (n = {n} is too small for the leverage bound "
+            f"L = {const['leverage_max'].value:.4g}); `depthsat bound` gives the n needed"
+        )
+        return 0.0, gam
+    lower = max(0.0, s_hat * math.sqrt(1 - dev) - eps_n)
+    upper = s_hat * math.sqrt(1 + dev) + eps_n
+    if const["grad_max"].source != "probe":
+        upper = min(upper, gam)  # s_λ ≤ s ≤ AG_rms ≤ γ
+    return lower, upper
+
+
+def _upper_unregularized(upper: float, ridge: float, const: dict[str, Constant], notes: list[str]) -> float | None:
+    """Upper bound on the unregularized ``s``: ``s ≤ s_λ √(1 + λ/μ)`` (``None`` without ``μ``)."""
+    if ridge == 0:
+        return upper
+    if "eig_floor" not in const:
+        notes.append(
+            "with a ridge and no eig_floor, the upper end bounds s_λ only (s ≥ s_λ); give "
+            "--eig-floor for a saturation certificate on s"
+        )
+        return None
+    upper_s = upper * math.sqrt(1 + ridge / const["eig_floor"].value)
+    if const["grad_max"].source != "probe":
+        upper_s = min(upper_s, const["grad_max"].value)
+    return upper_s
+
+
+def _certificate(m: ProbeMoments, lower: float, upper_s: float | None, eps: float | None) -> Certificate | Verdict:
+    if not np.any(m.sigma):
+        return Verdict.DEGENERATE
+    if lower > 0:
+        return Certificate.IMPROVABLE
+    if eps is not None and upper_s is not None and upper_s <= eps:
+        return Certificate.SATURATED
+    return Certificate.NOT_CERTIFIED
+
+
+def _ag_certificate(ag_up: float, eps: float | None) -> Certificate | str:
+    if eps is None:
+        return "not asked (give epsilon)"
+    return Certificate.SATURATED if ag_up <= eps else Certificate.NOT_CERTIFIED
+
+
+def _label(guaranteed: bool) -> str:
+    if guaranteed:
+        return "(1-δ) confidence interval (thm-finite-sample)"
+    return "plug-in interval: γ and/or L from the probe, not a guarantee (thm-finite-sample with estimated constants)"
+
+
+def _assumptions(const: dict[str, Constant]) -> list[str]:
+    out = [_ASSUMPTIONS["iid"], _ASSUMPTIONS["grad"], _ASSUMPTIONS["lev"], _ASSUMPTIONS["dim"]]
+    if const["variance"].source == "user":
+        out.append(_ASSUMPTIONS["var"])
+    return out
+
+
+def _bootstrap(
+    m: ProbeMoments, delta: float, nboot: int, ridge: float, seed: int, method: str, width: float
+) -> tuple[dict | None, float | None]:
+    """The bootstrap interval and the looseness ``width / bootstrap width`` (``None`` when off)."""
+    if nboot <= 0:
+        return None, None
+    boot = bootstrap_interval(m, delta, resamples=nboot, ridge=ridge, seed=seed, method=method)
+    bwidth = boot["upper"] - boot["lower"]
+    return boot, (width / bwidth if bwidth > 0 else None)
+
+
+def _probe_checks(const: dict[str, Constant], m: ProbeMoments, est: Estimate, dev: float, notes: list[str]) -> None:
+    """Compare user constants with the probe: errors for contradictions, notes for plug-in tension.
+
+    - ``L`` (user or derived): on the matrix event of the interval itself (probability
+      ``≥ 1 − δ_2``), ``Σ̂_λ ⪰ (1 − Δ_n) Σ_λ`` on ``range Σ``, so every probe leverage
+      ``ℓ̂(x_i) = tr(Σ̂_λ⁺ Σ_{x_i}) ≤ ℓ_λ(x_i)/(1 − Δ_n) ≤ L/(1 − Δ_n)``; a larger probe
+      leverage contradicts ``L`` at the interval's own level (error), one in
+      ``(L, L/(1 − Δ_n)]`` is only noted.
+    - ``V`` below the plug-in ``v̂`` and ``μ`` above the smallest nonzero eigenvalue of
+      ``Σ̂``: population assumptions the probe can miss by sampling (notes).
+    """
+    lev = const["leverage_max"]
+    if lev.source != "probe" and est.lev_exact and math.isfinite(est.lev_max):
+        big_l = lev.value
+        what = (
+            argument("leverage_max", f"{big_l:g}")
+            if lev.source == "user"
+            else (
+                f"L = B²/(μ + λ) = {big_l:.4g} (from {argument('feature_norm_max')} with "
+                f"{argument('eig_floor')}/{argument('ridge')})"
+            )
+        )
+        if dev < 1 and est.lev_max > big_l / (1 - dev) * (1 + SLACK):
+            raise BoundError(
+                f"{what} is below the probe's own max leverage ℓ̂ = {est.lev_max:.4g} "
+                f"(with Σ̂; ℓ̂ ≤ L/(1 − Δ_n) = {big_l / (1 - dev):.4g} whenever the "
+                f"interval's matrix event holds), so it is not an almost-sure bound"
+            )
+        if est.lev_max > big_l * (1 + SLACK):
+            notes.append(
+                f"the probe's largest leverage ℓ̂ = {est.lev_max:.4g} (with the probe's Σ̂) "
+                f"exceeds L = {big_l:.4g}; ℓ̂ uses Σ̂, not Σ, so this is not a contradiction, "
+                f"but check L"
+            )
+    var = const.get("variance")
+    if var is not None and var.source == "user" and var.value < est.v_hat * (1 - SLACK):
+        notes.append(
+            f"--variance V = {var.value:.4g} is below the probe's plug-in v̂ = {est.v_hat:.4g}: "
+            f"possible by sampling, but the probe does not support V (the interval's ε_n "
+            f"rests on it)"
+        )
+    mu = const.get("eig_floor")
+    if mu is not None:
+        lam = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T)) if m.sigma.size else np.zeros(0)
+        top = float(lam.max()) if lam.size else 0.0
+        nz = lam[lam > m.rtol * top] if top > 0 else lam[:0]
+        if nz.size and float(nz.min()) < mu.value * (1 - SLACK):
+            notes.append(
+                f"--eig-floor μ = {mu.value:.4g} is above the smallest nonzero eigenvalue of "
+                f"the probe's Σ̂ ({float(nz.min()):.4g}): μ is an assumption on the population "
+                f"Σ, which the probe does not support"
+            )
+
+
+def unbiased_score_squared(m: ProbeMoments, *, ridge: float = 0.0, whitening: np.ndarray | None = None) -> float:
+    """The U-statistic ``(n ŝ² − v̂)/(n − 1)`` of ``s²`` (``s_λ²`` with a ridge).
+
+    ``ŝ² = ‖ξ̄‖²`` and ``v̂ = mean ‖ξ_x‖²`` with ``ξ_x = G_x W^{1/2}``; then
+    ``(n ŝ² − v̂)/(n − 1) = (1/(n(n−1))) Σ_{i≠j} ⟨ξ_i, ξ_j⟩``, exactly unbiased for
+    ``‖E ξ‖² = s²`` when ``W`` is fixed (the population ``Σ_λ⁺``).  By default ``W`` is
+    the probe's ``Σ̂_λ⁺``; then only the leading ``v/n`` bias of ``ŝ²`` is removed.
+
+    Args:
+        m: the probe's moments.
+        ridge: ``λ ≥ 0``.
+        whitening: a fixed ``(k, k)`` PSD matrix ``W`` (e.g. the population ``Σ⁺``).
+
+    Raises:
+        BoundError: if ``n < 2``.
+    """
+    if m.n < 2:
+        raise BoundError("the U-statistic needs n >= 2 examples")
+    if whitening is None:
+        est = estimate(m, check_number("ridge", ridge) or 0.0, leverage=False)
+        s2, v_hat = est.s2, est.v_hat
+    else:
+        w = np.asarray(whitening, dtype=np.float64)
+        s2 = float(np.sum((m.cross @ w) * m.cross))
+        v_hat = float(np.sum(w * m.q))
+    return (m.n * s2 - v_hat) / (m.n - 1)
+
+
+def bootstrap_interval(
+    m: ProbeMoments, delta: float, *, resamples: int = 200, ridge: float = 0.0, seed: int = 0, method: str = "ustat"
+) -> dict:
+    """Bootstrap interval for ``s_λ`` over the probe's examples (approximate, not a guarantee).
+
+    Resamples ``n`` examples with replacement ``resamples`` times.  Methods:
+
+    - ``"ustat"`` (default): the basic (reverse-percentile) bootstrap of the U-statistic
+      ``Û`` of ``s²``: ``Û* − ŝ²`` (``ŝ²`` is the bootstrap world's ``s²``) stands in for
+      ``Û − s²``, giving ``[Û − (q_{1−δ/2}(Û*) − ŝ²), Û − (q_{δ/2}(Û*) − ŝ²)]``,
+      clipped at 0 and square-rooted;
+    - ``"basic"``: the same on ``ŝ`` (``[2ŝ − q_{1−δ/2}, 2ŝ − q_{δ/2}]``, clipped at 0);
+    - ``"percentile"``: ``[q_{δ/2}(ŝ*), q_{1−δ/2}(ŝ*)]``.
+
+    ``ŝ`` is biased upward (``E ŝ² ≈ s² + v/n``), and at ``s = 0`` the bootstrap
+    distribution of ``ŝ*`` lies above ``ŝ``: the ``"basic"`` and ``"percentile"``
+    intervals then miss ``0`` far more often than ``δ`` (see the T7 coverage table).
+    Needs the probe in memory (:class:`ProbeMoments` with rows).
+
+    Raises:
+        BoundError: on bad ``δ``, ``resamples < 1``, an unknown method, ``n < 2`` for
+            ``"ustat"``, or no kept rows.
+    """
+    delta = check_delta(delta)
+    resamples = check_n(resamples, "bootstrap")
+    if method not in ("ustat", "basic", "percentile"):
+        raise BoundError(f"bootstrap method must be 'ustat', 'basic' or 'percentile', got {method!r}")
+    if m.phi is None:
+        raise BoundError("the bootstrap needs the probe's rows in memory (keep_probe=True)")
+    if method == "ustat" and m.n < 2:
+        raise BoundError(
+            f"the U-statistic bootstrap needs n >= 2 examples (the probe has n = {m.n}); "
+            f"pass {argument('bootstrap', 0)} for no bootstrap interval"
+        )
+    rng = np.random.default_rng(seed)
+    w = np.ones(m.phi.shape[0]) if m.weights is None else m.weights
+    p = w / w.sum()
+
+    def stat(mm: ProbeMoments) -> float:
+        est = estimate(mm, ridge, leverage=False)
+        if method == "ustat":
+            return (mm.n * est.s2 - est.v_hat) / (mm.n - 1)
+        return math.sqrt(est.s2)
+
+    center = stat(m)
+    # the bootstrap world's true value is the plug-in functional: ŝ² for "ustat", ŝ otherwise
+    truth = estimate(m, ridge, leverage=False).s2 if method == "ustat" else center
+    reps = np.array([stat(m.reweighted(rng.multinomial(m.n, p))) for _ in range(resamples)])
+    lo_q, hi_q = np.quantile(reps, [delta / 2, 1 - delta / 2])
+    if method == "percentile":
+        lo, hi = float(lo_q), float(hi_q)
+    else:
+        lo, hi = max(0.0, center - (hi_q - truth)), max(0.0, center - (lo_q - truth))
+        if method == "ustat":
+            lo, hi = math.sqrt(lo), math.sqrt(hi)
+    names = {
+        "ustat": "basic bootstrap of the U-statistic of s², square-rooted",
+        "basic": "basic bootstrap of ŝ",
+        "percentile": "percentile bootstrap of ŝ",
+    }
+    return {
+        "lower": float(lo),
+        "upper": float(hi),
+        "method": names[method] + " (resampling examples)",
+        "resamples": resamples,
+        "label": "bootstrap interval: approximate, not a guarantee (needs the probe in memory)",
+    }

@@ -1,0 +1,177 @@
+"""Sufficient statistics of a probe for the finite-sample bound, and the plug-in estimates.
+
+:class:`ProbeMoments` holds the float64 means over the probe's examples (``Σ̂``, ``Ĝ``,
+``mean G_xᵀ G_x``, ``AG_rms²``, the maxima; optionally the rows); :func:`estimate` turns
+them into ``ŝ_λ²``, ``v̂``, the numerical rank and the probe's largest leverage
+(theory page ``theory/finite-sample.md``, label ``thm-finite-sample``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from depthsat_theory.bounds.constants import BoundError
+from depthsat_theory.statistics import default_rtol, pinv_quadratic
+
+__all__ = ["Estimate", "ProbeMoments", "estimate"]
+
+
+@dataclass
+class ProbeMoments:
+    """Sufficient statistics of a probe for the bound (float64, means over examples).
+
+    Attributes:
+        n: number of examples (the sum of ``weights`` when given).
+        sigma: ``Σ̂ = mean Σ_x``, ``(k, k)``.
+        cross: ``Ĝ = mean G_x``, ``(d, k)``.
+        q: ``mean G_xᵀ G_x``, ``(k, k)`` (gives ``v̂ = tr(Σ̂⁺ q)``).
+        g_sq: ``mean ‖g‖_F²`` (``AG_rms²``).
+        g_max: ``max ‖g(x)‖_F`` (``AG_max``).
+        feat_sq_max: ``max_x Σ_t ‖φ̃_t‖²``.
+        rtol: relative eigenvalue cutoff for ``Σ̂⁺`` (:func:`~depthsat_theory.statistics.tangent.default_rtol`).
+        phi: kept feature rows ``(N, units, k)`` of the distinct examples, or ``None``.
+        g: kept gradient rows ``(N, units, d)``, or ``None``.
+        weights: multiplicity of each kept example (``None``: all 1).
+    """
+
+    n: int
+    sigma: np.ndarray
+    cross: np.ndarray
+    q: np.ndarray
+    g_sq: float
+    g_max: float
+    feat_sq_max: float
+    rtol: float
+    phi: np.ndarray | None = field(default=None, repr=False)
+    g: np.ndarray | None = field(default=None, repr=False)
+    weights: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def k(self) -> int:
+        """``k̃``, the number of (augmented) features."""
+        return int(self.sigma.shape[0])
+
+    @classmethod
+    def from_arrays(
+        cls,
+        phi: np.ndarray,
+        g: np.ndarray,
+        weights: np.ndarray | None = None,
+        *,
+        rtol: float | None = None,
+        keep: bool = True,
+    ) -> ProbeMoments:
+        """Moments from per-example feature and gradient rows.
+
+        Args:
+            phi: ``φ̃`` rows, ``(N, k)`` (one unit per example) or ``(N, units, k)``.
+            g: gradient rows, ``(N, d)`` or ``(N, units, d)``.
+            weights: nonnegative integer multiplicities ``(N,)`` (a probe drawn with
+                replacement from a finite population); default all ones.
+            rtol: eigenvalue cutoff (default: float64 :func:`default_rtol`).
+            keep: keep the rows (for the bootstrap and the exact probe leverage).
+
+        Raises:
+            BoundError: on mismatched shapes, non-finite values or an empty probe.
+        """
+        phi = np.asarray(phi, dtype=np.float64)
+        g = np.asarray(g, dtype=np.float64)
+        if phi.ndim == 2:
+            phi = phi[:, None, :]
+        if g.ndim == 2:
+            g = g[:, None, :]
+        if phi.ndim != 3 or g.ndim != 3 or phi.shape[:2] != g.shape[:2]:
+            raise BoundError(f"phi {phi.shape} and g {g.shape} must be (N, units, k) and (N, units, d)")
+        if not (np.isfinite(phi).all() and np.isfinite(g).all()):
+            raise BoundError("phi or g contains NaN or Inf")
+        w = np.ones(phi.shape[0]) if weights is None else np.asarray(weights, dtype=np.float64)
+        if w.shape != (phi.shape[0],) or (w < 0).any() or not np.isfinite(w).all():
+            raise BoundError("weights must be nonnegative multiplicities, one per example")
+        n = round(w.sum())
+        if n <= 0:
+            raise BoundError("the probe is empty (n = 0)")
+        if phi.shape[1] == 1:  # one unit per example: plain weighted matrix products
+            p1, g1 = phi[:, 0], g[:, 0]
+            pw = p1 * (w / n)[:, None]
+            sigma = pw.T @ p1
+            cross = g1.T @ pw
+            q = (pw * (g1**2).sum(1)[:, None]).T @ p1
+        else:
+            sigma = np.einsum("i,irk,irl->kl", w, phi, phi, optimize=True) / n
+            cross = np.einsum("i,ird,irk->dk", w, g, phi, optimize=True) / n
+            gx = np.einsum("ird,irk->idk", g, phi, optimize=True)
+            q = np.einsum("i,idk,idl->kl", w, gx, gx, optimize=True) / n
+        gn2 = (g**2).sum((1, 2))
+        live = w > 0
+        return cls(
+            n=n,
+            sigma=sigma,
+            cross=cross,
+            q=q,
+            g_sq=float((w * gn2).sum() / n),
+            g_max=float(np.sqrt(gn2[live].max())),
+            feat_sq_max=float((phi**2).sum((1, 2))[live].max()),
+            rtol=default_rtol(torch.float64, phi.shape[2]) if rtol is None else float(rtol),
+            phi=phi if keep else None,
+            g=g if keep else None,
+            weights=None if weights is None else w,
+        )
+
+    def reweighted(self, weights: np.ndarray) -> ProbeMoments:
+        """The moments of the same distinct examples with new multiplicities (bootstrap)."""
+        if self.phi is None or self.g is None:
+            raise BoundError("the probe's rows were not kept (keep_probe=False): no bootstrap")
+        return ProbeMoments.from_arrays(self.phi, self.g, weights, rtol=self.rtol, keep=True)
+
+
+@dataclass
+class Estimate:
+    """Probe estimates: ``ŝ_λ²``, ``v̂``, numerical rank, ``Σ̂_λ⁺`` and the probe's largest leverage."""
+
+    s2: float
+    v_hat: float
+    rank: int
+    inv: np.ndarray
+    lev_max: float
+    lev_exact: bool
+
+
+def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimate:
+    """``ŝ_λ²``, ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖²``, rank, ``Σ̂_λ⁺`` and the probe's max leverage.
+
+    Args:
+        m: the probe's moments.
+        ridge: ``λ ≥ 0`` (feature² units); ``0`` uses the pseudo-inverse with the
+            cutoff ``m.rtol``.
+        leverage: also compute the probe's largest leverage ``ℓ̂(x) = tr(Σ̂_λ⁺ Σ_x)``
+            (exact with kept rows, else the upper estimate ``max Σ_t‖φ̃_t‖² · ‖Σ̂_λ⁺‖``).
+
+    Returns:
+        An :class:`Estimate` (``lev_max`` is ``nan`` without ``leverage``).
+    """
+    if ridge > 0:
+        sym = 0.5 * (m.sigma + m.sigma.T)
+        lam, vec = np.linalg.eigh(sym)
+        lam = np.clip(lam, 0.0, None)
+        inv = (vec / (lam + ridge)) @ vec.T
+        proj = m.cross @ vec
+        s2 = float(np.sum(proj * proj / (lam + ridge)))
+        lmax = float(lam.max()) if lam.size else 0.0
+        rank = int((lam > m.rtol * lmax).sum()) if lmax > 0 else 0
+    else:
+        s2, rank, _, inv = pinv_quadratic(m.sigma, m.cross, m.rtol)
+    v_hat = float(np.sum(inv * m.q))
+    lev_max, exact = float("nan"), False
+    if leverage:
+        if m.phi is not None:
+            live = np.ones(m.phi.shape[0], bool) if m.weights is None else m.weights > 0
+            ph = m.phi[live]
+            lev = np.einsum("irk,kl,irl->i", ph, inv, ph, optimize=True)
+            lev_max, exact = float(lev.max()), True
+        else:
+            opn = float(np.linalg.eigvalsh(0.5 * (inv + inv.T)).max()) if inv.size else 0.0
+            lev_max = m.feat_sq_max * opn
+    return Estimate(max(s2, 0.0), max(v_hat, 0.0), rank, inv, lev_max, exact)

@@ -1,0 +1,80 @@
+"""The deviation terms of the finite-sample bound (``thm-finite-sample``, theory/finite-sample.md).
+
+With ``u_1 = ln(2/δ_1)``, ``u_2 = ln(2D/δ_2)``, ``L_1 = max(L, 1)`` and ``R = γ√L``::
+
+    ε_n = √(2 V u_1 / n) + 2 R u_1 / n,        Δ_n = √(2 L_1 u_2 / n) + 2 L_1 u_2 / (3n),
+    h_n = (ε_n + S Δ_n) / √(1 − Δ_n)   (Δ_n < 1).
+
+The sympy derivation of their inverses is :mod:`depthsat_theory.bounds.formula`.
+Units: ``ε_n`` and ``h_n`` in loss units per unit function-space step, ``Δ_n``
+dimensionless.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "bernstein_mean_upper",
+    "deviation_halfwidth",
+    "epsilon_n",
+    "relative_deviation",
+    "split_delta",
+]
+
+
+def split_delta(delta: float, candidates: int, empirical_variance: bool) -> tuple[float, float, float]:
+    """``(δ_1, δ_2, δ_3)`` for the vector, matrix and variance events (after the union bound).
+
+    Args:
+        delta: ``δ ∈ (0, 1)``.
+        candidates: the union-bound count ``m ≥ 1`` (each candidate gets ``δ/m``).
+        empirical_variance: ``V`` is bounded from the probe (a third event, ``δ_3 > 0``).
+    """
+    per = delta / candidates
+    return (per / 3, per / 3, per / 3) if empirical_variance else (per / 2, per / 2, 0.0)
+
+
+def relative_deviation(n: int, big_l: float, u2: float) -> float:
+    """``Δ_n = √(2 L_1 u_2 / n) + 2 L_1 u_2 / (3n)`` with ``L_1 = max(L, 1)`` (dimensionless)."""
+    l1 = max(big_l, 1.0)
+    return math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+
+
+def epsilon_n(n: int, var: float, r: float, u1: float) -> float:
+    """``ε_n = √(2 V u_1 / n) + 2 R u_1 / n`` (loss units per unit step)."""
+    return math.sqrt(2 * var * u1 / n) + 2 * r * u1 / n
+
+
+def deviation_halfwidth(n: int, var: float, r: float, u1: float, l1: float, u2: float, smax: float) -> float:
+    """``h_n = (ε_n + S Δ_n)/√(1 − Δ_n)``, a bound on ``|ŝ_λ − s_λ|`` for ``s_λ ≤ S`` (``inf`` if ``Δ_n ≥ 1``).
+
+    Args:
+        n: probe size.
+        var, r, u1: ``V``, ``R``, ``u_1`` of ``ε_n``.
+        l1, u2: ``L_1 = max(L, 1)`` and ``u_2`` of ``Δ_n``.
+        smax: ``S``.
+    """
+    dev = relative_deviation(n, l1, u2)
+    if dev >= 1:
+        return math.inf
+    return (epsilon_n(n, var, r, u1) + smax * dev) / math.sqrt(1 - dev)
+
+
+def bernstein_mean_upper(mean: float, bound_sq: float, n: int, u: float) -> float:
+    """Upper confidence bound on ``E Y`` for ``0 ≤ Y ≤ bound_sq`` (one-sided Bernstein).
+
+    With ``Var Y ≤ bound_sq · E Y``: ``√(E Y) ≤ (c + √(c² + 4e)) / 2`` where
+    ``c = √(2 bound_sq u / n)`` and ``e = mean + 2 bound_sq u / (3n)``; returns the
+    square, capped at ``bound_sq`` (label ``cor-agmax-certificate-finite``).
+
+    Args:
+        mean: the sample mean of ``Y``.
+        bound_sq: the almost-sure bound on ``Y``.
+        n: sample size.
+        u: ``ln(1/δ)``.
+    """
+    c = math.sqrt(2 * bound_sq * u / n)
+    e = max(mean, 0.0) + 2 * bound_sq * u / (3 * n)
+    root = 0.5 * (c + math.sqrt(c * c + 4 * e))
+    return min(root * root, bound_sq)

@@ -1,0 +1,375 @@
+"""The ``depthsat`` commands (typer): parse the options, call the library, hand the result to :mod:`.render`.
+
+Errors in user input end with a one-line ``error: …`` on stderr and exit status 2
+(no traceback); ``check`` exits 1 when it finds a counterexample.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+
+from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
+from depthsat_theory.cli import render
+from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, FLAGS
+from depthsat_theory.cli.inputs import UserError, check_output_path, check_writable, diagnose_target, load_probe
+from depthsat_theory.families import FamilyError, family_specs, parse_family
+from depthsat_theory.statistics import StatisticsError, statistics_for
+from depthsat_theory.vocabulary import Layout
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="First-order residual depth saturation: checks, scores and diagnostics.",
+)
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+# ----------------------------------------------------------------------------- check
+@app.command()
+def check(
+    instances: int = typer.Option(300, "--instances", "-n", help="Number of random instances N."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Seed of the instance draw and of training."),
+    report: Path = typer.Option(
+        Path("depthsat-report.json"), "--report", "-r", help="Where the JSON report is written (atomically)."
+    ),
+    optimizers: str | None = typer.Option(
+        None,
+        "--optimizers",
+        help="Comma-separated zero-state updates to draw from (default: all descent-compatible; "
+        "add 'rotation' to plant a non-descent-compatible map).",
+    ),
+    kinds: str = typer.Option(
+        "mlp,cnn,gpt",
+        "--models",
+        help="Trained model kinds: mlp, cnn, gpt (the exact constructions, a least-squares readout "
+        "on the digits MLP and an odd MLP on synthetic data, are drawn in addition).",
+    ),
+    construction_fraction: float = typer.Option(
+        0.25, "--construction-fraction", help="Share of exact saturated constructions."
+    ),
+    cache_dir: Path | None = typer.Option(
+        None, "--cache-dir", help="Cache of trained weights (default $DEPTHSAT_CACHE or ~/.cache/depthsat)."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Verify the iff theorem (T2) on random insertions into trained models and constructions."""
+    from depthsat_theory.check import CheckConfig, run_check, write_report_atomic
+    from depthsat_theory.optimizers import DESCENT_COMPATIBLE
+
+    cache = cache_dir or os.environ.get("DEPTHSAT_CACHE") or Path.home() / ".cache" / "depthsat"
+    cfg = CheckConfig(
+        instances=instances,
+        seed=seed,
+        optimizers=_split(optimizers) if optimizers else DESCENT_COMPATIBLE,
+        kinds=_split(kinds),
+        construction_fraction=construction_fraction,
+        cache_dir=str(cache),
+    )
+    try:
+        cfg.validate()
+        check_writable(report)
+        if Path(cache).exists() and not Path(cache).is_dir():
+            raise OSError(f"the cache folder {cache} is a file, not a folder")
+    except (ValueError, OSError) as exc:
+        render.fail(exc)
+    t0 = time.perf_counter()
+    with render.progress(disable=quiet) as bar:
+        task = bar.add_task("training models", total=instances)
+        rep = run_check(cfg, progress=lambda k, d: bar.update(task, advance=k, description=d))
+        bar.update(task, description="done")
+    write_report_atomic(rep, report)
+    render.print_check_summary(rep, time.perf_counter() - t0, report)
+    if rep["counterexamples"]:
+        raise typer.Exit(1)
+
+
+# ----------------------------------------------------------------------------- score
+def _refuse_bound_options_without_delta(given: dict[str, object]) -> None:
+    """The bound options only act on the interval: refuse them when ``--delta`` is absent."""
+    flags = [FLAGS[k] for k, default in BOUND_OPTION_DEFAULTS.items() if given[k] != default]
+    if flags:
+        names = flags[0] if len(flags) == 1 else ", ".join(flags[:-1]) + " and " + flags[-1]
+        verb = "needs" if len(flags) == 1 else "need"
+        raise UserError(f"{names} {verb} --delta (the bound options only apply to the interval)")
+
+
+@app.command()
+def score(
+    probe: Path = typer.Option(..., "--probe", help="NPZ file with arrays z and g, each n × d."),
+    family: str = typer.Option(..., "--family", help=f"Residual family spec: {family_specs()}."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    delta: float | None = typer.Option(None, "--delta", help="Add a (1-δ) interval for s and a certificate."),
+    epsilon: float | None = typer.Option(None, "--epsilon", help="ε of the 'certified ε-saturated' verdict."),
+    grad_max: float | None = typer.Option(None, "--grad-max", help="γ ≥ ‖g(x)‖_F a.s. (default: probe AG_max)."),
+    leverage_max: float | None = typer.Option(None, "--leverage-max", help="L ≥ leverage a.s. (default: probe)."),
+    feature_norm_max: float | None = typer.Option(None, "--feature-norm-max", help="B ≥ ‖φ̃(u)‖ a.s.; L = B²/(μ+λ)."),
+    eig_floor: float | None = typer.Option(None, "--eig-floor", help="μ ≤ every nonzero eigenvalue of Σ."),
+    ridge: float = typer.Option(0.0, "--ridge", help="λ ≥ 0: bound the ridge score s_λ ≤ s."),
+    variance: float | None = typer.Option(None, "--variance", help="V ≥ E‖G_x Σ^{+1/2}‖² (default: probe)."),
+    candidates: int = typer.Option(1, "--candidates", help="Union bound over this many candidates."),
+    bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples with --delta (0: none)."),
+) -> None:
+    """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
+    constants: dict[str, Any] = dict(
+        grad_max=grad_max,
+        leverage_max=leverage_max,
+        feature_norm_max=feature_norm_max,
+        eig_floor=eig_floor,
+        ridge=ridge,
+        variance=variance,
+    )
+    try:
+        if delta is None:
+            _refuse_bound_options_without_delta(
+                {**constants, "epsilon": epsilon, "candidates": candidates, "bootstrap": bootstrap}
+            )
+        z, g = load_probe(probe)
+        fam = parse_family(family)
+        acc = statistics_for(fam, (z.shape[1],), Layout.VECTOR, pool_ties=True)
+        acc.update(torch.from_numpy(z), torch.from_numpy(g))
+        result = acc.result()
+        interval = None
+        if delta is not None:
+            interval = interval_from_probe(
+                z, g, fam, delta=delta, epsilon=epsilon, candidates=candidates, bootstrap=bootstrap, **constants
+            )
+        out = render.score_fields(result, interval)
+    except (UserError, FamilyError, StatisticsError, BoundError) as exc:
+        render.fail(exc)
+    render.print_score(out, probe, as_json=as_json)
+
+
+# ----------------------------------------------------------------------------- bound
+@app.command()
+def bound(
+    delta: float = typer.Option(..., "--delta", help="Confidence parameter δ in (0, 1)."),
+    n: int | None = typer.Option(None, "--n", help="Probe size: report the half-width."),
+    epsilon: float | None = typer.Option(None, "--epsilon", help="Target half-width: report the n needed."),
+    grad_max: float | None = typer.Option(None, "--grad-max", help="γ ≥ ‖g(x)‖_F a.s. (required)."),
+    leverage_max: float | None = typer.Option(None, "--leverage-max", help="L ≥ leverage a.s."),
+    feature_norm_max: float | None = typer.Option(None, "--feature-norm-max", help="B ≥ ‖φ̃(u)‖ a.s.; L = B²/(μ+λ)."),
+    eig_floor: float | None = typer.Option(None, "--eig-floor", help="μ ≤ every nonzero eigenvalue of Σ."),
+    ridge: float = typer.Option(0.0, "--ridge", help="λ ≥ 0 (ridge score s_λ)."),
+    variance: float | None = typer.Option(None, "--variance", help="V ≥ E‖G_x Σ^{+1/2}‖² (default: γ²L)."),
+    dim: int | None = typer.Option(None, "--dim", help="D ≥ rank Σ (default ⌊L⌋; required with --ridge)."),
+    score_max: float | None = typer.Option(None, "--score-max", help="S ≥ s_λ (default min(γ, √V))."),
+    candidates: int = typer.Option(1, "--candidates", help="Union bound over this many candidates."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Half-width of the finite-sample bound for a probe size, or the probe size for a half-width."""
+    try:
+        plan = plan_bound(
+            delta=delta,
+            n=n,
+            epsilon=epsilon,
+            grad_max=grad_max,
+            leverage_max=leverage_max,
+            feature_norm_max=feature_norm_max,
+            eig_floor=eig_floor,
+            ridge=ridge,
+            variance=variance,
+            dim=dim,
+            score_max=score_max,
+            candidates=candidates,
+        )
+    except BoundError as exc:
+        render.fail(exc)
+    render.print_bound(plan.to_dict(), delta, as_json=as_json)
+
+
+# ----------------------------------------------------------------------------- audit
+@app.command()
+def audit(
+    family: str = typer.Argument(
+        ...,
+        help="Built-in spec (poly:2), user family 'module:attr' (imported "
+        "from the current folder / PYTHONPATH), or a sympy expression in "
+        "u1..ud, t1..tp (e.g. 't1*u1 + t2*u1**3'; optional 'sympy:' prefix).",
+    ),
+    probe: Path | None = typer.Option(
+        None, "--probe", help="NPZ with z and g (n × d); default: a documented synthetic probe."
+    ),
+    model: str | None = typer.Option(
+        None, "--model", help="Audit at a site of a trained model: mlp, cnn or gpt (needs --site)."
+    ),
+    site: str | None = typer.Option(None, "--site", help="Site name for --model (e.g. blocks.1)."),
+    seed: int = typer.Option(0, "--seed", help="Training seed of --model."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Audit a residual family: function preservation, tangent rank, regularity, certificate, score."""
+    from depthsat_theory.audit import AuditError, report_table
+    from depthsat_theory.capture import NotFunctionPreservingError, SiteError
+
+    if os.getcwd() not in sys.path:  # 'module:attr' resolves from the current folder too
+        sys.path.insert(0, os.getcwd())
+    try:
+        if probe is not None and model is not None:
+            raise UserError("give either --probe or --model/--site, not both")
+        if (model is None) != (site is None):
+            raise UserError("--model and --site go together (e.g. --model mlp --site blocks.1)")
+        rep = _audit(family, probe, model, site, seed)
+    except (UserError, AuditError, FamilyError, StatisticsError, SiteError, NotFunctionPreservingError) as exc:
+        render.fail(exc)
+    render.print_audit(rep, report_table(rep), as_json=as_json)
+
+
+def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int) -> Any:
+    """The audit report on a probe file, at a site of a trained model, or on the synthetic probe."""
+    from depthsat_theory.audit import audit_family, audit_model, load_family, synthetic_probe
+    from depthsat_theory.tasks import KINDS, trained_task
+
+    if probe is not None:
+        z, g = load_probe(probe)
+        fam = load_family(family, d=z.shape[1])
+        return audit_family(fam, z, g, layout=Layout.VECTOR, probe=f"{probe} ({z.shape[0]} × {z.shape[1]})")
+    if model is not None and site is not None:
+        if model not in KINDS:
+            raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
+        fam = load_family(family)
+        task = trained_task(model, seed)
+        net: Any = task.model
+        return audit_model(
+            fam,
+            net,
+            site,
+            task.inputs,
+            task.targets,
+            task.loss,
+            layout=task.layout,
+            sites=net.site_names(),
+            probe=f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}",
+        )
+    fam = load_family(family)
+    z, g, layout, label = synthetic_probe(fam)
+    return audit_family(fam, z, g, layout=layout, probe=label)
+
+
+# ----------------------------------------------------------------------------- diagnose
+@app.command("diagnose")
+def diagnose_cmd(
+    model: str = typer.Option(..., "--model", help="Model: mlp, cnn, gpt (trained here, cached), or a zoo name."),
+    sites: str | None = typer.Option(None, "--sites", help="Comma-separated site module names (default: discovered)."),
+    family: str = typer.Option("linear", "--family", help=f"Residual family spec: {family_specs()}."),
+    delta: float | None = typer.Option(None, "--delta", help="Add (1-δ) intervals, union-bounded over the sites."),
+    rho: bool = typer.Option(False, "--rho", help="Also r̂ and ρ̂ (pools exactly equal units)."),
+    n_batches: int | None = typer.Option(None, "--batches", help="Probe batches (default: the whole probe set)."),
+    batch_size: int | None = typer.Option(
+        None,
+        "--batch-size",
+        help="Examples per probe batch (default: 64 for mlp/cnn/gpt, the zoo model's own otherwise).",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the diagnosis as JSON (atomically)."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write PATH.png and PATH.svg: score against depth."),
+    checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Save partial statistics here; resume from it."),
+    checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Batches between checkpoint writes."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
+    from depthsat_theory.capture import SiteError
+    from depthsat_theory.diagnose import DiagnoseError, diagnose
+    from depthsat_theory.diagnose import distributed as dist
+
+    dist.init_from_env()
+    main_rank = dist.is_main()
+    try:
+        check_output_path("--json", json_path)
+        check_output_path("--plot", plot)
+        target = diagnose_target(model, seed, n_batches, batch_size)
+        with render.progress(disable=quiet or not main_rank) as bar:
+            task = bar.add_task("probe batches", total=None)
+            res = diagnose(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites=list(_split(sites)) if sites else target.sites,
+                family=family,
+                delta=delta,
+                realizability=rho,
+                layout=target.layout,
+                checkpoint=checkpoint,
+                description=target.description,
+                checkpoint_every=checkpoint_every,
+                config={"model": model, "seed": seed, "batch_size": batch_size},
+                progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+                **target.extra,
+            )
+        written: list[Path] = []
+        if main_rank:
+            if json_path is not None:
+                res.write_json(json_path)
+                written.append(json_path)
+            written += res.plot(plot) if plot is not None else []
+    except (UserError, DiagnoseError, FamilyError, StatisticsError, SiteError, BoundError, OSError) as exc:
+        render.fail(exc)
+    if main_rank:
+        render.print_diagnosis(res, written)
+
+
+# ----------------------------------------------------------------------------- proofs
+@app.command()
+def proofs(
+    seed: int = typer.Option(0, "--seed", help="Base seed of every check."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer instances per check."),
+    only: str | None = typer.Option(None, "--only", help="Comma-separated claims, e.g. T2,T4."),
+    json_path: str | None = typer.Option(None, "--json", help="Also write the rows as JSON (atomically)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-check progress lines."),
+) -> None:
+    """Run the machine checks of every claim in theory/ (same as python -m proofs_checks); exit 1 on a failure."""
+    from proofs_checks import Context
+    from proofs_checks._report import run_and_report  # not yet exported by proofs_checks on this branch
+
+    claims = list(_split(only)) if only else None
+    raise typer.Exit(run_and_report(Context(seed=seed, quick=quick), only=claims, json_path=json_path, quiet=quiet))
+
+
+# ----------------------------------------------------------------------------- entry point
+def main() -> None:
+    """Console-script entry point.
+
+    Unexpected exceptions end with one ``error: internal error …`` line and exit
+    status 3 (``1`` means "counterexample found", ``2`` bad input); set
+    ``DEPTHSAT_DEBUG=1`` to see the traceback.
+    """
+    if os.environ.get("DEPTHSAT_DEBUG"):
+        app()
+        return
+    from depthsat_theory.tasks import CacheDirError
+
+    try:
+        status = app(standalone_mode=False)
+    except CacheDirError as exc:  # raised wherever a command trains or loads a model
+        render.err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except _USAGE_ERROR as exc:  # unknown option, unparsable value: one line too
+        msg = exc.format_message()
+        if msg:  # (an empty message: typer already printed the help of a bare command)
+            name = f"depthsat {exc.ctx.info_name} " if exc.ctx is not None and exc.ctx.parent else "depthsat "
+            render.err_console.print(f"error: {msg} (see {name}--help)", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except Exception as exc:
+        render.err_console.print(
+            f"error: internal error ({type(exc).__name__}: {exc}); rerun with DEPTHSAT_DEBUG=1 for the traceback",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(3)
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+# click's UsageError, whether typer vendors click or depends on it
+_USAGE_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")

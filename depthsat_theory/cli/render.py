@@ -1,0 +1,197 @@
+"""What the CLI prints: tables, summaries, JSON and one-line errors (rich)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from depthsat_theory.bounds import ScoreInterval
+from depthsat_theory.cli.flags import user_message
+from depthsat_theory.statistics import SaturationResult
+
+__all__ = [
+    "SCORE_NOTE",
+    "console",
+    "err_console",
+    "fail",
+    "print_audit",
+    "print_bound",
+    "print_check_summary",
+    "print_diagnosis",
+    "print_json",
+    "print_score",
+    "progress",
+    "score_fields",
+]
+
+console = Console() if sys.stdout.isatty() else Console(width=120)
+err_console = Console(stderr=True)
+
+SCORE_NOTE = (
+    "empirical measure of the probe; raw_score and realizability_defect pool exactly "
+    "equal rows only: exact on finite/discrete populations, biased upward for "
+    "continuous rows (raw_score -> ag_rms)"
+)
+
+
+def fail(exc: Exception | str) -> NoReturn:
+    """Print ``error: …`` (one line, arguments spelled as flags) on stderr and exit with status 2."""
+    msg = exc if isinstance(exc, str) else user_message(exc)
+    err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def progress(*, disable: bool) -> Progress:
+    """The progress bar on stderr (description, bar, count, elapsed time)."""
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        disable=disable,
+        transient=False,
+    )
+
+
+def print_json(obj: Any) -> None:
+    """Write ``obj`` as indented JSON (UTF-8 symbols kept) on stdout."""
+    sys.stdout.write(json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, dict) and "value" in v:
+        return f"{v['value']:.6g} ({v['source']})"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {_cell(x) if isinstance(x, dict) else x}" for k, x in v.items())
+    if isinstance(v, list):
+        return "\n".join(str(x) for x in v)
+    return str(v)
+
+
+def _quantity_table(title: str, rows: dict) -> Table:
+    table = Table(title=title)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for k, v in rows.items():
+        table.add_row(k, _cell(v))
+    return table
+
+
+# ----------------------------------------------------------------------------- check
+_CHECK_COLUMNS = [
+    ("predicted_improvable", "pred. impr."),
+    ("predicted_saturated", "pred. sat."),
+    ("agree", "agree"),
+    ("counterexample", "counterex."),
+    ("undecided", "undecided"),
+    ("degenerate", "degenerate"),
+]
+
+
+def print_check_summary(rep: dict, wall: float, path: Path) -> None:
+    """The ``depthsat check`` table (counts per group), reasons and totals.
+
+    Args:
+        rep: the report of :func:`depthsat_theory.check.run_check`.
+        wall: wall time in seconds.
+        path: where the JSON report was written.
+    """
+    summ = rep["summary"]
+    table = Table(title=f"depthsat check: {rep['instances']} instances, seed {rep['seed']}")
+    table.add_column("group", no_wrap=True)
+    for _, head in _CHECK_COLUMNS:
+        table.add_column(head, justify="right", no_wrap=True)
+    for key in ("model", "data", "construction", "family", "optimizer"):
+        for val, counts in summ[key].items():
+            label = f"{key}: {'real data' if val == 'None' else val}"
+            table.add_row(label, *[str(counts.get(c, 0)) for c, _ in _CHECK_COLUMNS])
+        table.add_section()
+    console.print(table)
+    for reason, count in summ["reasons"].items():
+        console.print(f"  {count} × {reason}", markup=False)
+    if summ["planted_reasons"]:
+        console.print(
+            "planted non-descent-compatible updates (T2 assumes descent compatibility, so "
+            "these counterexamples are expected and show that the checker can fail):",
+            markup=False,
+        )
+        for reason, count in summ["planted_reasons"].items():
+            console.print(f"  {count} × {reason}", markup=False)
+    console.print(
+        f"total: {rep['agree']} agree, {rep['counterexamples']} counterexamples "
+        f"({summ['planted_counterexamples']} planted), {rep['undecided']} undecided, "
+        f"{rep['degenerate']} degenerate (T = {{0}})",
+        markup=False,
+    )
+    console.print(f"wall time {wall:.1f} s; report: {path}", markup=False)
+
+
+# ----------------------------------------------------------------------------- score
+def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> dict:
+    """The keys of ``depthsat score``: the result's, a note, then the interval's (``--delta``).
+
+    The interval's ``label``, ``notes`` and ``tangent_rank`` become ``bound_label``,
+    ``bound_notes`` and ``bound_tangent_rank`` (its ``score`` is the result's).
+    """
+    out = result.to_dict()
+    out["note"] = SCORE_NOTE
+    if interval is not None:
+        bound = interval.to_dict()
+        bound.pop("score")
+        for key in ("label", "notes", "tangent_rank"):
+            bound[f"bound_{key}"] = bound.pop(key)
+        out.update(bound)
+    return out
+
+
+def print_score(out: dict, probe: Path, *, as_json: bool) -> None:
+    """``depthsat score`` output: JSON, or a table of the quantities followed by the note."""
+    if as_json:
+        print_json(out)
+        return
+    console.print(
+        _quantity_table(f"{probe.name}: family {out['family']}", {k: v for k, v in out.items() if k != "note"})
+    )
+    console.print(out["note"], markup=False)
+
+
+def print_bound(out: dict, delta: float, *, as_json: bool) -> None:
+    """``depthsat bound`` output: JSON, or a table of the plan."""
+    if as_json:
+        print_json(out)
+        return
+    console.print(_quantity_table(f"finite-sample bound (thm-finite-sample), δ = {delta:g}", out))
+
+
+# ----------------------------------------------------------------------------- audit, diagnose
+def print_audit(rep: Any, table: Table, *, as_json: bool) -> None:
+    """``depthsat audit`` output: JSON, or the probe, the report table and its notes."""
+    if as_json:
+        print_json(rep.to_dict())
+        return
+    console.print(f"probe: {rep.probe}", markup=False, highlight=False)
+    console.print(table)
+    for note in rep.notes:
+        console.print(f"  note: {note}", markup=False, highlight=False)
+
+
+def print_diagnosis(res: Any, written: list[Path]) -> None:
+    """``depthsat diagnose`` output: the table, notes, resume line and files written."""
+    out = console if sys.stdout.isatty() else Console(width=160)
+    out.print(res.table())
+    for note in res.notes:
+        out.print(f"  note: {note}", markup=False, highlight=False)
+    if res.resumed_from:
+        out.print(f"resumed from checkpoint after {res.resumed_from} batches", markup=False)
+    for p in written:
+        out.print(f"wrote {p}", markup=False, highlight=False)
