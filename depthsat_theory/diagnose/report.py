@@ -35,7 +35,7 @@ class SiteDiagnosis:
             ``s``, ``relative_score`` = ``s / AG_rms``, ``raw_score`` = ``r̂``,
             ``realizability_defect`` = ``ρ̂``, ``ag_rms``, ``ag_max``, ``tangent_rank``…;
             nats per example per unit function-space step).
-        interval: the ``(1 − δ)`` :class:`~depthsat_theory.bounds.core.ScoreInterval`, or ``None``.
+        interval: the ``(1 − δ)`` :class:`~depthsat_theory.bounds.ScoreInterval`, or ``None``.
     """
 
     site: str

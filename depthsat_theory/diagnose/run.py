@@ -12,7 +12,7 @@ forward and one backward pass per probe batch for all sites**
   pooled exactly (exact on finite/discrete populations, biased upward for continuous
   units: ``r̂ → AG_rms``);
 - the numerical tangent rank (``rank K``; ``0``: *degenerate*, never "saturated");
-- with ``delta``: the ``(1 − δ)`` interval of :mod:`depthsat_theory.bounds.core`
+- with ``delta``: the ``(1 − δ)`` interval of :mod:`depthsat_theory.bounds`
   (``thm-finite-sample``), union-bounded over the sites compared (``candidates`` =
   number of sites), with plug-in constants from the probe unless given.
 
