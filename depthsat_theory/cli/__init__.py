@@ -559,7 +559,7 @@ def _zoo_load(zoo, name: str, n_batches: int | None, batch_size: int | None, see
     if batch_size is not None:
         kw["batch_size"] = batch_size
     if n_batches is not None:
-        per = batch_size or getattr(zoo, "_DEFAULTS", {}).get(name, (None, 8))[1]
+        per = batch_size or getattr(zoo, "DEFAULTS", {}).get(name, (None, 8))[1]
         kw["n_examples"] = n_batches * per
     return zoo.load(name, **kw)
 
