@@ -48,6 +48,7 @@ from depthsat_theory.tasks.zoo import (
     ZooModel,
     ZooUnavailableError,
     load,
+    load_model,
     token_loss_masked,
 )
 
@@ -83,6 +84,7 @@ __all__ = [
     "load",
     "load_digits",
     "load_kjv_text",
+    "load_model",
     "load_or_train",
     "lsq_readout",
     "model_entry",

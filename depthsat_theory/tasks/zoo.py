@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from depthsat_theory.tasks.models import ResidualMLP, ResNetCNN
-from depthsat_theory.tasks.registry import MODELS, Source, model_names
+from depthsat_theory.tasks.registry import MODELS, Source, model_entry, model_names
 from depthsat_theory.vocabulary import Layout
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "ZooModel",
     "ZooUnavailableError",
     "load",
+    "load_model",
     "token_loss_masked",
 ]
 
@@ -100,7 +101,7 @@ class ZooModel:
     """A model with its probe batches and per-example loss.
 
     Attributes:
-        name: one of :data:`NAMES`.
+        name: its registry name (:data:`NAMES`, or a trained kind for :func:`load_model`).
         model: the network, eval mode, float32 or float64.
         loss_fn: ``loss_fn(output, targets) -> (B,)`` per-example losses (see
             ``loss_units``); ``output`` is what :meth:`forward` returns.
@@ -686,3 +687,76 @@ def load(
         zm = _load_digits_mlp(n, b, seed, cache_dir)
     zm.info["load_seconds"] = time.perf_counter() - t0
     return zm
+
+
+_TRAINED_LOSS_UNITS = {
+    "digits": "nats",
+    "kjv": "nats per token (mean over the example's predicted tokens)",
+}
+
+
+def load_model(
+    name: str,
+    *,
+    n_examples: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    **options: Any,
+) -> ZooModel:
+    """Load any registered model (:data:`~depthsat_theory.tasks.registry.MODELS`) with its probe batches.
+
+    Zoo models go through :func:`load`; trained kinds (``"mlp"``, ``"cnn"``, ``"gpt"``) through
+    :func:`~depthsat_theory.tasks.training.trained_task`, whose probe set (float64 inputs, or long
+    token ids for ``"gpt"``) is cut into consecutive batches.
+
+    Args:
+        name: a registry name (:func:`~depthsat_theory.tasks.registry.model_names`).
+        n_examples: probe examples (default: the registry's ``n_examples``; for a trained kind at
+            most its probe set: 512 for mlp and cnn, 32 sequences for gpt).
+        batch_size: examples per batch (default: the registry's ``batch_size``).
+        seed: the probe sample's seed (text models) and the training seed (trained models).
+        cache_dir: weight cache of the trained models (default ``$DEPTHSAT_CACHE``).
+        **options: further keyword arguments of :func:`load` (zoo models only).
+
+    Returns:
+        A :class:`ZooModel`; for a trained kind its ``info`` holds ``train_loss`` and ``probe_loss``
+        (nats) besides ``load_seconds``.
+
+    Raises:
+        ValueError: on an unknown name (the message lists every registered name), a bad size, or
+            ``options`` for a trained kind.
+        ZooUnavailableError: if an optional package of the models extra is missing.
+        depthsat_theory.tasks.data.DataUnavailableError: if the data extra is missing.
+    """
+    entry = model_entry(name)
+    if entry.source is Source.ZOO:
+        return load(name, n_examples=n_examples, batch_size=batch_size, seed=seed, cache_dir=cache_dir, **options)
+    if options:
+        raise ValueError(f"options {sorted(options)} apply to zoo models only, not to {name!r}")
+    from depthsat_theory.tasks.training import trained_task
+
+    t0 = time.perf_counter()
+    task = trained_task(name, seed, cache_dir=cache_dir)
+    n = _check_n(entry.n_examples if n_examples is None else n_examples, limit=int(task.inputs.shape[0]))
+    slices = _chunks(n, entry.batch_size if batch_size is None else batch_size)
+    zm = ZooModel(
+        name=name,
+        model=task.model,
+        loss_fn=task.loss,
+        batches=[(task.inputs[sl], task.targets[sl]) for sl in slices],
+        sites=_site_names(task.model),
+        layout=task.layout,
+        description=f"{name} (seed {seed}, {task.data} probe, {n} examples)",
+        loss_units=_TRAINED_LOSS_UNITS[task.data],
+        info={"train_loss": task.train_loss, "probe_loss": task.probe_loss},
+    )
+    zm.info["load_seconds"] = time.perf_counter() - t0
+    return zm
+
+
+def _site_names(model: nn.Module) -> list[str]:
+    names = getattr(model, "site_names", None)
+    if not callable(names):
+        raise TypeError(f"{type(model).__name__} has no site_names()")
+    return list(names())
