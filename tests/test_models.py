@@ -326,6 +326,45 @@ def test_weight_cache_path(tmp_path):
     assert weight_cache_path(tmp_path, "mlp", 3, {"config": {"a": 1}, "kind": "mlp"}) == path
 
 
+def test_load_or_train_round_trip(tmp_path, monkeypatch):
+    monkeypatch.delenv(training_mod.CACHE_ENV_VAR, raising=False)
+    from safetensors import safe_open
+
+    from depthsat_theory.tasks import CacheDirError, load_or_train, weight_cache_path
+
+    calls = []
+
+    def make() -> torch.nn.Linear:
+        return torch.nn.Linear(3, 2)
+
+    def trainer(model):
+        def train():
+            calls.append(1)
+            with torch.no_grad():
+                model.weight.fill_(0.25)
+                model.bias.fill_(-1.0)
+
+        return train
+
+    key, cfg = {"kind": "toy", "v": 1}, {"lr": 0.1}
+    first = make()
+    assert load_or_train(first, trainer(first), name="toy", seed=7, key=key, config=cfg, cache_dir=tmp_path) is False
+    path = weight_cache_path(tmp_path, "toy", 7, key)
+    assert calls == [1] and [p.name for p in tmp_path.iterdir()] == [path.name]
+    with safe_open(str(path), "pt") as fh:
+        assert fh.metadata() == {"kind": "toy", "seed": "7", "config": '{"lr": 0.1}'}
+    second = make()
+    assert load_or_train(second, trainer(second), name="toy", seed=7, key=key, config=cfg, cache_dir=tmp_path) is True
+    assert calls == [1]
+    assert torch.equal(second.weight, torch.full((2, 3), 0.25)) and torch.equal(second.bias, torch.full((2,), -1.0))
+    # no cache folder: trains every time; a file where the folder should be: CacheDirError
+    third = make()
+    assert load_or_train(third, trainer(third), name="toy", seed=7, key=key, config=cfg, cache_dir=None) is False
+    assert calls == [1, 1]
+    with pytest.raises(CacheDirError, match="is a file, not a folder"):
+        load_or_train(third, trainer(third), name="toy", seed=7, key=key, config=cfg, cache_dir=path)
+
+
 def test_trained_mlp_task(mlp_task):
     t = mlp_task
     assert t.kind == "mlp" and t.data == "digits" and t.layout == "vector"
