@@ -9,11 +9,17 @@ from typing import IO
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], object], *, binary: bool = False) -> None:
-    """Write ``path`` through ``write(fh)`` on a temporary file in the same folder, then
-    fsync and ``os.replace`` it into place.
+    """Write ``path`` atomically: ``write(fh)`` on a temporary file in the same folder, then fsync
+    and ``os.replace`` it into place, so readers see the old file or the whole new one.
+
+    Args:
+        path: the file to (over)write; its folder must exist.
+        write: called once with the open temporary file (text, or bytes when ``binary``).
+        binary: open the temporary file in binary mode.
 
     Raises:
         OSError: if the folder does not exist or is not writable (no partial file is left).
+        Exception: whatever ``write`` raises (the temporary file is removed, ``path`` is untouched).
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))

@@ -201,7 +201,7 @@ def residual_families(
     """
     width = st.integers(1, max_width)
     seed = st.integers(0, 3)
-    opts = [
+    opts: list[st.SearchStrategy[ResidualFamily]] = [
         st.sampled_from([linear(), linear(bias=False), even_features("abs"), even_features("square")]),
         st.integers(1, 3).map(polynomial),
         st.builds(lambda k, act, s: random_features(k, act, s), width, st.sampled_from(("relu", "gelu", "tanh")), seed),
@@ -273,12 +273,12 @@ def finite_measures(
         max_atoms: largest number of distinct atoms.
         max_count: largest multiplicity of an atom.
     """
-    d = _value(d, draw)
+    dim = int(_value(d, draw))
     m = draw(st.integers(1, max_atoms))
     grid = st.integers(-16, 16).map(lambda k: k / 8.0)
-    pts = draw(st.lists(st.tuples(*[grid] * d), min_size=m, max_size=m, unique=True))
+    pts = draw(st.lists(st.tuples(*[grid] * dim), min_size=m, max_size=m, unique=True))
     counts = draw(st.lists(st.integers(1, max_count), min_size=m, max_size=m))
-    return FinitePointSet(np.array(pts, dtype=np.float64).reshape(m, d), np.array(counts, dtype=np.int64))
+    return FinitePointSet(np.array(pts, dtype=np.float64).reshape(m, dim), np.array(counts, dtype=np.int64))
 
 
 def measures(d: int | st.SearchStrategy[int] | None = None, *, symbolic: bool = False) -> st.SearchStrategy:
@@ -391,6 +391,7 @@ def probes(
     z = z * zs
     g = rng.normal(size=(n, d))
     if kind != "generic":
+        assert family is not None  # checked above
         a = tangent_jacobian(family, z)
         if kind == "saturated":  # remove every direction of the column-scaled A above 1e-10 σ_max
             norms = np.linalg.norm(a, axis=0)

@@ -62,3 +62,85 @@ def engine(request) -> str:
 def case_device(request) -> torch.device:
     """CPU, and CUDA: the CUDA ids always appear and are skipped with a reason without a GPU."""
     return torch.device(request.param)
+
+
+# ----------------------------------------------------------------------------- slow tests
+# Tests marked ``slow`` run as a fixed sample: ``--slow-sample N`` keeps the N slow tests whose
+# SHA-256 of the test id is smallest (the same N on every run and machine), ``--slow-sample all``
+# keeps every one, ``--slow-sample 0`` none. The default is what the README's ``./dev test`` (and CI)
+# runs; ``$DEPTHSAT_SLOW_SAMPLE`` overrides it. A slow test named on the command line
+# (``path::test``) always runs. The terminal summary says how many ran and were deselected.
+
+SLOW_SAMPLE_DEFAULT = "1"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--slow-sample",
+        default=os.environ.get("DEPTHSAT_SLOW_SAMPLE", SLOW_SAMPLE_DEFAULT),
+        metavar="N|all",
+        help="run N tests marked slow, chosen by a hash of their test id (default "
+        f"$DEPTHSAT_SLOW_SAMPLE or {SLOW_SAMPLE_DEFAULT}); 'all' runs every slow test",
+    )
+
+
+def _slow_sample_size(config) -> int | None:
+    """``--slow-sample`` as a count, or ``None`` for all."""
+    raw = str(config.getoption("slow_sample")).strip().lower()
+    if raw == "all":
+        return None
+    if not raw.isdigit():
+        raise pytest.UsageError(f"--slow-sample must be a count >= 0 or 'all', got {raw!r}")
+    return int(raw)
+
+
+def _named_on_command_line(config) -> list[str]:
+    """Test ids given as ``path::name`` arguments, relative to the rootdir like ``item.nodeid``."""
+    named = []
+    for arg in config.args:
+        if "::" not in arg:
+            continue
+        path, rest = arg.split("::", 1)
+        rel = os.path.relpath(os.path.abspath(os.path.join(config.invocation_params.dir, path)), config.rootpath)
+        named.append(rel.replace(os.sep, "/") + "::" + rest)
+    return named
+
+
+def slow_test_hash(nodeid: str) -> str:
+    """The sample key of a test: the SHA-256 hex digest of its test id (``tests/x.py::test_y``)."""
+    import hashlib
+
+    return hashlib.sha256(nodeid.encode()).hexdigest()
+
+
+# selected: the slow test ids kept; deselected: how many were dropped; ran: those that reached their call
+_SLOW: dict = {"selected": set(), "deselected": 0, "ran": set(), "size": None, "active": False}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    size = _slow_sample_size(config)
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    named = _named_on_command_line(config)
+    keep = {item.nodeid for item in slow if any(item.nodeid.startswith(n) for n in named)}
+    ranked = sorted((item for item in slow if item.nodeid not in keep), key=lambda item: slow_test_hash(item.nodeid))
+    keep.update(item.nodeid for item in (ranked if size is None else ranked[:size]))
+    dropped = [item for item in slow if item.nodeid not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.nodeid in keep or item.get_closest_marker("slow") is None]
+    _SLOW.update(selected=keep, deselected=len(dropped), size=size, active=True)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" and report.nodeid in _SLOW["selected"]:
+        _SLOW["ran"].add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _SLOW["active"]:
+        return
+    sample = "all" if _SLOW["size"] is None else _SLOW["size"]
+    terminalreporter.write_line(
+        f"slow tests: {len(_SLOW['ran'])} ran, {_SLOW['deselected']} deselected "
+        f"(--slow-sample {sample}; --slow-sample all runs every one)"
+    )

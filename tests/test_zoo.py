@@ -26,8 +26,8 @@ def _need(*modules: str) -> None:
         pytest.skip(msg)
 
 
-def _check_common(zm: zoo.ZooModel) -> None:
-    assert zm.name in zoo.NAMES
+def _check_common(zm: zoo.ZooModel, names: tuple[str, ...] = zoo.NAMES) -> None:
+    assert zm.name in names
     assert not zm.model.training
     assert zm.layout in ("sequence", "image", "vector")
     mods = dict(zm.model.named_modules())
@@ -83,6 +83,43 @@ def test_digits_mlp(model_cache):
     assert zm.layout == "vector" and zm.n_examples == 100 and len(zm.batches) == 4
     assert next(zm.model.parameters()).dtype == torch.float64
     assert zm.mean_loss() < 0.5
+
+
+def test_load_model_trained_kind(model_cache):
+    """load_model serves a trained kind as the trained_task probe set cut into batches."""
+    from depthsat_theory.tasks import load_model, trained_task
+
+    task = trained_task("mlp", 0, cache_dir=model_cache)
+    zm = load_model("mlp", n_examples=100, batch_size=32, cache_dir=model_cache)
+    _check_common(zm, names=("mlp",))
+    assert (
+        zm.name == "mlp"
+        and zm.layout == "vector"
+        and zm.sites == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    )
+    assert [int(x.shape[0]) for x, _ in zm.batches] == [32, 32, 32, 4]
+    assert torch.equal(torch.cat([x for x, _ in zm.batches]), task.inputs[:100])
+    assert torch.equal(torch.cat([y for _, y in zm.batches]), task.targets[:100])
+    assert zm.info["probe_loss"] == task.probe_loss
+    assert zm.description == "mlp (seed 0, digits probe, 100 examples)"
+    # defaults: the whole 512-example probe set in batches of 64
+    full = load_model("mlp", cache_dir=model_cache)
+    assert zm.n_examples == 100 and full.n_examples == 512 and len(full.batches) == 8
+    with pytest.raises(ValueError, match="n_examples must be <= 512"):
+        load_model("mlp", n_examples=513, cache_dir=model_cache)
+    with pytest.raises(ValueError, match="zoo models only"):
+        load_model("mlp", max_tokens=3, cache_dir=model_cache)
+
+
+def test_load_model_zoo_name_and_unknown(model_cache):
+    from depthsat_theory.tasks import load_model
+
+    zm = load_model("digits-mlp", n_examples=10, batch_size=5, cache_dir=model_cache)
+    ref = zoo.load("digits-mlp", n_examples=10, batch_size=5, cache_dir=model_cache)
+    assert zm.description == ref.description and len(zm.batches) == 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(zm.batches, ref.batches, strict=True))
+    with pytest.raises(ValueError, match="unknown model 'pythia'; valid: mlp, cnn, gpt, smollm2, minilm"):
+        load_model("pythia")
 
 
 # ----------------------------------------------------------------------------

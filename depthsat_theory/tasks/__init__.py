@@ -1,4 +1,4 @@
-"""Data, models, training, exact constructions and the pretrained-model zoo."""
+"""Data, models, training, exact constructions, the pretrained-model zoo and the one model registry."""
 
 from depthsat_theory.tasks.constructions import (
     LSQ_FAMILIES,
@@ -17,7 +17,6 @@ from depthsat_theory.tasks.data import (
     load_kjv_text,
 )
 from depthsat_theory.tasks.models import (
-    LAYOUTS,
     BasicBlock,
     CausalSelfAttention,
     CharGPT,
@@ -28,30 +27,38 @@ from depthsat_theory.tasks.models import (
     classification_loss,
     token_loss,
 )
+from depthsat_theory.tasks.registry import MODELS, ModelEntry, Source, model_entry, model_names
 from depthsat_theory.tasks.training import (
     CACHE_ENV_VAR,
     KINDS,
     CacheDirError,
     Task,
+    load_or_train,
+    resolve_cache_dir,
     task_config,
+    train_classifier,
     trained_task,
+    weight_cache_path,
 )
 from depthsat_theory.tasks.zoo import (
+    DEFAULTS,
     INSTALL_HINT,
     NAMES,
     SentenceEncoder,
     ZooModel,
     ZooUnavailableError,
     load,
+    load_model,
     token_loss_masked,
 )
 
 __all__ = [
     "CACHE_ENV_VAR",
+    "DEFAULTS",
     "INSTALL_HINT",
     "KINDS",
-    "LAYOUTS",
     "LSQ_FAMILIES",
+    "MODELS",
     "NAMES",
     "ODD_FAMILIES",
     "BasicBlock",
@@ -62,10 +69,12 @@ __all__ = [
     "DataUnavailableError",
     "GPTBlock",
     "MLPBlock",
+    "ModelEntry",
     "OddMLP",
     "ResNetCNN",
     "ResidualMLP",
     "SentenceEncoder",
+    "Source",
     "Task",
     "ZooModel",
     "ZooUnavailableError",
@@ -75,11 +84,18 @@ __all__ = [
     "load",
     "load_digits",
     "load_kjv_text",
+    "load_model",
+    "load_or_train",
     "lsq_readout",
+    "model_entry",
+    "model_names",
     "odd_network",
+    "resolve_cache_dir",
     "squared_error",
     "task_config",
     "token_loss",
     "token_loss_masked",
+    "train_classifier",
     "trained_task",
+    "weight_cache_path",
 ]

@@ -19,12 +19,14 @@ zero (converse evidence for T6: ``g ≠ 0`` with ``s = 0``).
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from depthsat_theory.tasks.training import Task
+from depthsat_theory.vocabulary import Layout
 
 __all__ = [
     "LSQ_FAMILIES",
@@ -62,7 +64,7 @@ def lsq_readout(task: Task, readout_input: str = "ln_f", head: str = "head") -> 
     Raises:
         ValueError: if the task is not a vector-layout classifier with that head.
     """
-    if task.layout != "vector" or not isinstance(getattr(task.model, head, None), nn.Linear):
+    if task.layout != Layout.VECTOR or not isinstance(getattr(task.model, head, None), nn.Linear):
         raise ValueError("lsq_readout needs a vector-layout classifier with an nn.Linear head")
     model = copy.deepcopy(task.model).to(torch.float64).eval()
     feats: list[Tensor] = []
@@ -90,7 +92,7 @@ def lsq_readout(task: Task, readout_input: str = "ln_f", head: str = "head") -> 
         inputs=task.inputs,
         targets=targets,
         loss=squared_error,
-        layout="vector",
+        layout=Layout.VECTOR,
         train_loss=float("nan"),
         probe_loss=probe_loss,
     )
@@ -111,7 +113,7 @@ class _OddBlock(nn.Module):
 class OddMLP(nn.Module):
     """A residual MLP that is an odd function of its input (no biases, tanh, LN without β)."""
 
-    layout = "vector"
+    layout: ClassVar[Layout] = Layout.VECTOR
 
     def __init__(self, in_dim: int = 8, width: int = 16, depth: int = 3, out_dim: int = 4):
         super().__init__()
@@ -173,7 +175,7 @@ def odd_network(seed: int = 0, n_half: int = 128, steps: int = 150) -> tuple[Tas
         inputs=xp,
         targets=yp,
         loss=squared_error,
-        layout="vector",
+        layout=Layout.VECTOR,
         train_loss=float(loss.detach()),
         probe_loss=probe_loss,
     )

