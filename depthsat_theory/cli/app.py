@@ -347,11 +347,12 @@ def main() -> None:
     if os.environ.get("DEPTHSAT_DEBUG"):
         app()
         return
-    from depthsat_theory.tasks import CacheDirError
+    from depthsat_theory.extras import MissingExtraError
+    from depthsat_theory.tasks import CacheDirError, DataUnavailableError
 
     try:
         status = app(standalone_mode=False)
-    except CacheDirError as exc:  # raised wherever a command trains or loads a model
+    except (CacheDirError, DataUnavailableError, MissingExtraError) as exc:  # models, data, optional extras
         render.err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except _USAGE_ERROR as exc:  # unknown option, unparsable value: one line too

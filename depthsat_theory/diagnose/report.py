@@ -193,9 +193,15 @@ class Diagnosis:
 
         Returns:
             The two paths written.
+
+        Raises:
+            MissingExtraError: if matplotlib is not installed (``pip install 'depthsat[plot]'``).
         """
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from depthsat_theory.extras import require
+
+        Figure = require("matplotlib.figure", extra="plot", purpose="the diagnose plot").Figure
+        agg = require("matplotlib.backends.backend_agg", extra="plot", purpose="the diagnose plot")
+        FigureCanvasAgg = agg.FigureCanvasAgg
 
         base = Path(path)
         if base.suffix.lower() in (".png", ".svg"):
