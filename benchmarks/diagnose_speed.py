@@ -515,7 +515,7 @@ def check_gromo_agrees(model, probe, fam, sites, d) -> float:
     go = run_gromo(model, probe, gm=gromo_model(model, fam, sites, d))
     worst = 0.0
     for s in sites:
-        sig, g = torch.from_numpy(st[s].gram), torch.from_numpy(st[s].cross_gradient)
+        sig, g = torch.from_numpy(st[s].feature_gram()), torch.from_numpy(st[s].cross_gradient())
         s_g, m_g = go[s][0].double(), go[s][1].double()
         worst = max(worst, float((s_g - sig).norm() / sig.norm()), float((m_g.T - g).norm() / g.norm()))
     return worst

@@ -243,7 +243,7 @@ def _g_bounds(ins) -> tuple[float, float, float, float]:
     """``(‖G̃‖_F, s·√λ̃⁺_min, s·√λ̃_max, rounding allowance)`` in the engine's diagonally scaled
     coordinates (``G̃ = G D^{-1/2}``, ``Σ̃ = D^{-1/2} Σ D^{-1/2}``, ``D = diag Σ``; ``s`` is invariant),
     ``λ̃⁺_min`` the smallest eigenvalue the engine keeps (``> rtol·λ̃_max``)."""
-    G, sig = ins.stats.cross_gradient, ins.stats.gram
+    G, sig = ins.stats.cross_gradient(), ins.stats.feature_gram()
     diag = np.clip(np.diag(sig), 0.0, None)
     scale = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 0.0)
     gs, ss = G * scale, sig * np.outer(scale, scale)
@@ -283,7 +283,7 @@ def saturated_iff_g_zero(ctx: Context) -> Outcome:
         ok = lo - slack <= gn <= hi + slack and ins.feature_grad_max == 0.0
         if ins.result.saturated:
             n_sat += 1
-            g_norm = float(np.linalg.norm(ins.stats.cross_gradient))
+            g_norm = float(np.linalg.norm(ins.stats.cross_gradient()))
             worst_zero = max(worst_zero, g_norm / max(ins.result.ag_rms, 1e-300))
         else:
             n_imp += 1

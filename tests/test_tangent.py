@@ -970,3 +970,47 @@ def test_family_not_differentiable_at_origin_is_named():
     z = torch.randn(8, 3, dtype=torch.float64)
     with pytest.raises(StatisticsError, match="not differentiable at the origin"):
         acc.update(z, torch.randn(8, 3, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- public accessors
+@pytest.mark.parametrize(("spec", "layout"), [("linear", "vector"), ("poly:2", "sequence"), ("linear-nobias", "image")])
+def test_feature_accessors_match_dense_jacobian(spec, layout, device):
+    """Σ, G, K = I_d ⊗ Σ and b against the dense Jacobian A (K = AᵀA/n, b = Aᵀg/n)."""
+    fam = parse_family(spec)
+    z, g = _probe(layout, seed=41, device=device)
+    n = z.shape[0]
+    stats = statistics_for(fam, SHAPES[layout], layout)
+    stats.update(z, g)
+    a = dense_jacobian(fam, z, layout)
+    gv = g.detach().cpu().to(torch.float64).numpy().reshape(-1)
+    np.testing.assert_allclose(stats.tangent_gram(), a.T @ a / n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(stats.gradient(), a.T @ gv / n, rtol=1e-12, atol=1e-13)
+    phi = phi_tilde(fam, z, layout)
+    grows = np_rows(g, layout)
+    np.testing.assert_allclose(stats.feature_gram(), phi.T @ phi / n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(stats.cross_gradient(), grows.T @ phi / n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(stats.gradient(), stats.result().gradient, rtol=0, atol=0)
+
+
+def test_general_accessors_match_dense_jacobian(device):
+    fam = general_tanh_sq()
+    z, g = _probe("sequence", seed=43, device=device)
+    n = z.shape[0]
+    stats = statistics_for(fam, SHAPES["sequence"], "sequence")
+    stats.update(z, g)
+    a = dense_jacobian(fam, z, "sequence")
+    gv = g.detach().cpu().to(torch.float64).numpy().reshape(-1)
+    np.testing.assert_allclose(stats.tangent_gram(), a.T @ a / n, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(stats.gradient(), a.T @ gv / n, rtol=1e-12, atol=1e-13)
+
+
+def test_accessors_refuse_empty_and_oversized(device):
+    stats = statistics_for(linear(), (3,), "vector")
+    for accessor in (stats.feature_gram, stats.cross_gradient, stats.gradient, stats.tangent_gram):
+        with pytest.raises(StatisticsError, match="no examples"):
+            accessor()
+    z, g = _probe("vector", seed=44, device=device)
+    stats.update(z, g)
+    assert stats.tangent_gram().shape == (12, 12)
+    with pytest.raises(StatisticsError, match="max_elements = 100"):
+        stats.tangent_gram(max_elements=100)

@@ -93,8 +93,8 @@ class BoundStatistics(FeatureStatistics):
             g = np.concatenate([q for _, q in self._rows])
         return ProbeMoments(
             n=self.n,
-            sigma=self.gram,
-            cross=self.cross_gradient,
+            sigma=self.feature_gram(),
+            cross=self.cross_gradient(),
             q=self.q_sum / self.n,
             g_sq=self.g_sq / self.n,
             g_max=self.g_max,

@@ -233,7 +233,7 @@ class _Insertion:
         )
         # scale of the tangent map: sqrt(λ_max K) and sqrt(max diag K)
         if isinstance(stats, FeatureStatistics):
-            kmat = stats.gram
+            kmat = stats.feature_gram()
         else:
             kmat = (stats.k_mat / stats.n).cpu().numpy()
         lam = np.linalg.eigvalsh(0.5 * (kmat + kmat.T)) if kmat.size else np.zeros(1)

@@ -2,6 +2,7 @@
 
 from depthsat_theory.statistics.tangent import (
     GRAM_FACTOR,
+    TANGENT_GRAM_MAX_ELEMENTS,
     TOL_FACTOR,
     FeatureStatistics,
     GeneralStatistics,
@@ -16,6 +17,7 @@ from depthsat_theory.statistics.tangent import (
 
 __all__ = [
     "GRAM_FACTOR",
+    "TANGENT_GRAM_MAX_ELEMENTS",
     "TOL_FACTOR",
     "FeatureStatistics",
     "GeneralStatistics",

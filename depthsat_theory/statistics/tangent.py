@@ -33,6 +33,7 @@ from depthsat_theory.families import FamilyError, FeatureFamily, GeneralFamily, 
 
 __all__ = [
     "GRAM_FACTOR",
+    "TANGENT_GRAM_MAX_ELEMENTS",
     "TOL_FACTOR",
     "FeatureStatistics",
     "GeneralStatistics",
@@ -52,6 +53,9 @@ TOL_FACTOR = 1.0e3
 class StatisticsError(ValueError):
     """Bad input to the statistics (shape mismatch, NaN/Inf, empty probe)."""
 
+
+#: Largest number of entries :meth:`FeatureStatistics.tangent_gram` forms (128 MiB of float64).
+TANGENT_GRAM_MAX_ELEMENTS = 1 << 24
 
 #: Float64 Gram arithmetic loses ``~ k · eps64 / λ_rel`` of a direction's relative accuracy;
 #: directions are kept while that loss stays below ``1 / GRAM_FACTOR``.
@@ -299,6 +303,10 @@ class _Accumulator:
                 slot[0] += s
                 slot[1] += c
 
+    def _require_examples(self) -> None:
+        if self.n == 0:
+            raise StatisticsError("no examples were accumulated: the probe is empty")
+
     def _check_finite(self, *arrays) -> None:
         vals = [self.g_sq, self.z_sq, self.g_max] + [float(np.abs(np.asarray(a)).sum()) for a in arrays]
         if not all(math.isfinite(v) for v in vals):
@@ -457,15 +465,69 @@ class FeatureStatistics(_Accumulator):
         self.cross += other.cross.to(self.cross.device)
         return self
 
-    @property
-    def gram(self) -> np.ndarray:
-        """``Σ = E[Σ_r φ̃ φ̃ᵀ]`` as float64 numpy ``(k̃, k̃)``."""
-        return (self.sigma / max(self.n, 1)).cpu().numpy()
+    def feature_gram(self) -> np.ndarray:
+        """``Σ = E[Σ_r φ̃_r φ̃_rᵀ]``: the per-example mean feature Gram.
 
-    @property
+        Returns:
+            float64 numpy array ``(k̃, k̃)`` (``k̃`` the augmented feature dimension),
+            in (feature units)² per example (theory label ``thm-cross-gradient``).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.sigma / self.n).cpu().numpy()
+
     def cross_gradient(self) -> np.ndarray:
-        """``G = E[Σ_r g φ̃ᵀ]`` as float64 numpy ``(d, k̃)``: equals ``∂J/∂(W, c)``."""
-        return (self.cross / max(self.n, 1)).cpu().numpy()
+        """``G = E[Σ_r g_r φ̃_rᵀ]``: the per-example mean cross-gradient, equal to ``∂J/∂(W, c)``.
+
+        Returns:
+            float64 numpy array ``(d, k̃)`` in (loss units)·(feature units) per example
+            (theory label ``thm-cross-gradient``).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.cross / self.n).cpu().numpy()
+
+    def gradient(self) -> np.ndarray:
+        """``b = E[Aᵀ g] = vec(G)`` in the tangent-coordinate order ``(vec_row(W), c)``.
+
+        Returns:
+            float64 numpy vector ``(p,)`` with ``p = d · k̃`` (:meth:`theta_vector` of :meth:`cross_gradient`).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        return self.theta_vector(self.cross_gradient())
+
+    def tangent_gram(self, *, max_elements: int = TANGENT_GRAM_MAX_ELEMENTS) -> np.ndarray:
+        """``K = E[AᵀA] = I_d ⊗ Σ`` formed explicitly, in the order of :meth:`gradient`.
+
+        For feature families ``K`` is block diagonal with ``d`` copies of ``Σ``; it has
+        ``p² = (d k̃)²`` entries, so it is formed only for small sites (scores never
+        need it: ``s² = tr(G Σ⁺ Gᵀ)``, theory label ``thm-cross-gradient``).
+
+        Args:
+            max_elements: refuse to form ``K`` with more entries than this
+                (default :data:`TANGENT_GRAM_MAX_ELEMENTS`, 128 MiB of float64).
+
+        Returns:
+            float64 numpy array ``(p, p)``, ``p = d · k̃``.
+
+        Raises:
+            StatisticsError: if no examples were accumulated, or ``p² > max_elements``.
+        """
+        p = self.d * self.k
+        if p * p > max_elements:
+            raise StatisticsError(
+                f"the tangent Gram K = I_d ⊗ Σ would have p² = {p}² = {p * p} entries, above "
+                f"max_elements = {max_elements}; use feature_gram() (Σ, {self.k}×{self.k}) instead"
+            )
+        kron = np.kron(np.eye(self.d), self.feature_gram())
+        order = self.theta_vector(np.arange(p).reshape(self.d, self.k))
+        return kron[np.ix_(order, order)]
 
     def result(self, *, rtol: float | None = None, tol: float | None = None) -> SaturationResult:
         """Compute ``s² = tr(G Σ⁺ Gᵀ)`` and the other quantities.
@@ -480,7 +542,7 @@ class FeatureStatistics(_Accumulator):
         if self.n == 0:
             raise StatisticsError("no examples were accumulated: the probe is empty")
         rtol = default_rtol(self.dtype, self.k) if rtol is None else float(rtol)
-        sig, big_g = self.gram, self.cross_gradient
+        sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
         s2, rank_sigma, cutoff, inv = pinv_quadratic(sig, big_g, rtol)
         self._coef = big_g @ inv  # Π g (u) = G Σ⁻ φ̃(u)
@@ -505,7 +567,7 @@ class FeatureStatistics(_Accumulator):
     def projector(self, *, rtol: float | None = None) -> TangentProjector:
         """The orthogonal projector onto ``T`` on this probe's units (see :class:`TangentProjector`)."""
         rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else rtol
-        _, rank, _cutoff, inv = pinv_quadratic(self.gram, np.zeros((0, self.k)), rtol)
+        _, rank, _cutoff, inv = pinv_quadratic(self.feature_gram(), np.zeros((0, self.k)), rtol)
         return TangentProjector(self, inv, rank)
 
 
@@ -626,13 +688,36 @@ class GeneralStatistics(_Accumulator):
         self.b += other.b.to(self.b.device)
         return self
 
+    def tangent_gram(self) -> np.ndarray:
+        """``K = E[Σ_u A(u)ᵀ A(u)]``, the per-example mean tangent Gram (def-score).
+
+        Returns:
+            float64 numpy array ``(p, p)``, ``p`` the family's number of tangent parameters.
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.k_mat / self.n).cpu().numpy()
+
+    def gradient(self) -> np.ndarray:
+        """``b = E[Σ_u A(u)ᵀ g(u)]``, equal to autograd's gradient of the mean loss at ``θ = 0``.
+
+        Returns:
+            float64 numpy vector ``(p,)`` in (loss units) per example per unit of ``θ``.
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.b / self.n).cpu().numpy()
+
     def result(self, *, rtol: float | None = None, tol: float | None = None) -> SaturationResult:
         """Compute ``s² = bᵀ K⁺ b`` (eigh with a relative cutoff) and the other quantities."""
         if self.n == 0:
             raise StatisticsError("no examples were accumulated: the probe is empty")
         rtol = default_rtol(self.dtype, self.p) if rtol is None else float(rtol)
-        kmat = (self.k_mat / self.n).cpu().numpy()
-        b = (self.b / self.n).cpu().numpy()
+        kmat, b = self.tangent_gram(), self.gradient()
         self._check_finite(kmat, b)
         s2, rank, cutoff, inv = pinv_quadratic(kmat, b[None, :], rtol)
         self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
