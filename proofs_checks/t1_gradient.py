@@ -35,10 +35,9 @@ import numpy as np
 import sympy as sp
 import torch
 
-from depthsat_theory.capture import accumulate
-from depthsat_theory.check.checker import FAMILY_POOLS, _batches, _Context, _family, _Insertion, _site_shapes
+from depthsat_theory.capture import Insertion
+from depthsat_theory.check import FAMILY_POOLS, insert_on_probe, pool_family
 from depthsat_theory.families import ResidualFamily
-from depthsat_theory.statistics import statistics_for
 from depthsat_theory.tasks import (
     CACHE_ENV_VAR,
     CharGPT,
@@ -141,26 +140,18 @@ def trained(kind: str) -> Task:
     return dataclasses.replace(task, kind=f"trained-{kind}", inputs=task.inputs[:k], targets=task.targets[:k])
 
 
-def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties: bool = False) -> _Insertion:
+def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties: bool = False) -> Insertion:
     """One (task, site, family) through the numeric engine, as the theorem checker does it.
 
-    Streams the probe's statistics (:func:`~depthsat_theory.statistics.tangent.statistics_for` +
-    :func:`~depthsat_theory.capture.sites.accumulate`), then really inserts the family's zero block
-    after ``site`` in a copy of the model (``check._Insertion``): function preservation,
-    autograd gradient ``b`` of the probe loss w.r.t. the block, its comparison with the
-    statistics, feature-parameter gradients and the first-step evaluation.  The
-    accumulator is attached as ``.stats``.
+    Streams the probe's statistics, then really inserts the family's zero block after ``site``
+    in a copy of the model (:func:`depthsat_theory.check.insert_on_probe`, a
+    :class:`depthsat_theory.capture.Insertion`): function preservation, autograd gradient ``b``
+    of the probe loss w.r.t. the block, its comparison with the statistics, feature-parameter
+    gradients and the first-step slope.  The accumulator (G, Σ or K, b; tie pooling) is ``.stats``.
+    Family specs are those of the checker's pools (:func:`depthsat_theory.check.pool_family`).
     """
-    fam = _family(family) if isinstance(family, str) else family
-    ctx = _Context(task.kind, task, [site])
-    with torch.no_grad():
-        ctx.reference_output = task.model(task.inputs)
-    shape = _site_shapes(task, [site])[site]
-    stats = statistics_for(fam, shape, task.layout, pool_ties=pool_ties)
-    ctx.probe_loss = accumulate(task.model, [site], _batches(task), task.loss, {site: stats})
-    ins = _Insertion(ctx, site, fam, stats)
-    ins.stats = stats  # the accumulator (G, Σ or K, b; tie pooling)
-    return ins
+    fam = pool_family(family) if isinstance(family, str) else family
+    return insert_on_probe(task, site, fam, pool_ties=pool_ties)
 
 
 def draw_instances(

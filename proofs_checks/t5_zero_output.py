@@ -34,7 +34,7 @@ import numpy as np
 import sympy as sp
 
 from depthsat_theory.capture import SiteRecorder
-from depthsat_theory.check.checker import _family
+from depthsat_theory.check import pool_family
 from depthsat_theory.engines import dense_saturation
 from depthsat_theory.families import FeatureFamily
 from depthsat_theory.statistics import FeatureStatistics
@@ -213,7 +213,7 @@ def dense_reference(ctx: Context) -> Outcome:
         pool = DENSE_FAMILIES[task.layout]
         spec = pool[int(rng.integers(len(pool)))]
         fams.add(spec)
-        fam = _family(spec)
+        fam = pool_family(spec)
         z, g = _probe(task, site)
         acc = _feature_stats(fam, z, g, task.layout)
         res = acc.result()

@@ -41,7 +41,7 @@ import torch
 
 import depthsat_theory.engines.symbolic as S
 from depthsat_theory.capture import SiteRecorder
-from depthsat_theory.check.checker import FAMILY_POOLS, _family
+from depthsat_theory.check import FAMILY_POOLS, pool_family
 from depthsat_theory.families import GeneralFamily
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.tasks import Task, squared_error
@@ -196,7 +196,7 @@ def _population(rng: np.random.Generator, gen: torch.Generator, spec: str, noise
     d = int(rng.integers(3, 7))
     n_distinct = int(rng.integers(6, 16))
     units = torch.randn(n_distinct, d, generator=gen, dtype=torch.float64)
-    fam = _family(spec)
+    fam = pool_family(spec)
     if hasattr(fam, "frozen_feature_map"):
         fam.frozen_feature_map((d,), "vector", dtype=torch.float64, device=torch.device("cpu"))
     v0 = torch.randn(fam.param_dim((d,)), generator=gen, dtype=torch.float64)
