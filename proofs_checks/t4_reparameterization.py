@@ -39,7 +39,7 @@ from depthsat_theory.families import FeatureFamily, GeneralFamily, ResidualFamil
 from depthsat_theory.optimizers import get_update
 
 from ._registry import Context, Outcome, check
-from .t1_gradient import fmt, insertion, random_measure, random_task, rat, rat_matrix, trained
+from .t1_gradient import fmt, insertion, random_measure, random_task, rat, rat_matrix, sites_of, trained
 
 
 # ============================================================================ symbolic
@@ -227,7 +227,7 @@ def reparam_numeric(ctx: Context) -> Outcome:
         else:
             task = random_task(("mlp", "gpt", "cnn")[i % 3], int(rng.integers(1 << 30)))
             spec = REPARAM_BASES[int(rng.integers(len(REPARAM_BASES)))]
-        site = task.model.site_names()[int(rng.integers(len(task.model.site_names())))]
+        site = sites_of(task)[int(rng.integers(len(sites_of(task))))]
         base = pool_family(spec)
         shape = site_shapes(task, [site])[site]
         p = base.param_dim(shape)
@@ -277,7 +277,7 @@ def degenerate(ctx: Context) -> Outcome:
     s_min = float("inf")
     for i in range(n):
         task = random_task(("mlp", "gpt", "cnn")[i % 3], int(rng.integers(1 << 30)))
-        site = task.model.site_names()[int(rng.integers(len(task.model.site_names())))]
+        site = sites_of(task)[int(rng.integers(len(sites_of(task))))]
         base = linear()
         shape = site_shapes(task, [site])[site]
         p = base.param_dim(shape)

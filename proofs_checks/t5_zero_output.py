@@ -40,7 +40,7 @@ from depthsat_theory.families import FeatureFamily
 from depthsat_theory.statistics import FeatureStatistics
 
 from ._registry import Context, Outcome, check
-from .t1_gradient import draw_instances, fmt, insertion, lsq_task, odd_task, random_task, rat, rat_probs
+from .t1_gradient import draw_instances, fmt, insertion, lsq_task, odd_task, random_task, rat, rat_probs, sites_of
 
 # ============================================================================ symbolic
 u1, u2, psi1, psi2 = sp.symbols("u1 u2 psi1 psi2", real=True)
@@ -208,7 +208,7 @@ def dense_reference(ctx: Context) -> Outcome:
     fams = set()
     for i in range(n):
         task = random_task(("mlp", "gpt", "cnn")[i % 3], int(rng.integers(1 << 30)))
-        sites = task.model.site_names()
+        sites = sites_of(task)
         site = sites[int(rng.integers(len(sites)))]
         pool = DENSE_FAMILIES[task.layout]
         spec = pool[int(rng.integers(len(pool)))]
@@ -283,7 +283,9 @@ def saturated_iff_g_zero(ctx: Context) -> Outcome:
         ok = lo - slack <= gn <= hi + slack and ins.feature_grad_max == 0.0
         if ins.result.saturated:
             n_sat += 1
-            g_norm = float(np.linalg.norm(ins.stats.cross_gradient()))
+            stats = ins.stats
+            assert isinstance(stats, FeatureStatistics)  # a feature family's statistics
+            g_norm = float(np.linalg.norm(stats.cross_gradient()))
             worst_zero = max(worst_zero, g_norm / max(ins.result.ag_rms, 1e-300))
         else:
             n_imp += 1

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import numpy as np
 import sympy as sp
@@ -53,11 +54,12 @@ from .t1_gradient import (
     insertion,
     lsq_task,
     odd_task,
+    random_example_law,
     random_measure,
     random_task,
     rat,
     rat_matrix,
-    rat_probs,
+    sites_of,
 )
 
 
@@ -117,23 +119,13 @@ def _chain_instance(rng: np.random.Generator) -> bool:
     d, p = int(rng.integers(1, 3)), int(rng.integers(1, 4))
     n_units, n_ex, T = int(rng.integers(2, 4)), int(rng.integers(2, 5)), int(rng.integers(1, 4))
     A = [rat_matrix(rng, d, p) for _ in range(n_units)]
-    px = rat_probs(rng, n_ex)
-    ex_units = [[int(rng.integers(n_units)) for _ in range(T)] for _ in range(n_ex)]
-    ex_g = [[rat_matrix(rng, d, 1) for _ in range(T)] for _ in range(n_ex)]
-    K = sum((px[x] * A[ex_units[x][t]].T * A[ex_units[x][t]] for x in range(n_ex) for t in range(T)), sp.zeros(p))
-    b = sum((px[x] * A[ex_units[x][t]].T * ex_g[x][t] for x in range(n_ex) for t in range(T)), sp.zeros(p, 1))
+    law = random_example_law(rng, n_ex, T, n_units, d)
+    K = sum((q * A[k].T * A[k] for q, k, _ in law.terms()), sp.zeros(p))
+    b = sum((q * A[k].T * gv for q, k, gv in law.terms()), sp.zeros(p, 1))
     s2 = (b.T * K.pinv() * b)[0, 0]
-    r2 = sp.Integer(0)
-    for k in range(n_units):
-        mass = sum(px[x] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k)
-        if mass:
-            m = (
-                sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k), sp.zeros(d, 1))
-                / mass
-            )
-            r2 += mass * (m.T * m)[0, 0]
-    per_ex = [sum(((ex_g[x][t].T * ex_g[x][t])[0, 0] for t in range(T)), sp.Integer(0)) for x in range(n_ex)]
-    ag_rms2 = sum(q * e for q, e in zip(px, per_ex, strict=False))
+    r2 = sum((mass * (m.T * m)[0, 0] for _, mass, m in law.pooled(n_units, d)), sp.Integer(0))
+    per_ex = [sum(((gv.T * gv)[0, 0] for gv in gs), sp.Integer(0)) for gs in law.g]
+    ag_rms2 = sum(q * e for q, e in zip(law.px, per_ex, strict=True))
     ag_max2 = max(per_ex)
     return bool(sp.simplify(s2) <= r2 <= ag_rms2 <= ag_max2)
 
@@ -222,7 +214,7 @@ def _affine_target_task(seed: int) -> tuple[Task, str]:
     gen = torch.Generator().manual_seed(seed + 1)
     x = base.inputs[:12]
     x = torch.cat([x, x[:8], x[:3]])
-    model = base.model
+    model: Any = base.model
     feats = []
     h = model.ln_f.register_forward_hook(lambda mod, i, o: feats.append(o.detach()))
     with torch.no_grad():
@@ -386,7 +378,7 @@ def no_realizability(ctx: Context) -> Outcome:
     cases += [("odd network", otask, s, f) for s in osites for f in ("even:abs", "even:square")][: ctx.count(8, 2)]
     for _ in range(ctx.count(2, 1)):
         ntask = _label_noise_task(int(rng.integers(1 << 30)))
-        sites = ntask.model.site_names()
+        sites = sites_of(ntask)
         for _ in range(ctx.count(3, 2)):
             site = sites[int(rng.integers(len(sites)))]
             pool = [f for f in FAMILY_POOLS["vector"] if not f.startswith("product")]
