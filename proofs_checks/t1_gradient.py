@@ -13,7 +13,7 @@ Checks:
   units each (the intensity measure, exact rationals),
   ``∇_θ J(0) = E[Aᵀ g] = E[Aᵀ m]`` with ``m(u) = E[g | unit = u]``.
 - ``t1-autograd-gradient`` (numeric): random and trained torch models, random sites and
-  families; the block is really inserted (:func:`depthsat_theory.capture.sites.insert_block`)
+  families; the block is really inserted (:func:`depthsat_theory.capture.insert_block`)
   and autograd's gradient of the probe loss is compared with the statistics' ``b``.
 
 This module also holds the helpers shared by the claim modules T1–T6 (small random

@@ -19,7 +19,7 @@ Checks:
   rational finite measures.
 - ``t4-reparam-numeric`` (numeric): a family reparameterized through
   ``χ(ξ) = C tanh(ξ) + 0.3 (Eξ)⊙(Eξ)`` (random well-conditioned ``C``) as a
-  :class:`~depthsat_theory.families.base.GeneralFamily` gives the same ``s`` and rank as the
+  :class:`~depthsat_theory.families.GeneralFamily` gives the same ``s`` and rank as the
   original on random/trained models, and ``b̃ = Cᵀ b``.
 - ``t4-degenerate`` (converse): ``W = UV`` (``product:R``) and ``θ = ξ ⊙ ξ`` have exactly
   zero tangent maps (sympy) and the engine reports them degenerate (rank 0, not

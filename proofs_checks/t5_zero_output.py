@@ -17,7 +17,7 @@ Checks:
   ``g``, even features) has ``G = 0`` and ``s = 0`` with ``g ≠ 0``, a generic one
   ``G ≠ 0`` and ``s > 0``.
 - ``t5-dense-reference`` (numeric): ``s`` and ``b`` from the streaming
-  :class:`~depthsat_theory.statistics.tangent.FeatureStatistics` equal the dense Jacobian reference
+  :class:`~depthsat_theory.statistics.FeatureStatistics` equal the dense Jacobian reference
   (:func:`depthsat_theory.engines.dense.dense_saturation`) on random MLP/CNN/GPT models for
   row and tensor (conv3×3, attention) families.
 - ``t5-saturated-iff-G-zero`` (numeric): the exact constructions have ``G = 0`` and are

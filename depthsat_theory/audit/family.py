@@ -7,10 +7,10 @@ asks before trusting a saturation score:
 1. **Function preservation** (``def-family``): is ``h(0, u) = 0`` on every probe
    unit?  Measured as ``max |h(0, z)|`` over the probe (and, for a model site, as the
    max deviation of the model's output after inserting the block,
-   :func:`~depthsat_theory.capture.sites.check_function_preserving`); for sympy families the
+   :func:`~depthsat_theory.capture.check_function_preserving`); for sympy families the
    symbolic engine's exact verdict on ``h(0, u) ≡ 0`` counts too (a residual that
    vanishes on the probe but not identically is caught).  A family that is not
-   function-preserving is rejected (:class:`~depthsat_theory.capture.sites.NotFunctionPreservingError`).
+   function-preserving is rejected (:class:`~depthsat_theory.capture.NotFunctionPreservingError`).
 2. **Tangent space** (``def-tangent``): ``p`` tangent coordinates and the numerical
    rank of ``K = E[AᵀA]`` on the probe's units; ``rank K = 0`` is *degenerate*
    (``T = {0}``, T4), reported apart from saturation.
@@ -48,7 +48,7 @@ asks before trusting a saturation score:
 :func:`load_family` resolves the three ways of naming a family (see its docstring),
 :func:`synthetic_probe` builds the documented default probe, and :func:`audit_model`
 audits a family at a site of a torch model (a task from
-:func:`~depthsat_theory.tasks.training.trained_task`).
+:func:`~depthsat_theory.tasks.trained_task`).
 
 Example::
 

@@ -42,7 +42,7 @@ class AuditReport:
         ag_certificate: ``"exact"``, ``"conservative only"`` or ``"not applicable
             (degenerate)"``.
         score, relative_score, raw_score, ag_rms, ag_max, tol, activation_scaled_score:
-            the saturation quantities (:class:`~depthsat_theory.statistics.tangent.SaturationResult`).
+            the saturation quantities (:class:`~depthsat_theory.statistics.SaturationResult`).
         status: a :class:`~depthsat_theory.vocabulary.Verdict`: ``"saturated"``,
             ``"improvable"`` or ``"degenerate"``.
         gradient_check: model audits: ``max |b_autograd − b_statistics| / max |b|`` (T1).

@@ -324,7 +324,7 @@ class GeneralFamily(ResidualFamily):
         unit: ``"row"`` or ``"tensor"``.
         layouts: site layouts the function accepts.
 
-    Function preservation is *not* assumed: :func:`depthsat_theory.capture.sites.check_function_preserving`
+    Function preservation is *not* assumed: :func:`depthsat_theory.capture.check_function_preserving`
     measures ``max |h(0, z)|`` on a probe and raises if it is not zero.
     """
 

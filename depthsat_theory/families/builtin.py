@@ -1,8 +1,8 @@
 """The built-in residual families: feature modules and the factories behind the spec strings.
 
-Every factory returns a :class:`~depthsat_theory.families.base.FeatureFamily` (zero-output
+Every factory returns a :class:`~depthsat_theory.families.FeatureFamily` (zero-output
 feature families, theory/definitions.md) except :func:`product`, a degenerate
-:class:`~depthsat_theory.families.base.GeneralFamily` (theory label thm-reparameterization).
+:class:`~depthsat_theory.families.GeneralFamily` (theory label thm-reparameterization).
 Their spec strings (``relu:128:0``, ``poly:2``, …) are parsed by
 :func:`depthsat_theory.families.specs.parse_family`.  Feature weights are float64 and
 deterministic in the family's seed.

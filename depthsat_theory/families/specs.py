@@ -167,7 +167,7 @@ def parse_family(spec: str) -> ResidualFamily:
             ``"product:2"`` (case-insensitive, surrounding blanks ignored).
 
     Returns:
-        A fresh :class:`~depthsat_theory.families.base.ResidualFamily`.
+        A fresh :class:`~depthsat_theory.families.ResidualFamily`.
 
     Raises:
         FamilyError: on an unknown name, a malformed argument list or an argument
