@@ -37,6 +37,7 @@ import depthsat_theory.engines.symbolic as S
 from depthsat_theory.check import CheckConfig, evaluate, pool_family, probe_statistics, site_shapes
 from depthsat_theory.families import FeatureFamily, GeneralFamily, ResidualFamily, linear
 from depthsat_theory.optimizers import get_update
+from depthsat_theory.vocabulary import Layout
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import fmt, insertion, random_measure, random_task, rat, rat_matrix, sites_of, trained
@@ -167,7 +168,7 @@ def _prebuild(base: ResidualFamily, d: int) -> None:
     """Build a feature family's frozen row feature map outside ``torch.func`` transforms
     (building it lazily inside ``vjp`` fails: ``Module.to`` mutates ``.data``)."""
     if isinstance(base, FeatureFamily):
-        base.frozen_feature_map((d,), "vector", dtype=torch.float64, device=torch.device("cpu"))
+        base.frozen_feature_map((d,), Layout.VECTOR, dtype=torch.float64, device=torch.device("cpu"))
 
 
 def reparameterized(base: ResidualFamily, C: torch.Tensor, E: torch.Tensor, d: int) -> GeneralFamily:
@@ -177,7 +178,7 @@ def reparameterized(base: ResidualFamily, C: torch.Tensor, E: torch.Tensor, d: i
     def fn(xi, u):
         ex = E.to(xi) @ xi
         theta = C.to(xi) @ torch.tanh(xi) + 0.3 * ex * ex
-        return base.functional(theta, u, "vector")
+        return base.functional(theta, u, Layout.VECTOR)
 
     return GeneralFamily(fn, C.shape[1], name=f"reparam({base.spec})")
 
@@ -185,7 +186,7 @@ def reparameterized(base: ResidualFamily, C: torch.Tensor, E: torch.Tensor, d: i
 def xi_squared(base: ResidualFamily, p: int, d: int) -> GeneralFamily:
     """The degenerate parameterization ``θ = ξ ⊙ ξ`` of a row family on rows of width ``d``."""
     _prebuild(base, d)
-    return GeneralFamily(lambda xi, u: base.functional(xi * xi, u, "vector"), p, name=f"xi*xi({base.spec})")
+    return GeneralFamily(lambda xi, u: base.functional(xi * xi, u, Layout.VECTOR), p, name=f"xi*xi({base.spec})")
 
 
 def _row_dim(shape) -> int:

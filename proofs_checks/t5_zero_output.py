@@ -38,6 +38,7 @@ from depthsat_theory.check import pool_family
 from depthsat_theory.engines import dense_saturation
 from depthsat_theory.families import FeatureFamily
 from depthsat_theory.statistics import FeatureStatistics
+from depthsat_theory.vocabulary import Layout
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import draw_instances, fmt, insertion, lsq_task, odd_task, random_task, rat, rat_probs, sites_of
@@ -180,8 +181,8 @@ def _probe(task, site):
 
 
 #: families compared with the dense reference (p = d·k̃ stays small at d ≤ 12)
-DENSE_FAMILIES = {
-    "vector": (
+DENSE_FAMILIES: dict[str, tuple[str, ...]] = {
+    Layout.VECTOR: (
         "linear",
         "linear-nobias",
         "poly:2",
@@ -192,8 +193,8 @@ DENSE_FAMILIES = {
         "even:square",
         "preln:8",
     ),
-    "sequence": ("linear", "relu:16", "attention:8", "preln:8", "even:square"),
-    "image": ("conv1x1", "conv3x3:6", "relu:8", "even:abs"),
+    Layout.SEQUENCE: ("linear", "relu:16", "attention:8", "preln:8", "even:square"),
+    Layout.IMAGE: ("conv1x1", "conv3x3:6", "relu:8", "even:abs"),
 }
 DENSE_RTOL = 1e-9
 

@@ -46,6 +46,7 @@ from depthsat_theory.check import FAMILY_POOLS, pool_family
 from depthsat_theory.families import GeneralFamily
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.tasks import Task, squared_error
+from depthsat_theory.vocabulary import Layout
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import (
@@ -180,7 +181,7 @@ def _tangent_field(fam, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``A(u) v`` on rows ``z`` (``(N, d)``): an element of ``T``."""
     p = v.numel()
     theta0 = torch.zeros(p, dtype=torch.float64)
-    return torch.func.jvp(lambda th: fam.functional(th, z, "vector"), (theta0,), (v,))[1]
+    return torch.func.jvp(lambda th: fam.functional(th, z, Layout.VECTOR), (theta0,), (v,))[1]
 
 
 def _population(rng: np.random.Generator, gen: torch.Generator, spec: str, noise: bool):
@@ -190,7 +191,7 @@ def _population(rng: np.random.Generator, gen: torch.Generator, spec: str, noise
     units = torch.randn(n_distinct, d, generator=gen, dtype=torch.float64)
     fam = pool_family(spec)
     if hasattr(fam, "frozen_feature_map"):
-        fam.frozen_feature_map((d,), "vector", dtype=torch.float64, device=torch.device("cpu"))
+        fam.frozen_feature_map((d,), Layout.VECTOR, dtype=torch.float64, device=torch.device("cpu"))
     v0 = torch.randn(fam.param_dim((d,)), generator=gen, dtype=torch.float64)
     m = _tangent_field(fam, units, v0)
     zs, gs = [], []
@@ -230,7 +231,7 @@ def _affine_target_task(seed: int) -> tuple[Task, str]:
         inputs=x,
         targets=y,
         loss=squared_error,
-        layout="vector",
+        layout=Layout.VECTOR,
         train_loss=float("nan"),
         probe_loss=float("nan"),
     )
@@ -254,7 +255,7 @@ def finite_population(ctx: Context) -> Outcome:
         spec = POP_FAMILIES[int(rng.integers(len(POP_FAMILIES)))]
         noise = i % 2 == 1
         fam, z, g = _population(rng, gen, spec, noise)
-        acc = statistics_for(fam, (z.shape[1],), "vector", pool_ties=True)
+        acc = statistics_for(fam, (z.shape[1],), Layout.VECTOR, pool_ties=True)
         acc.update(z, g)
         res = acc.result()
         dev = abs(res.score - res.raw_score) / res.raw_score
@@ -317,7 +318,7 @@ def agmax_chain(ctx: Context) -> Outcome:
         strict_r += res.raw_score < res.ag_rms * (1 - 1e-12)
         if res.ag_max > 0:
             ratios.append(res.score / res.ag_max)
-        if task.layout == "sequence":  # a per-token max would break the chain
+        if task.layout == Layout.SEQUENCE:  # a per-token max would break the chain
             seq += 1
             _, g = _site_probe(task, site)
             token_max = float(g.norm(dim=-1).max())
@@ -359,7 +360,7 @@ def _label_noise_task(seed: int) -> Task:
         inputs=x2,
         targets=y2,
         loss=squared_error,
-        layout="vector",
+        layout=Layout.VECTOR,
         train_loss=float("nan"),
         probe_loss=float("nan"),
     )
@@ -381,7 +382,7 @@ def no_realizability(ctx: Context) -> Outcome:
         sites = sites_of(ntask)
         for _ in range(ctx.count(3, 2)):
             site = sites[int(rng.integers(len(sites)))]
-            pool = [f for f in FAMILY_POOLS["vector"] if not f.startswith("product")]
+            pool = [f for f in FAMILY_POOLS[Layout.VECTOR] if not f.startswith("product")]
             cases.append(("label noise", ntask, site, pool[int(rng.integers(len(pool)))]))
     for group, task, site, spec in cases:
         ins = insertion(task, site, spec, pool_ties=True)
@@ -424,7 +425,7 @@ def per_token_max(ctx: Context) -> Outcome:
         z = torch.randn(1, 1, d, generator=gen, dtype=torch.float64).expand(b, t, d).contiguous()
         g = torch.zeros(b, t, d, dtype=torch.float64)
         g[..., 0] = a  # the same unit and gradient a·e₁ at every token
-        acc = statistics_for(_bias_family(), (t, d), "sequence")
+        acc = statistics_for(_bias_family(), (t, d), Layout.SEQUENCE)
         acc.update(z, g)
         res = acc.result()
         token_max = float(g.norm(dim=-1).max())

@@ -43,7 +43,7 @@ def synthetic_probe(
     loaded = family if isinstance(family, LoadedFamily) else None
     fam = loaded.family if loaded else family
     d = int(d or (loaded.d if loaded and loaded.d else 8))
-    layouts = getattr(fam, "layouts", ("vector",)) if fam is not None else ("vector",)
+    layouts = getattr(fam, "layouts", (Layout.VECTOR,)) if fam is not None else (Layout.VECTOR,)
     layout = next((lay for lay in Layout if lay in layouts), Layout.VECTOR)
     rng = np.random.default_rng(seed)
     w1 = rng.normal(size=(16, d)) / math.sqrt(d)
