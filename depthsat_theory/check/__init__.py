@@ -3,6 +3,9 @@
 from depthsat_theory.check.checker import (
     FAMILY_POOLS,
     KIND_LAYOUTS,
+    LSQ_BASE,
+    LSQ_CONTEXT,
+    ODD_CONTEXT,
     Agreement,
     CheckConfig,
     CheckContext,
@@ -21,6 +24,9 @@ from depthsat_theory.check.checker import (
 __all__ = [
     "FAMILY_POOLS",
     "KIND_LAYOUTS",
+    "LSQ_BASE",
+    "LSQ_CONTEXT",
+    "ODD_CONTEXT",
     "Agreement",
     "CheckConfig",
     "CheckContext",

@@ -27,7 +27,8 @@ saturation).  The insertion, the T1 gradient check and the first-step slope are
 :class:`depthsat_theory.capture.Insertion`'s; this module draws the instances and judges them.
 
 The trained models are named only through :data:`KIND_LAYOUTS` (kinds of
-:data:`depthsat_theory.tasks.KINDS`) and the two construction contexts ``mlp-lsq`` and ``mlp-odd``.
+:data:`depthsat_theory.tasks.KINDS`) and the construction contexts :data:`LSQ_CONTEXT` and
+:data:`ODD_CONTEXT`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ from depthsat_theory.vocabulary import Layout, Verdict
 __all__ = [
     "FAMILY_POOLS",
     "KIND_LAYOUTS",
+    "LSQ_BASE",
+    "LSQ_CONTEXT",
+    "ODD_CONTEXT",
     "Agreement",
     "CheckConfig",
     "CheckContext",
@@ -75,6 +79,9 @@ __all__ = [
 #: Site layout of each trained model kind the checker draws (the kinds of
 #: :data:`depthsat_theory.tasks.KINDS`): the one place the checker names models.
 KIND_LAYOUTS: dict[str, Layout] = {"mlp": Layout.VECTOR, "cnn": Layout.IMAGE, "gpt": Layout.SEQUENCE}
+#: The contexts of the exact constructions (theory label ``ex-saturated``): the least-squares
+#: readout on the trained kind :data:`LSQ_BASE`, and the odd network on synthetic data.
+LSQ_CONTEXT, ODD_CONTEXT, LSQ_BASE = "mlp-lsq", "mlp-odd", "mlp"
 
 
 def _diag_general(theta: Tensor, u: Tensor) -> Tensor:
@@ -202,23 +209,25 @@ class _Instance:
 def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, CheckContext]:
     out: dict[str, CheckContext] = {}
     for kind in cfg.kinds:
-        if kind in needed or (kind == "mlp" and "mlp-lsq" in needed):
+        if kind in needed or (kind == LSQ_BASE and LSQ_CONTEXT in needed):
             task = trained_task(kind, cfg.seed, cache_dir=cfg.cache_dir)
-            if kind == "cnn":
+            if KIND_LAYOUTS[kind] == Layout.IMAGE:  # float64 convolutions dominate the run time
                 task = dataclasses.replace(
                     task, inputs=task.inputs[: cfg.cnn_probe_size], targets=task.targets[: cfg.cnn_probe_size]
                 )
             sites = cast(Any, task.model).site_names()
             out[kind] = CheckContext(kind, task, sites, dict.fromkeys(sites, FAMILY_POOLS[task.layout]))
-    if "mlp-lsq" in needed:
-        base = out["mlp"].task if "mlp" in out else trained_task("mlp", cfg.seed, cache_dir=cfg.cache_dir)
+    if LSQ_CONTEXT in needed:
+        base = out[LSQ_BASE].task if LSQ_BASE in out else trained_task(LSQ_BASE, cfg.seed, cache_dir=cfg.cache_dir)
         task, sites = lsq_readout(base)
-        out["mlp-lsq"] = CheckContext(
-            "mlp-lsq", task, sites, dict.fromkeys(sites, LSQ_FAMILIES), construction="lsq-readout"
+        out[LSQ_CONTEXT] = CheckContext(
+            LSQ_CONTEXT, task, sites, dict.fromkeys(sites, LSQ_FAMILIES), construction="lsq-readout"
         )
-    if "mlp-odd" in needed:
+    if ODD_CONTEXT in needed:
         task, sites = odd_network(cfg.seed)
-        out["mlp-odd"] = CheckContext("mlp-odd", task, sites, dict.fromkeys(sites, ODD_FAMILIES), construction="odd")
+        out[ODD_CONTEXT] = CheckContext(
+            ODD_CONTEXT, task, sites, dict.fromkeys(sites, ODD_FAMILIES), construction="odd"
+        )
     return out
 
 
@@ -229,8 +238,8 @@ def _draw(cfg: CheckConfig) -> list[_Instance]:
     for i in range(cfg.instances):
         pool: tuple[str, ...]
         if rng.random() < cfg.construction_fraction:
-            ctx = "mlp-lsq" if rng.random() < 0.5 else "mlp-odd"
-            pool = LSQ_FAMILIES if ctx == "mlp-lsq" else ODD_FAMILIES
+            ctx = LSQ_CONTEXT if rng.random() < 0.5 else ODD_CONTEXT
+            pool = LSQ_FAMILIES if ctx == LSQ_CONTEXT else ODD_FAMILIES
         else:
             ctx = cfg.kinds[int(rng.integers(len(cfg.kinds)))]
             pool = FAMILY_POOLS[KIND_LAYOUTS[ctx]]
