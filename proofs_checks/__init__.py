@@ -1,10 +1,12 @@
 """Machine checks of every labelled claim in ``theory/`` (T1–T7).
 
 One module per claim; each registers checks with :func:`proofs_checks._registry.check`.
-Run them with ``python -m proofs_checks`` or ``depthsat proofs``.
+Run them with ``python -m proofs_checks`` or ``depthsat proofs`` (both call :func:`run_and_report`
+with a :class:`Context`).
 """
 
-from ._registry import CHECKS, Check, Context, Outcome, Row, check, run_checks
+from ._registry import CHECKS, Check, Context, Outcome, Row, check, load_all, run_checks
+from ._report import run_and_report
 
 #: claim modules, imported by :func:`proofs_checks._registry.load_all` in this order
 MODULES = (
@@ -17,4 +19,15 @@ MODULES = (
     "t7_finite_sample",
 )
 
-__all__ = ["CHECKS", "MODULES", "Check", "Context", "Outcome", "Row", "check", "run_checks"]
+__all__ = [
+    "CHECKS",
+    "MODULES",
+    "Check",
+    "Context",
+    "Outcome",
+    "Row",
+    "check",
+    "load_all",
+    "run_and_report",
+    "run_checks",
+]

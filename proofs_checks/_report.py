@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
-from ._registry import Context, Row, run_checks, write_json_atomic
+from ._registry import Check, Context, Row, run_checks, write_json_atomic
+
+__all__ = ["run_and_report"]
 
 
 def run_and_report(
@@ -16,25 +21,35 @@ def run_and_report(
     console: Console | None = None,
     quiet: bool = False,
 ) -> int:
-    """Run the checks, print the table (claim, check, method, instances, counterexamples,
-    converse evidence) and return the exit status: 0 if every check passed, 1 otherwise."""
-    import os
-    import sys
+    """Run the checks, print the table and return the exit status.
 
+    The table has one row per check (claim, labels, check, method, instances,
+    counterexamples, converse evidence, detail, seconds); checks with an extra table
+    (``Outcome.table``) print it after, then every failure and a one-line total.
+
+    Args:
+        ctx: seed and ``quick`` flag.
+        only: claims to run (``["T2", "T4"]``); default all.
+        json_path: also write the rows as JSON there (checked before the run).
+        console: where the table goes (default stdout, 200 columns when not a terminal).
+        quiet: no per-check progress lines on stderr.
+
+    Returns:
+        0 if every check passed, 1 if one failed, 2 on a bad ``json_path`` or an ``only``
+        that matches no check.
+    """
     console = console or (Console() if sys.stdout.isatty() else Console(width=200))
     err = Console(stderr=True)
-    if json_path:  # refuse a bad --json before minutes of checks, not after
-        folder = os.path.dirname(os.path.abspath(json_path))
-        if os.path.isdir(json_path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            err.print(
-                f"error: --json {json_path}: not a writable file path (the folder must exist and be writable)",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
-            return 2
+    if json_path and not _writable_json_path(json_path):  # refuse a bad --json before minutes of checks
+        err.print(
+            f"error: --json {json_path}: not a writable file path (the folder must exist and be writable)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 2
 
-    def progress(chk):
+    def progress(chk: Check) -> None:
         if not quiet:
             err.print(f"[{chk.claim}] {chk.name} …", markup=False, highlight=False)
 
@@ -42,15 +57,35 @@ def run_and_report(
     if not rows:
         err.print(f"error: no checks match --only {','.join(only or [])}", markup=False)
         return 2
+    _print_rows(console, rows, ctx)
+    if json_path:
+        write_json_atomic(rows, ctx, json_path)
+    return 0 if all(r.passed for r in rows) else 1
+
+
+def _writable_json_path(path: str) -> bool:
+    folder = os.path.dirname(os.path.abspath(path))
+    return not os.path.isdir(path) and os.path.isdir(folder) and os.access(folder, os.W_OK)
+
+
+def _extra_table(r: Row) -> Table | None:
+    if not r.table:
+        return None
+    title, cols, body = r.table
+    extra = Table(title=f"{r.claim} {r.check}: {title}")
+    for col in cols:
+        extra.add_column(str(col), justify="right")
+    for line in body:
+        extra.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in line])
+    return extra
+
+
+def _print_rows(console: Console, rows: list[Row], ctx: Context) -> None:
+    """The main table, the extra tables, the failures and the total line."""
     console.print(_table(rows, ctx))
     for r in rows:
-        if r.table:
-            title, cols, body = r.table
-            extra = Table(title=f"{r.claim} {r.check}: {title}")
-            for col in cols:
-                extra.add_column(str(col), justify="right")
-            for line in body:
-                extra.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in line])
+        extra = _extra_table(r)
+        if extra is not None:
             console.print(extra)
     failed = [r for r in rows if not r.passed]
     for r in failed:
@@ -62,9 +97,6 @@ def run_and_report(
         f"{total_ce} counterexamples, {len(failed)} failed",
         markup=False,
     )
-    if json_path:
-        write_json_atomic(rows, ctx, json_path)
-    return 1 if failed else 0
 
 
 def _table(rows: list[Row], ctx: Context) -> Table:

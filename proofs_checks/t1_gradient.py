@@ -13,7 +13,7 @@ Checks:
   units each (the intensity measure, exact rationals),
   ``∇_θ J(0) = E[Aᵀ g] = E[Aᵀ m]`` with ``m(u) = E[g | unit = u]``.
 - ``t1-autograd-gradient`` (numeric): random and trained torch models, random sites and
-  families; the block is really inserted (:func:`depthsat_theory.capture.sites.insert_block`)
+  families; the block is really inserted (:func:`depthsat_theory.capture.insert_block`)
   and autograd's gradient of the probe loss is compared with the statistics' ``b``.
 
 This module also holds the helpers shared by the claim modules T1–T6 (small random
@@ -30,15 +30,15 @@ import math
 import os
 import shutil
 import tempfile
+from typing import Any, cast
 
 import numpy as np
 import sympy as sp
 import torch
 
-from depthsat_theory.capture import accumulate
-from depthsat_theory.check.checker import FAMILY_POOLS, _batches, _Context, _family, _Insertion, _site_shapes
+from depthsat_theory.capture import Insertion
+from depthsat_theory.check import FAMILY_POOLS, insert_on_probe, pool_family
 from depthsat_theory.families import ResidualFamily
-from depthsat_theory.statistics import statistics_for
 from depthsat_theory.tasks import (
     CACHE_ENV_VAR,
     CharGPT,
@@ -61,6 +61,11 @@ RANDOM_KINDS = ("mlp", "cnn", "gpt")
 TRAINED_PROBE = {"mlp": 256, "gpt": 8, "cnn": 32}
 
 
+def sites_of(task: Task) -> list[str]:
+    """The insertion sites of a task's model (its ``site_names()``)."""
+    return list(cast(Any, task.model).site_names())
+
+
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
 
@@ -77,6 +82,7 @@ def random_task(kind: str, seed: int) -> Task:
     gen = _seeded(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
+        model: torch.nn.Module
         if kind == "mlp":
             model = ResidualMLP(in_dim=10, width=12, depth=2, n_classes=5)
             x = torch.randn(48, 10, generator=gen, dtype=torch.float64)
@@ -89,8 +95,9 @@ def random_task(kind: str, seed: int) -> Task:
             loss = classification_loss
             for mod in model.modules():
                 if isinstance(mod, torch.nn.BatchNorm2d):
-                    mod.running_mean.copy_(0.1 * torch.randn(mod.running_mean.shape, generator=gen))
-                    mod.running_var.copy_(0.5 + torch.rand(mod.running_var.shape, generator=gen))
+                    mean, var = mod.get_buffer("running_mean"), mod.get_buffer("running_var")
+                    mean.copy_(0.1 * torch.randn(mean.shape, generator=gen))
+                    var.copy_(0.5 + torch.rand(var.shape, generator=gen))
         elif kind == "gpt":
             model = CharGPT(vocab_size=9, d_model=12, n_layers=2, n_heads=2, seq_len=8)
             with torch.no_grad():
@@ -141,26 +148,18 @@ def trained(kind: str) -> Task:
     return dataclasses.replace(task, kind=f"trained-{kind}", inputs=task.inputs[:k], targets=task.targets[:k])
 
 
-def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties: bool = False) -> _Insertion:
+def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties: bool = False) -> Insertion:
     """One (task, site, family) through the numeric engine, as the theorem checker does it.
 
-    Streams the probe's statistics (:func:`~depthsat_theory.statistics.tangent.statistics_for` +
-    :func:`~depthsat_theory.capture.sites.accumulate`), then really inserts the family's zero block
-    after ``site`` in a copy of the model (``check._Insertion``): function preservation,
-    autograd gradient ``b`` of the probe loss w.r.t. the block, its comparison with the
-    statistics, feature-parameter gradients and the first-step evaluation.  The
-    accumulator is attached as ``.stats``.
+    Streams the probe's statistics, then really inserts the family's zero block after ``site``
+    in a copy of the model (:func:`depthsat_theory.check.insert_on_probe`, a
+    :class:`depthsat_theory.capture.Insertion`): function preservation, autograd gradient ``b``
+    of the probe loss w.r.t. the block, its comparison with the statistics, feature-parameter
+    gradients and the first-step slope.  The accumulator (G, Σ or K, b; tie pooling) is ``.stats``.
+    Family specs are those of the checker's pools (:func:`depthsat_theory.check.pool_family`).
     """
-    fam = _family(family) if isinstance(family, str) else family
-    ctx = _Context(task.kind, task, [site])
-    with torch.no_grad():
-        ctx.reference_output = task.model(task.inputs)
-    shape = _site_shapes(task, [site])[site]
-    stats = statistics_for(fam, shape, task.layout, pool_ties=pool_ties)
-    ctx.probe_loss = accumulate(task.model, [site], _batches(task), task.loss, {site: stats})
-    ins = _Insertion(ctx, site, fam, stats)
-    ins.stats = stats  # the accumulator (G, Σ or K, b; tie pooling)
-    return ins
+    fam = pool_family(family) if isinstance(family, str) else family
+    return insert_on_probe(task, site, fam, pool_ties=pool_ties)
 
 
 def draw_instances(
@@ -173,7 +172,7 @@ def draw_instances(
     for _ in range(n):
         src, kind = kinds[int(rng.integers(len(kinds)))]
         task = random_task(kind, int(rng.integers(1 << 30))) if src == "random" else trained(kind)
-        sites = task.model.site_names()
+        sites = sites_of(task)
         site = sites[int(rng.integers(len(sites)))]
         pool = [f for f in FAMILY_POOLS[task.layout] if f not in exclude]
         out.append((task, site, pool[int(rng.integers(len(pool)))]))
@@ -305,6 +304,48 @@ def quad_pinv(K: sp.Matrix, b: sp.Matrix) -> sp.Rational:
     return sp.nsimplify((b.T * K.pinv() * b)[0, 0])
 
 
+@dataclasses.dataclass
+class ExampleLaw:
+    """A finite law of examples with ``T`` units each (exact rationals).
+
+    ``px[x]`` is the probability of example ``x``, ``units[x][t]`` the index of its ``t``-th
+    unit in a list of unit values, ``g[x][t]`` the activation gradient there (``d × 1``).
+    """
+
+    px: list
+    units: list[list[int]]
+    g: list[list[sp.Matrix]]
+
+    def terms(self) -> list[tuple[sp.Rational, int, sp.Matrix]]:
+        """``(probability, unit index, g)`` for every (example, position), examples first."""
+        return [
+            (q, k, gv)
+            for q, ks, gs in zip(self.px, self.units, self.g, strict=True)
+            for k, gv in zip(ks, gs, strict=True)
+        ]
+
+    def pooled(self, n_units: int, d: int) -> list[tuple[int, sp.Rational, sp.Matrix]]:
+        """``(k, μ(u_k), m(u_k))`` for the units of positive intensity ``μ(u) = E_x #{t: u_t = u}``,
+        with ``m(u) = E_x Σ_{t: u_t = u} g_t / μ(u)``."""
+        out = []
+        for k in range(n_units):
+            mass = sum(q for q, j, _ in self.terms() if j == k)
+            if mass == 0:
+                continue
+            m = sum((q * gv for q, j, gv in self.terms() if j == k), sp.zeros(d, 1)) / mass
+            out.append((k, mass, m))
+        return out
+
+
+def random_example_law(rng: np.random.Generator, n_ex: int, T: int, n_units: int, d: int) -> ExampleLaw:
+    """``n_ex`` examples of ``T`` units drawn from ``n_units`` (ties across and within examples),
+    rational probabilities and rational ``g`` (``d × 1``)."""
+    px = rat_probs(rng, n_ex)
+    units = [[int(rng.integers(n_units)) for _ in range(T)] for _ in range(n_ex)]
+    g = [[rat_matrix(rng, d, 1) for _ in range(T)] for _ in range(n_ex)]
+    return ExampleLaw(px, units, g)
+
+
 # ============================================================================ symbolic checks
 def _chain_rule_generic(d: int, p: int) -> bool:
     th = sp.symbols(f"theta1:{p + 1}")
@@ -355,14 +396,10 @@ def chain_rule_origin(ctx: Context) -> Outcome:
     )
 
 
-def _tower_instance(rng: np.random.Generator) -> tuple[bool, bool]:
-    d, p = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+def _tower_family(rng: np.random.Generator, d: int, p: int) -> tuple[tuple, tuple, sp.Matrix]:
+    """``(θ, u, h)``: a general family ``h(θ, u)`` with ``h(0, u) = 0`` (nonlinear in ``θ`` and ``u``)."""
     th = sp.symbols(f"theta1:{p + 1}")
-    zero = dict.fromkeys(th, 0)
-    n_units = int(rng.integers(2, 4))
-    units = [rat_matrix(rng, d, 1) for _ in range(n_units)]
     u_sym = sp.symbols(f"u1:{d + 1}")
-    # a general family h(θ, u) with h(0, u) = 0 (nonlinear in θ and u)
     h = sp.Matrix(
         [
             sum(
@@ -372,38 +409,33 @@ def _tower_instance(rng: np.random.Generator) -> tuple[bool, bool]:
             for i in range(d)
         ]
     )
+    return th, u_sym, h
+
+
+def _tower_instance(rng: np.random.Generator) -> tuple[bool, bool]:
+    d, p = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    n_units = int(rng.integers(2, 4))
+    units = [rat_matrix(rng, d, 1) for _ in range(n_units)]
+    th, u_sym, h = _tower_family(rng, d, p)
+    zero = dict.fromkeys(th, 0)
     jac = h.jacobian(th).subs(zero)
 
-    def A(u):
-        return jac.subs(dict(zip(u_sym, u, strict=False)), simultaneous=True)
+    def at(expr, u):
+        return expr.subs(dict(zip(u_sym, u, strict=False)), simultaneous=True)
 
     # examples: each has T units (with repeats) and a per-unit gradient; rational probabilities
     n_ex, T = int(rng.integers(2, 5)), int(rng.integers(1, 4))
-    px = rat_probs(rng, n_ex)
-    ex_units = [[int(rng.integers(n_units)) for _ in range(T)] for _ in range(n_ex)]
-    ex_g = [[rat_matrix(rng, d, 1) for _ in range(T)] for _ in range(n_ex)]
+    law = random_example_law(rng, n_ex, T, n_units, d)
     # J(θ) = E_x Σ_t ℓ_{x,t}(u_t + h(θ, u_t)) with ℓ_{x,t}(w) = g·w + c‖w − u_t‖²: ∂ℓ/∂z = g at θ = 0
     c = rat(rng)
     J = sp.Integer(0)
-    for x in range(n_ex):
-        for t in range(T):
-            u = units[ex_units[x][t]]
-            hu = h.subs(dict(zip(u_sym, u, strict=False)), simultaneous=True)
-            w = u + hu
-            J += px[x] * ((ex_g[x][t].T * w)[0, 0] + c * ((w - u).T * (w - u))[0, 0])
+    for q, k, gv in law.terms():
+        u = units[k]
+        w = u + at(h, u)
+        J += q * ((gv.T * w)[0, 0] + c * ((w - u).T * (w - u))[0, 0])
     grad_j = sp.Matrix([sp.diff(J, t) for t in th]).subs(zero)
-    e_ag = sum((px[x] * A(units[ex_units[x][t]]).T * ex_g[x][t] for x in range(n_ex) for t in range(T)), sp.zeros(p, 1))
-    # intensity μ(u) = E_x #{t: u_t = u}; m(u) = E_x Σ_{t: u_t = u} g_t / μ(u)
-    e_am = sp.zeros(p, 1)
-    for k in range(n_units):
-        mass = sum(px[x] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k)
-        if mass == 0:
-            continue
-        m = (
-            sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k), sp.zeros(d, 1))
-            / mass
-        )
-        e_am += mass * A(units[k]).T * m
+    e_ag = sum((q * at(jac, units[k]).T * gv for q, k, gv in law.terms()), sp.zeros(p, 1))
+    e_am = sum((mass * at(jac, units[k]).T * m for k, mass, m in law.pooled(n_units, d)), sp.zeros(p, 1))
     return sp.simplify(grad_j - e_ag) == sp.zeros(p, 1), sp.simplify(e_ag - e_am) == sp.zeros(p, 1)
 
 

@@ -12,7 +12,7 @@ Checks:
   ``s² K − b bᵀ ⪰ 0`` (so no ``v`` does better: the sup equals ``s``); the Lagrange
   conditions ``b = s K v̂``, ``v̂ᵀ K v̂ = 1`` at ``v̂ = v*/s``; ``Π m = A K⁺ b`` satisfies
   the normal equations and ``‖Π m‖² = ‖Π g‖² = bᵀK⁺b``.
-- ``t2-iff-checker`` (numeric): the theorem checker (:mod:`depthsat_theory.check.checker`) on
+- ``t2-iff-checker`` (numeric): the theorem checker (:mod:`depthsat_theory.check`) on
   random instances of trained models and the exact saturated constructions: ``s > tol``
   ⇔ a Richardson-measured first-order slope ``−⟨b, P(b)⟩ < 0``.  Its models are trained
   with the run's seed (cached in ``$DEPTHSAT_CACHE``; a seed not in the cache trains
@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import sympy as sp
 
-from depthsat_theory.check import CheckConfig, run_check
+from depthsat_theory.check import CheckConfig, evaluate, run_check
 from depthsat_theory.optimizers import DESCENT_COMPATIBLE, get_update
 
 from ._registry import Context, Outcome, check
@@ -142,7 +142,7 @@ def iff_random_models(ctx: Context) -> Outcome:
     for task, site, spec in draws:
         ins = insertion(task, site, spec)
         name = DESCENT_COMPATIBLE[int(rng.integers(len(DESCENT_COMPATIBLE)))]
-        ev = ins.evaluate(get_update(name), cfg)
+        ev = evaluate(ins, get_update(name), cfg)
         rec = dict(ev, predicted_improvable=bool(ins.result.score > ins.result.tol and not ins.result.degenerate))
         recs.append(rec)
         bad += ev["verdict"] == "counterexample"
@@ -170,7 +170,7 @@ def saturated_no_first_order(ctx: Context) -> Outcome:
         bmax = float(ins.b.abs().max())
         bmax_rel = max(bmax_rel, bmax / max(ins.tau, 1e-300))
         for name in updates:
-            ev = ins.evaluate(get_update(name), cfg)
+            ev = evaluate(ins, get_update(name), cfg)
             ok &= ev["verdict"] == "agree"
             if ev["ratio"] == ev["ratio"]:
                 ratios.append(ev["ratio"])

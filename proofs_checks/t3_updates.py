@@ -33,7 +33,7 @@ import numpy as np
 import sympy as sp
 import torch
 
-from depthsat_theory.check import CheckConfig
+from depthsat_theory.check import CheckConfig, evaluate
 from depthsat_theory.optimizers import DESCENT_COMPATIBLE, UPDATES, ZeroStateUpdate, get_update
 
 from ._registry import Context, Outcome, check
@@ -347,7 +347,7 @@ def same_improvable_set(ctx: Context) -> Outcome:
         improvable = ins.result.score > ins.result.tol and not ins.result.degenerate
         decreased, verdicts = set(), []
         for upd in updates:
-            ev = ins.evaluate(upd, cfg)
+            ev = evaluate(ins, upd, cfg)
             verdicts.append(ev["verdict"])
             if ev["observed_decrease"]:
                 decreased.add(upd.name)
@@ -382,8 +382,8 @@ def rotation(ctx: Context) -> Outcome:
         if not (ins.result.score > ins.result.tol and not ins.result.degenerate):
             continue
         n += 1
-        ev = ins.evaluate(rot, cfg)
-        ref = ins.evaluate(sgd, cfg)
+        ev = evaluate(ins, rot, cfg)
+        ref = evaluate(ins, sgd, cfg)
         worst = max(worst, abs(ev["observed_slope"]) / abs(ref["predicted_slope"]))
         if ev["observed_decrease"] or not ref["observed_decrease"]:
             bad += 1

@@ -1,7 +1,7 @@
 """T4: invariance under regular reparameterization (``thm-reparameterization``).
 
-Claim (theory/reparameterization.md, thm-reparameterization): if ``θ = χ(ξ)``, ``χ(0) = 0`` and ``range(A·Dχ(0)) = range(A)``
-(equivalently ``rank(Dχᵀ K Dχ) = rank K``), then ``T``, ``Π`` and ``s`` are unchanged and
+Claim (theory/reparameterization.md, thm-reparameterization): if ``θ = χ(ξ)``, ``χ(0) = 0`` and
+``range(A·Dχ(0)) = range(A)`` (equivalently ``rank(Dχᵀ K Dχ) = rank K``), then ``T``, ``Π`` and ``s`` are unchanged and
 ``b ↦ Dχ(0)ᵀ b`` (``‖b‖`` is not invariant). Degenerate parameterizations (``W = UV`` with
 both factors zero, ``θ = ξ ⊙ ξ``) collapse ``T`` to ``{0}``: degenerate, never saturated.
 
@@ -19,7 +19,7 @@ Checks:
   rational finite measures.
 - ``t4-reparam-numeric`` (numeric): a family reparameterized through
   ``χ(ξ) = C tanh(ξ) + 0.3 (Eξ)⊙(Eξ)`` (random well-conditioned ``C``) as a
-  :class:`~depthsat_theory.families.base.GeneralFamily` gives the same ``s`` and rank as the
+  :class:`~depthsat_theory.families.GeneralFamily` gives the same ``s`` and rank as the
   original on random/trained models, and ``b̃ = Cᵀ b``.
 - ``t4-degenerate`` (converse): ``W = UV`` (``product:R``) and ``θ = ξ ⊙ ξ`` have exactly
   zero tangent maps (sympy) and the engine reports them degenerate (rank 0, not
@@ -34,14 +34,13 @@ import sympy as sp
 import torch
 
 import depthsat_theory.engines.symbolic as S
-from depthsat_theory.capture import accumulate
-from depthsat_theory.check.checker import CheckConfig, _batches, _family, _site_shapes
+from depthsat_theory.check import CheckConfig, evaluate, pool_family, probe_statistics, site_shapes
 from depthsat_theory.families import FeatureFamily, GeneralFamily, ResidualFamily, linear
 from depthsat_theory.optimizers import get_update
-from depthsat_theory.statistics import statistics_for
+from depthsat_theory.vocabulary import Layout
 
 from ._registry import Context, Outcome, check
-from .t1_gradient import fmt, insertion, random_measure, random_task, rat, rat_matrix, trained
+from .t1_gradient import fmt, insertion, random_measure, random_task, rat, rat_matrix, sites_of, trained
 
 
 # ============================================================================ symbolic
@@ -169,7 +168,7 @@ def _prebuild(base: ResidualFamily, d: int) -> None:
     """Build a feature family's frozen row feature map outside ``torch.func`` transforms
     (building it lazily inside ``vjp`` fails: ``Module.to`` mutates ``.data``)."""
     if isinstance(base, FeatureFamily):
-        base.frozen_feature_map((d,), "vector", dtype=torch.float64, device=torch.device("cpu"))
+        base.frozen_feature_map((d,), Layout.VECTOR, dtype=torch.float64, device=torch.device("cpu"))
 
 
 def reparameterized(base: ResidualFamily, C: torch.Tensor, E: torch.Tensor, d: int) -> GeneralFamily:
@@ -179,7 +178,7 @@ def reparameterized(base: ResidualFamily, C: torch.Tensor, E: torch.Tensor, d: i
     def fn(xi, u):
         ex = E.to(xi) @ xi
         theta = C.to(xi) @ torch.tanh(xi) + 0.3 * ex * ex
-        return base.functional(theta, u, "vector")
+        return base.functional(theta, u, Layout.VECTOR)
 
     return GeneralFamily(fn, C.shape[1], name=f"reparam({base.spec})")
 
@@ -187,19 +186,17 @@ def reparameterized(base: ResidualFamily, C: torch.Tensor, E: torch.Tensor, d: i
 def xi_squared(base: ResidualFamily, p: int, d: int) -> GeneralFamily:
     """The degenerate parameterization ``θ = ξ ⊙ ξ`` of a row family on rows of width ``d``."""
     _prebuild(base, d)
-    return GeneralFamily(lambda xi, u: base.functional(xi * xi, u, "vector"), p, name=f"xi*xi({base.spec})")
+    return GeneralFamily(lambda xi, u: base.functional(xi * xi, u, Layout.VECTOR), p, name=f"xi*xi({base.spec})")
 
 
 def _row_dim(shape) -> int:
     return int(shape[0] if len(shape) == 3 else shape[-1])
 
 
-def site_results(task, site: str, families: list[ResidualFamily]) -> list:
-    """Statistics of several families at one site in one pass over the probe."""
-    shape = _site_shapes(task, [site])[site]
-    accs = [statistics_for(f, shape, task.layout) for f in families]
-    accumulate(task.model, [site], _batches(task), task.loss, {site: accs})
-    return [a.result() for a in accs], shape
+def site_results(task, site: str, families: list[ResidualFamily]) -> tuple[list, tuple[int, ...]]:
+    """Results of several families at one site in one pass over the probe, and the site's shape."""
+    accs, _ = probe_statistics(task, [(site, f) for f in families])
+    return [a.result() for a in accs], accs[0].shape
 
 
 def _random_chi(gen: torch.Generator, p: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,9 +228,9 @@ def reparam_numeric(ctx: Context) -> Outcome:
         else:
             task = random_task(("mlp", "gpt", "cnn")[i % 3], int(rng.integers(1 << 30)))
             spec = REPARAM_BASES[int(rng.integers(len(REPARAM_BASES)))]
-        site = task.model.site_names()[int(rng.integers(len(task.model.site_names())))]
-        base = _family(spec)
-        shape = _site_shapes(task, [site])[site]
+        site = sites_of(task)[int(rng.integers(len(sites_of(task))))]
+        base = pool_family(spec)
+        shape = site_shapes(task, [site])[site]
         p = base.param_dim(shape)
         C, E = _random_chi(gen, p)
         (r0, r1), _ = site_results(task, site, [base, reparameterized(base, C, E, _row_dim(shape))])
@@ -281,11 +278,11 @@ def degenerate(ctx: Context) -> Outcome:
     s_min = float("inf")
     for i in range(n):
         task = random_task(("mlp", "gpt", "cnn")[i % 3], int(rng.integers(1 << 30)))
-        site = task.model.site_names()[int(rng.integers(len(task.model.site_names())))]
+        site = sites_of(task)[int(rng.integers(len(sites_of(task))))]
         base = linear()
-        shape = _site_shapes(task, [site])[site]
+        shape = site_shapes(task, [site])[site]
         p = base.param_dim(shape)
-        degs = [_family("product:2"), xi_squared(base, p, _row_dim(shape))]
+        degs = [pool_family("product:2"), xi_squared(base, p, _row_dim(shape))]
         results, _ = site_results(task, site, [base, *degs])
         r0 = results[0]
         s_min = min(s_min, r0.score / max(r0.tol, 1e-300))
@@ -294,7 +291,7 @@ def degenerate(ctx: Context) -> Outcome:
             ok = r0.score > r0.tol and res.degenerate and res.tangent_rank == 0 and not res.saturated
             ins = insertion(task, site, fam)
             for name in ("sgd", "adam"):
-                ok &= ins.evaluate(get_update(name), cfg)["verdict"] == "degenerate"
+                ok &= evaluate(ins, get_update(name), cfg)["verdict"] == "degenerate"
             bad += not ok
     return Outcome(
         total + 1,

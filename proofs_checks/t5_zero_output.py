@@ -17,7 +17,7 @@ Checks:
   ``g``, even features) has ``G = 0`` and ``s = 0`` with ``g ≠ 0``, a generic one
   ``G ≠ 0`` and ``s > 0``.
 - ``t5-dense-reference`` (numeric): ``s`` and ``b`` from the streaming
-  :class:`~depthsat_theory.statistics.tangent.FeatureStatistics` equal the dense Jacobian reference
+  :class:`~depthsat_theory.statistics.FeatureStatistics` equal the dense Jacobian reference
   (:func:`depthsat_theory.engines.dense.dense_saturation`) on random MLP/CNN/GPT models for
   row and tensor (conv3×3, attention) families.
 - ``t5-saturated-iff-G-zero`` (numeric): the exact constructions have ``G = 0`` and are
@@ -34,13 +34,14 @@ import numpy as np
 import sympy as sp
 
 from depthsat_theory.capture import SiteRecorder
-from depthsat_theory.check.checker import _family
+from depthsat_theory.check import pool_family
 from depthsat_theory.engines import dense_saturation
 from depthsat_theory.families import FeatureFamily
 from depthsat_theory.statistics import FeatureStatistics
+from depthsat_theory.vocabulary import Layout
 
 from ._registry import Context, Outcome, check
-from .t1_gradient import draw_instances, fmt, insertion, lsq_task, odd_task, random_task, rat, rat_probs
+from .t1_gradient import draw_instances, fmt, insertion, lsq_task, odd_task, random_task, rat, rat_probs, sites_of
 
 # ============================================================================ symbolic
 u1, u2, psi1, psi2 = sp.symbols("u1 u2 psi1 psi2", real=True)
@@ -180,8 +181,8 @@ def _probe(task, site):
 
 
 #: families compared with the dense reference (p = d·k̃ stays small at d ≤ 12)
-DENSE_FAMILIES = {
-    "vector": (
+DENSE_FAMILIES: dict[str, tuple[str, ...]] = {
+    Layout.VECTOR: (
         "linear",
         "linear-nobias",
         "poly:2",
@@ -192,8 +193,8 @@ DENSE_FAMILIES = {
         "even:square",
         "preln:8",
     ),
-    "sequence": ("linear", "relu:16", "attention:8", "preln:8", "even:square"),
-    "image": ("conv1x1", "conv3x3:6", "relu:8", "even:abs"),
+    Layout.SEQUENCE: ("linear", "relu:16", "attention:8", "preln:8", "even:square"),
+    Layout.IMAGE: ("conv1x1", "conv3x3:6", "relu:8", "even:abs"),
 }
 DENSE_RTOL = 1e-9
 
@@ -208,12 +209,12 @@ def dense_reference(ctx: Context) -> Outcome:
     fams = set()
     for i in range(n):
         task = random_task(("mlp", "gpt", "cnn")[i % 3], int(rng.integers(1 << 30)))
-        sites = task.model.site_names()
+        sites = sites_of(task)
         site = sites[int(rng.integers(len(sites)))]
         pool = DENSE_FAMILIES[task.layout]
         spec = pool[int(rng.integers(len(pool)))]
         fams.add(spec)
-        fam = _family(spec)
+        fam = pool_family(spec)
         z, g = _probe(task, site)
         acc = _feature_stats(fam, z, g, task.layout)
         res = acc.result()
@@ -283,7 +284,9 @@ def saturated_iff_g_zero(ctx: Context) -> Outcome:
         ok = lo - slack <= gn <= hi + slack and ins.feature_grad_max == 0.0
         if ins.result.saturated:
             n_sat += 1
-            g_norm = float(np.linalg.norm(ins.stats.cross_gradient()))
+            stats = ins.stats
+            assert isinstance(stats, FeatureStatistics)  # a feature family's statistics
+            g_norm = float(np.linalg.norm(stats.cross_gradient()))
             worst_zero = max(worst_zero, g_norm / max(ins.result.ag_rms, 1e-300))
         else:
             n_imp += 1

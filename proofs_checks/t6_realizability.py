@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import numpy as np
 import sympy as sp
@@ -41,10 +42,11 @@ import torch
 
 import depthsat_theory.engines.symbolic as S
 from depthsat_theory.capture import SiteRecorder
-from depthsat_theory.check.checker import FAMILY_POOLS, _family
+from depthsat_theory.check import FAMILY_POOLS, pool_family
 from depthsat_theory.families import GeneralFamily
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.tasks import Task, squared_error
+from depthsat_theory.vocabulary import Layout
 
 from ._registry import Context, Outcome, check
 from .t1_gradient import (
@@ -53,11 +55,12 @@ from .t1_gradient import (
     insertion,
     lsq_task,
     odd_task,
+    random_example_law,
     random_measure,
     random_task,
     rat,
     rat_matrix,
-    rat_probs,
+    sites_of,
 )
 
 
@@ -117,23 +120,13 @@ def _chain_instance(rng: np.random.Generator) -> bool:
     d, p = int(rng.integers(1, 3)), int(rng.integers(1, 4))
     n_units, n_ex, T = int(rng.integers(2, 4)), int(rng.integers(2, 5)), int(rng.integers(1, 4))
     A = [rat_matrix(rng, d, p) for _ in range(n_units)]
-    px = rat_probs(rng, n_ex)
-    ex_units = [[int(rng.integers(n_units)) for _ in range(T)] for _ in range(n_ex)]
-    ex_g = [[rat_matrix(rng, d, 1) for _ in range(T)] for _ in range(n_ex)]
-    K = sum((px[x] * A[ex_units[x][t]].T * A[ex_units[x][t]] for x in range(n_ex) for t in range(T)), sp.zeros(p))
-    b = sum((px[x] * A[ex_units[x][t]].T * ex_g[x][t] for x in range(n_ex) for t in range(T)), sp.zeros(p, 1))
+    law = random_example_law(rng, n_ex, T, n_units, d)
+    K = sum((q * A[k].T * A[k] for q, k, _ in law.terms()), sp.zeros(p))
+    b = sum((q * A[k].T * gv for q, k, gv in law.terms()), sp.zeros(p, 1))
     s2 = (b.T * K.pinv() * b)[0, 0]
-    r2 = sp.Integer(0)
-    for k in range(n_units):
-        mass = sum(px[x] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k)
-        if mass:
-            m = (
-                sum((px[x] * ex_g[x][t] for x in range(n_ex) for t in range(T) if ex_units[x][t] == k), sp.zeros(d, 1))
-                / mass
-            )
-            r2 += mass * (m.T * m)[0, 0]
-    per_ex = [sum(((ex_g[x][t].T * ex_g[x][t])[0, 0] for t in range(T)), sp.Integer(0)) for x in range(n_ex)]
-    ag_rms2 = sum(q * e for q, e in zip(px, per_ex, strict=False))
+    r2 = sum((mass * (m.T * m)[0, 0] for _, mass, m in law.pooled(n_units, d)), sp.Integer(0))
+    per_ex = [sum(((gv.T * gv)[0, 0] for gv in gs), sp.Integer(0)) for gs in law.g]
+    ag_rms2 = sum(q * e for q, e in zip(law.px, per_ex, strict=True))
     ag_max2 = max(per_ex)
     return bool(sp.simplify(s2) <= r2 <= ag_rms2 <= ag_max2)
 
@@ -188,7 +181,7 @@ def _tangent_field(fam, z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``A(u) v`` on rows ``z`` (``(N, d)``): an element of ``T``."""
     p = v.numel()
     theta0 = torch.zeros(p, dtype=torch.float64)
-    return torch.func.jvp(lambda th: fam.functional(th, z, "vector"), (theta0,), (v,))[1]
+    return torch.func.jvp(lambda th: fam.functional(th, z, Layout.VECTOR), (theta0,), (v,))[1]
 
 
 def _population(rng: np.random.Generator, gen: torch.Generator, spec: str, noise: bool):
@@ -196,9 +189,9 @@ def _population(rng: np.random.Generator, gen: torch.Generator, spec: str, noise
     d = int(rng.integers(3, 7))
     n_distinct = int(rng.integers(6, 16))
     units = torch.randn(n_distinct, d, generator=gen, dtype=torch.float64)
-    fam = _family(spec)
+    fam = pool_family(spec)
     if hasattr(fam, "frozen_feature_map"):
-        fam.frozen_feature_map((d,), "vector", dtype=torch.float64, device=torch.device("cpu"))
+        fam.frozen_feature_map((d,), Layout.VECTOR, dtype=torch.float64, device=torch.device("cpu"))
     v0 = torch.randn(fam.param_dim((d,)), generator=gen, dtype=torch.float64)
     m = _tangent_field(fam, units, v0)
     zs, gs = [], []
@@ -222,7 +215,7 @@ def _affine_target_task(seed: int) -> tuple[Task, str]:
     gen = torch.Generator().manual_seed(seed + 1)
     x = base.inputs[:12]
     x = torch.cat([x, x[:8], x[:3]])
-    model = base.model
+    model: Any = base.model
     feats = []
     h = model.ln_f.register_forward_hook(lambda mod, i, o: feats.append(o.detach()))
     with torch.no_grad():
@@ -238,7 +231,7 @@ def _affine_target_task(seed: int) -> tuple[Task, str]:
         inputs=x,
         targets=y,
         loss=squared_error,
-        layout="vector",
+        layout=Layout.VECTOR,
         train_loss=float("nan"),
         probe_loss=float("nan"),
     )
@@ -262,7 +255,7 @@ def finite_population(ctx: Context) -> Outcome:
         spec = POP_FAMILIES[int(rng.integers(len(POP_FAMILIES)))]
         noise = i % 2 == 1
         fam, z, g = _population(rng, gen, spec, noise)
-        acc = statistics_for(fam, (z.shape[1],), "vector", pool_ties=True)
+        acc = statistics_for(fam, (z.shape[1],), Layout.VECTOR, pool_ties=True)
         acc.update(z, g)
         res = acc.result()
         dev = abs(res.score - res.raw_score) / res.raw_score
@@ -325,7 +318,7 @@ def agmax_chain(ctx: Context) -> Outcome:
         strict_r += res.raw_score < res.ag_rms * (1 - 1e-12)
         if res.ag_max > 0:
             ratios.append(res.score / res.ag_max)
-        if task.layout == "sequence":  # a per-token max would break the chain
+        if task.layout == Layout.SEQUENCE:  # a per-token max would break the chain
             seq += 1
             _, g = _site_probe(task, site)
             token_max = float(g.norm(dim=-1).max())
@@ -367,7 +360,7 @@ def _label_noise_task(seed: int) -> Task:
         inputs=x2,
         targets=y2,
         loss=squared_error,
-        layout="vector",
+        layout=Layout.VECTOR,
         train_loss=float("nan"),
         probe_loss=float("nan"),
     )
@@ -386,10 +379,10 @@ def no_realizability(ctx: Context) -> Outcome:
     cases += [("odd network", otask, s, f) for s in osites for f in ("even:abs", "even:square")][: ctx.count(8, 2)]
     for _ in range(ctx.count(2, 1)):
         ntask = _label_noise_task(int(rng.integers(1 << 30)))
-        sites = ntask.model.site_names()
+        sites = sites_of(ntask)
         for _ in range(ctx.count(3, 2)):
             site = sites[int(rng.integers(len(sites)))]
-            pool = [f for f in FAMILY_POOLS["vector"] if not f.startswith("product")]
+            pool = [f for f in FAMILY_POOLS[Layout.VECTOR] if not f.startswith("product")]
             cases.append(("label noise", ntask, site, pool[int(rng.integers(len(pool)))]))
     for group, task, site, spec in cases:
         ins = insertion(task, site, spec, pool_ties=True)
@@ -432,7 +425,7 @@ def per_token_max(ctx: Context) -> Outcome:
         z = torch.randn(1, 1, d, generator=gen, dtype=torch.float64).expand(b, t, d).contiguous()
         g = torch.zeros(b, t, d, dtype=torch.float64)
         g[..., 0] = a  # the same unit and gradient a·e₁ at every token
-        acc = statistics_for(_bias_family(), (t, d), "sequence")
+        acc = statistics_for(_bias_family(), (t, d), Layout.SEQUENCE)
         acc.update(z, g)
         res = acc.result()
         token_max = float(g.norm(dim=-1).max())

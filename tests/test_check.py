@@ -134,7 +134,7 @@ def test_observed_slope_matches_an_independent_gradient(model_cache):
 def test_config_validation():
     with pytest.raises(ValueError, match="instances"):
         CheckConfig(instances=0).validate()
-    with pytest.raises(ValueError, match="rotation|valid"):
+    with pytest.raises(ValueError, match=r"rotation|valid"):
         CheckConfig(optimizers=("nope",)).validate()
     assert "rotation" not in DESCENT_COMPATIBLE
 

@@ -18,9 +18,7 @@ import pytest
 from rich.console import Console
 
 import proofs_checks
-from proofs_checks import _registry
-from proofs_checks._registry import CHECKS, Context, Outcome, check
-from proofs_checks._report import run_and_report
+from proofs_checks import CHECKS, Context, Outcome, check, run_and_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +123,7 @@ def test_scratch_registry_restores_checks(scratch_registry):
         return Outcome(1, 0)
 
     assert len(scratch_registry) == n + 1
-    assert _registry.CHECKS is scratch_registry
+    assert proofs_checks.CHECKS is scratch_registry
 
 
 def _run(args: list[str], model_cache: str) -> subprocess.CompletedProcess:

@@ -44,7 +44,7 @@ from depthsat_theory.engines.symbolic import (
     zero_state_step,
 )
 from depthsat_theory.families import FamilyError
-from depthsat_theory.families import base as F
+from depthsat_theory.families import builtin as F
 from depthsat_theory.optimizers import UPDATES
 from depthsat_theory.statistics import FeatureStatistics, GeneralStatistics
 

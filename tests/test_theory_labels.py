@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proofs_checks._registry import load_all
+from proofs_checks import load_all
 
 THEORY = Path(__file__).resolve().parents[1] / "theory"
 CLAIM_PREFIXES = ("thm-", "lem-", "cor-", "prop-")

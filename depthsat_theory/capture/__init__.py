@@ -1,10 +1,13 @@
 """Insertion sites in torch models: capture ``z`` and ``g``, the probe loop, block insertion."""
 
 from depthsat_theory.capture.insertion import (
+    FirstStepSlope,
+    Insertion,
     ResidualInsertion,
     check_function_preserving,
     first_output,
     insert_block,
+    output_deviation,
 )
 from depthsat_theory.capture.probe import (
     REDUCTIONS,
@@ -28,6 +31,8 @@ from depthsat_theory.capture.sites import (
 
 __all__ = [
     "REDUCTIONS",
+    "FirstStepSlope",
+    "Insertion",
     "NotFunctionPreservingError",
     "ProbeBatch",
     "ResidualInsertion",
@@ -39,6 +44,7 @@ __all__ = [
     "check_function_preserving",
     "first_output",
     "insert_block",
+    "output_deviation",
     "parse_site",
     "probe_batches",
     "reduce_losses",

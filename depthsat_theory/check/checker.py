@@ -20,10 +20,15 @@ residual family and a zero-state update — the checker
    ``−⟨b, P(b)⟩``; saturated ⇒ a first-order coefficient consistent with zero
    (``|â| ≤ tol · ‖A‖ · ‖P(b)‖``).  "J did not decrease" is never used as evidence.
 
-Verdicts: ``agree``, ``counterexample`` (with the reason), ``undecided`` (the
-measurement could not resolve the predicted effect; the reason says why) and
+Verdicts (:class:`Agreement`): ``agree``, ``counterexample`` (with the reason), ``undecided``
+(the measurement could not resolve the predicted effect; the reason says why) and
 ``degenerate`` (``T = {0}``: no first-order change is possible, reported apart from
-saturation).
+saturation).  The insertion, the T1 gradient check and the first-step slope are
+:class:`depthsat_theory.capture.Insertion`'s; this module draws the instances and judges them.
+
+The trained models are named only through :data:`KIND_LAYOUTS` (kinds of
+:data:`depthsat_theory.tasks.KINDS`) and the construction contexts :data:`LSQ_CONTEXT` and
+:data:`ODD_CONTEXT`.
 """
 
 from __future__ import annotations
@@ -33,26 +38,50 @@ import json
 import math
 import os
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from depthsat_theory.capture import accumulate, check_function_preserving, insert_block
+from depthsat_theory.capture import FirstStepSlope, Insertion, accumulate
 from depthsat_theory.families import GeneralFamily, ResidualFamily, parse_family
 from depthsat_theory.io import atomic_write
-from depthsat_theory.optimizers import DESCENT_COMPATIBLE, ZeroStateUpdate, get_update, threshold
-from depthsat_theory.statistics import TOL_FACTOR, FeatureStatistics, statistics_for
-from depthsat_theory.tasks import LSQ_FAMILIES, ODD_FAMILIES, Task, lsq_readout, odd_network, trained_task
+from depthsat_theory.optimizers import DESCENT_COMPATIBLE, ZeroStateUpdate, get_update
+from depthsat_theory.statistics import TOL_FACTOR, SaturationResult, statistics_for
+from depthsat_theory.tasks import KINDS, LSQ_FAMILIES, ODD_FAMILIES, Task, lsq_readout, odd_network, trained_task
+from depthsat_theory.vocabulary import Layout, Verdict
 
 __all__ = [
     "FAMILY_POOLS",
+    "KIND_LAYOUTS",
+    "LSQ_BASE",
+    "LSQ_CONTEXT",
+    "ODD_CONTEXT",
+    "Agreement",
     "CheckConfig",
+    "CheckContext",
+    "evaluate",
+    "insert_on_probe",
+    "pool_family",
+    "predicted_verdict",
+    "probe_batches",
+    "probe_statistics",
     "run_check",
+    "site_shapes",
     "summarize",
     "write_report_atomic",
 ]
+
+#: Site layout of each trained model kind the checker draws (the kinds of
+#: :data:`depthsat_theory.tasks.KINDS`): the one place the checker names models.
+KIND_LAYOUTS: dict[str, Layout] = {"mlp": Layout.VECTOR, "cnn": Layout.IMAGE, "gpt": Layout.SEQUENCE}
+#: The contexts of the exact constructions (theory label ``ex-saturated``): the least-squares
+#: readout on the trained kind :data:`LSQ_BASE`, and the odd network on synthetic data.
+LSQ_CONTEXT, ODD_CONTEXT, LSQ_BASE = "mlp-lsq", "mlp-odd", "mlp"
 
 
 def _diag_general(theta: Tensor, u: Tensor) -> Tensor:
@@ -63,7 +92,7 @@ def _diag_general(theta: Tensor, u: Tensor) -> Tensor:
 #: Residual families drawn for each site layout (``product:R`` is degenerate; the
 #: general family ``diag-general`` exercises the matrix-free ``torch.func`` path).
 FAMILY_POOLS: dict[str, tuple[str, ...]] = {
-    "vector": (
+    Layout.VECTOR: (
         "linear",
         "linear-nobias",
         "poly:2",
@@ -77,12 +106,18 @@ FAMILY_POOLS: dict[str, tuple[str, ...]] = {
         "product:4",
         "diag-general",
     ),
-    "image": ("conv1x1", "conv3x3:16", "relu:32", "even:square", "product:2"),
-    "sequence": ("linear", "relu:128", "gelu:64", "attention:32", "preln:64", "product:4"),
+    Layout.IMAGE: ("conv1x1", "conv3x3:16", "relu:32", "even:square", "product:2"),
+    Layout.SEQUENCE: ("linear", "relu:128", "gelu:64", "attention:32", "preln:64", "product:4"),
 }
 
 
-def _family(spec: str) -> ResidualFamily:
+def pool_family(spec: str) -> ResidualFamily:
+    """A family of :data:`FAMILY_POOLS`: a built-in spec (:func:`~depthsat_theory.families.parse_family`)
+    or ``diag-general``, the general family ``h(θ, u) = θ₁ ⊙ tanh(u) + θ₂ ⊙ u²`` (``p = 2d``).
+
+    Raises:
+        FamilyError: on a spec that is neither.
+    """
     if spec == "diag-general":
         return GeneralFamily(_diag_general, lambda d: 2 * d, name="diag-general")
     return parse_family(spec)
@@ -111,7 +146,7 @@ class CheckConfig:
     instances: int = 300
     seed: int = 0
     construction_fraction: float = 0.25
-    kinds: tuple[str, ...] = ("mlp", "cnn", "gpt")
+    kinds: tuple[str, ...] = tuple(KIND_LAYOUTS)
     optimizers: tuple[str, ...] = DESCENT_COMPATIBLE
     steps: int = 6
     step_scale: float = 1e-3
@@ -121,26 +156,37 @@ class CheckConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` with a specific message on bad settings."""
         if self.instances < 1:
-            raise ValueError(f"instances (--instances) must be >= 1, got {self.instances}")
+            raise ValueError(f"instances must be >= 1, got {self.instances}")
         if not 0.0 <= self.construction_fraction <= 1.0:
-            raise ValueError(
-                f"construction_fraction (--construction-fraction) must be in [0, 1], got {self.construction_fraction}"
-            )
+            raise ValueError(f"construction_fraction must be in [0, 1], got {self.construction_fraction}")
         if self.steps < 3:
             raise ValueError(f"steps must be >= 3, got {self.steps}")
         if not self.optimizers:
-            raise ValueError("optimizers (--optimizers) must name at least one zero-state update")
+            raise ValueError("optimizers must name at least one zero-state update")
         for name in self.optimizers:
             get_update(name)
+        known = [k for k in KINDS if k in KIND_LAYOUTS]
         if not self.kinds:
-            raise ValueError("kinds (--models) must name at least one of mlp, cnn, gpt")
+            raise ValueError(f"kinds must name at least one of {', '.join(known)}")
         for k in self.kinds:
-            if k not in ("mlp", "cnn", "gpt"):
-                raise ValueError(f"unknown model kind {k!r} (--models); use mlp, cnn, gpt")
+            if k not in known:
+                raise ValueError(f"unknown model kind {k!r} in kinds; use {', '.join(known)}")
 
 
 @dataclass
-class _Context:
+class CheckContext:
+    """One model of a check run on its probe, with the sites and family pools drawn from.
+
+    Attributes:
+        name: ``"mlp"``, ``"cnn"``, ``"gpt"``, ``"mlp-lsq"`` or ``"mlp-odd"``.
+        task: the model, probe and loss.
+        sites: the site names drawn from.
+        families: family pool per site.
+        construction: ``"lsq-readout"``, ``"odd"`` or ``None`` (a trained model).
+        reference_output: ``task.model(task.inputs)``, once computed.
+        probe_loss: mean probe loss from the statistics pass.
+    """
+
     name: str
     task: Task
     sites: list[str]
@@ -160,26 +206,28 @@ class _Instance:
     site: str = ""
 
 
-def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, _Context]:
-    out: dict[str, _Context] = {}
+def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, CheckContext]:
+    out: dict[str, CheckContext] = {}
     for kind in cfg.kinds:
-        if kind in needed or (kind == "mlp" and "mlp-lsq" in needed):
+        if kind in needed or (kind == LSQ_BASE and LSQ_CONTEXT in needed):
             task = trained_task(kind, cfg.seed, cache_dir=cfg.cache_dir)
-            if kind == "cnn":
+            if KIND_LAYOUTS[kind] == Layout.IMAGE:  # float64 convolutions dominate the run time
                 task = dataclasses.replace(
                     task, inputs=task.inputs[: cfg.cnn_probe_size], targets=task.targets[: cfg.cnn_probe_size]
                 )
-            sites = task.model.site_names()
-            out[kind] = _Context(kind, task, sites, dict.fromkeys(sites, FAMILY_POOLS[task.layout]))
-    if "mlp-lsq" in needed:
-        base = out["mlp"].task if "mlp" in out else trained_task("mlp", cfg.seed, cache_dir=cfg.cache_dir)
+            sites = cast(Any, task.model).site_names()
+            out[kind] = CheckContext(kind, task, sites, dict.fromkeys(sites, FAMILY_POOLS[task.layout]))
+    if LSQ_CONTEXT in needed:
+        base = out[LSQ_BASE].task if LSQ_BASE in out else trained_task(LSQ_BASE, cfg.seed, cache_dir=cfg.cache_dir)
         task, sites = lsq_readout(base)
-        out["mlp-lsq"] = _Context(
-            "mlp-lsq", task, sites, dict.fromkeys(sites, LSQ_FAMILIES), construction="lsq-readout"
+        out[LSQ_CONTEXT] = CheckContext(
+            LSQ_CONTEXT, task, sites, dict.fromkeys(sites, LSQ_FAMILIES), construction="lsq-readout"
         )
-    if "mlp-odd" in needed:
+    if ODD_CONTEXT in needed:
         task, sites = odd_network(cfg.seed)
-        out["mlp-odd"] = _Context("mlp-odd", task, sites, dict.fromkeys(sites, ODD_FAMILIES), construction="odd")
+        out[ODD_CONTEXT] = CheckContext(
+            ODD_CONTEXT, task, sites, dict.fromkeys(sites, ODD_FAMILIES), construction="odd"
+        )
     return out
 
 
@@ -188,13 +236,13 @@ def _draw(cfg: CheckConfig) -> list[_Instance]:
     rng = np.random.default_rng(cfg.seed)
     out = []
     for i in range(cfg.instances):
+        pool: tuple[str, ...]
         if rng.random() < cfg.construction_fraction:
-            ctx = "mlp-lsq" if rng.random() < 0.5 else "mlp-odd"
-            pool = LSQ_FAMILIES if ctx == "mlp-lsq" else ODD_FAMILIES
+            ctx = LSQ_CONTEXT if rng.random() < 0.5 else ODD_CONTEXT
+            pool = LSQ_FAMILIES if ctx == LSQ_CONTEXT else ODD_FAMILIES
         else:
             ctx = cfg.kinds[int(rng.integers(len(cfg.kinds)))]
-            layout = {"mlp": "vector", "cnn": "image", "gpt": "sequence"}[ctx]
-            pool = FAMILY_POOLS[layout]
+            pool = FAMILY_POOLS[KIND_LAYOUTS[ctx]]
         site_u = float(rng.random())  # resolved to a site once the model's sites are known
         fam = pool[int(rng.integers(len(pool)))]
         opt = cfg.optimizers[int(rng.integers(len(cfg.optimizers)))]
@@ -202,168 +250,127 @@ def _draw(cfg: CheckConfig) -> list[_Instance]:
     return out
 
 
-class _Insertion:
-    """One (context, site, family): the inserted model, its gradient and statistics."""
+class Agreement(str, Enum):
+    """How one instance's measurement compares with the prediction (the checker's outcome).
 
-    def __init__(self, ctx: _Context, site: str, family: ResidualFamily, stats):
-        self.ctx = ctx
-        self.site = site
-        self.family = family
-        self.result = stats.result()
-        task = ctx.task
-        shape = stats.shape
-        new, blk = insert_block(task.model, site, family.block(shape, stats.layout, dtype=torch.float64))
-        self.model = new
-        self.deviation = check_function_preserving(ctx.reference_output, new, task.inputs)
-        self.params = list(blk.parameters())
-        self.tparams = family.tangent_parameters(blk)
-        self.initial = [p.detach().clone() for p in self.params]
-        losses0 = task.loss(new(task.inputs), task.targets)
-        loss0 = losses0.mean()
-        grads = torch.autograd.grad(loss0, self.params, allow_unused=True)
-        self.grads = [
-            torch.zeros_like(p) if g is None else g.detach() for p, g in zip(self.params, grads, strict=False)
-        ]
-        self.j0 = float(loss0.detach())
-        self.loss_scale = float(losses0.detach().abs().mean())
-        tid = {id(p) for p in self.tparams}
-        self.b = torch.cat([g.reshape(-1) for p, g in zip(self.params, self.grads, strict=False) if id(p) in tid])
-        self.feature_grad_max = max(
-            [float(g.abs().max()) for p, g in zip(self.params, self.grads, strict=False) if id(p) not in tid] + [0.0]
-        )
-        # scale of the tangent map: sqrt(λ_max K) and sqrt(max diag K)
-        if isinstance(stats, FeatureStatistics):
-            kmat = stats.feature_gram()
-        else:
-            kmat = (stats.k_mat / stats.n).cpu().numpy()
-        lam = np.linalg.eigvalsh(0.5 * (kmat + kmat.T)) if kmat.size else np.zeros(1)
-        self.a_norm = math.sqrt(max(float(lam.max()), 0.0))
-        self.a_diag = math.sqrt(max(float(np.max(np.diag(kmat))), 0.0)) if kmat.size else 0.0
-        self.z_rms = math.sqrt(stats.z_sq / stats.n)
-        eps = torch.finfo(torch.float64).eps
-        self.tau = TOL_FACTOR * eps * self.result.ag_rms * self.a_diag
-        b_stats = torch.from_numpy(self.result.gradient)
-        self.gradient_error = float((self.b - b_stats).abs().max()) if self.b.numel() else 0.0
-        self.gradient_tol = self.tau + 1e-9 * float(b_stats.abs().max() if b_stats.numel() else 0.0)
+    - ``AGREE``: the measured first-order behaviour is the predicted one;
+    - ``COUNTEREXAMPLE``: it is not (the record's ``reason`` says how);
+    - ``UNDECIDED``: the measurement could not resolve the predicted effect;
+    - ``DEGENERATE``: ``T = {0}`` and no first-order change, as predicted
+      (:attr:`depthsat_theory.vocabulary.Verdict.DEGENERATE`, reported apart from saturation).
+    """
 
-    def _step_loss(self, update: ZeroStateUpdate, lr: float) -> tuple[float, Tensor]:
-        with torch.no_grad():
-            for p, p0, g in zip(self.params, self.initial, self.grads, strict=False):
-                p.copy_(p0)
-                p.grad = g.clone()
-        opt = update.make_optimizer(self.params, lr)
-        opt.step()
-        task = self.ctx.task
-        with torch.no_grad():
-            j = float(task.loss(self.model(task.inputs), task.targets).mean())
-            direction = torch.cat(
-                [
-                    (p.detach() - p0).reshape(-1)
-                    for p, p0 in zip(self.params, self.initial, strict=False)
-                    if any(p is t for t in self.tparams)
-                ]
-            ) / (-lr)
-        return j, direction
+    AGREE = "agree"
+    COUNTEREXAMPLE = "counterexample"
+    UNDECIDED = "undecided"
+    DEGENERATE = Verdict.DEGENERATE.value
 
-    def evaluate(self, update: ZeroStateUpdate, cfg: CheckConfig) -> dict:
-        res = self.result
-        tol = res.tol
-        a_pred = update.predicted_change_rate(self.b, self.tau) if self.b.numel() else 0.0
-        # step sizes: the largest step moves the block output by ~ step_scale * z_rms
-        pb = update.first_step(threshold(self.b, self.tau)) if self.b.numel() else self.b
-        pn = float(pb.norm()) if pb.numel() else 0.0
-        if pn == 0.0:
-            pn = float(update.first_step(self.b).norm()) if self.b.numel() else 0.0
-        eta0 = (cfg.step_scale * self.z_rms / (pn * max(self.a_norm, 1e-300))) if pn > 0 else 1.0
-        if not math.isfinite(eta0) or eta0 <= 0:
-            eta0 = 1.0
-        etas = [eta0 * 4.0**-j for j in range(cfg.steps)]
-        dj_full, dj_half = [], []
-        for lr in etas:
-            j_full, direction = self._step_loss(update, lr)
-            j_half, _ = self._step_loss(update, lr / 2)
-            dj_full.append(j_full - self.j0)
-            dj_half.append(j_half - self.j0)
-        dir_norm = float(direction.norm())  # the real optimizer's step direction (smallest η)
-        eps = torch.finfo(torch.float64).eps
-        noise = 64 * eps * max(abs(self.j0), self.loss_scale, 1e-300)
-        # Richardson: (4 ΔJ(η/2) − ΔJ(η)) / η = a + O(η²) for ΔJ = aη + cη² + …
-        rich = [(4 * h - f) / lr for f, h, lr in zip(dj_full, dj_half, etas, strict=False)]
-        # error bar of â_j: its spread against every smaller step (J is only piecewise smooth
-        # for ReLU networks, so a single neighbour can agree by chance) plus rounding noise
-        last = len(rich) - 1
-        errs = [
-            max(abs(rich[i] - rich[j]) for j in range(i + 1, last + 1)) + 6 * noise / etas[i] + 6 * noise / etas[last]
-            for i in range(last)
-        ]
-        best = int(np.argmin(errs))
-        a_obs, err = rich[best], errs[best]
-        ratio = dj_full[best] / dj_half[best] if dj_half[best] != 0 else float("nan")
-        decrease = a_obs < -3 * err
-        max_rate = res.score * self.a_norm * dir_norm  # |⟨b, v⟩| ≤ s ‖A v‖ ≤ s ‖A‖ ‖v‖
-        slope_tol = tol * self.a_norm * dir_norm
-        verdict, reason, detail = self._verdict(res, a_pred, a_obs, err, decrease, max_rate, slope_tol)
-        return {
-            "predicted_slope": a_pred,
-            "observed_slope": a_obs,
-            "slope_error": err,
-            "ratio": ratio,
-            "etas": etas,
-            "delta_j": dj_full,
-            "delta_j_half": dj_half,
-            "observed_decrease": bool(decrease),
-            "verdict": verdict,
-            "reason": reason,
-            "detail": detail,
-        }
+    def __str__(self) -> str:
+        return self.value
 
-    def _verdict(self, res, a_pred, a_obs, err, decrease, max_rate, slope_tol):
-        """``(verdict, reason, detail)``: ``reason`` is a short category, ``detail`` the numbers."""
-        if self.deviation != 0.0:
-            return "counterexample", "inserted block is not function-preserving", f"max |Δf| = {self.deviation:.3g}"
-        if self.gradient_error > self.gradient_tol:
-            return (
-                "counterexample",
-                "T1: autograd gradient differs from the statistics' b",
-                (f"max |Δb| = {self.gradient_error:.3g} > {self.gradient_tol:.3g}"),
-            )
-        if self.feature_grad_max != 0.0:
-            return (
-                "counterexample",
-                "feature parameters have a nonzero gradient at the origin",
-                (f"max |∂J/∂ψ| = {self.feature_grad_max:.3g}"),
-            )
-        if res.degenerate:
-            if abs(a_obs) <= 3 * err and not decrease:
-                return "degenerate", "rank K = 0: T = {0}, no first-order change (not 'saturated')", ""
-            return "counterexample", "degenerate family moved J at first order", f"slope {a_obs:.3g}"
-        if res.score > res.tol:
-            if 3 * err > 1e-2 * max_rate:
-                return (
-                    "undecided",
-                    "slope resolution too coarse for the largest possible rate",
-                    (f"resolution {3 * err:.2g} vs s·‖A‖·‖P(b)‖ = {max_rate:.2g}"),
-                )
-            if not decrease:
-                return (
-                    "counterexample",
-                    "s > tol but no first-order decrease",
-                    (f"s = {res.score:.3g}; observed slope {a_obs:.3g} ± {3 * err:.2g}"),
-                )
-            if abs(a_obs - a_pred) > 1e-3 * abs(a_pred) + 3 * err:
-                return (
-                    "counterexample",
-                    "first-order decrease, but its slope is not −⟨b, P(b)⟩",
-                    (f"observed {a_obs:.6g}, predicted {a_pred:.6g}"),
-                )
-            return "agree", "first-order decrease with the predicted slope", ""
-        if abs(a_obs) <= 3 * err + slope_tol:
-            return "agree", "no first-order term (Richardson slope consistent with 0)", ""
+
+def predicted_verdict(res: SaturationResult) -> Verdict:
+    """The statistics' verdict: degenerate (``rank K = 0``), improvable (``s > tol``) or saturated."""
+    if res.degenerate:
+        return Verdict.DEGENERATE
+    return Verdict.IMPROVABLE if res.score > res.tol else Verdict.SATURATED
+
+
+def evaluate(ins: Insertion, update: ZeroStateUpdate, cfg: CheckConfig) -> dict:
+    """Measure one zero-state update on an insertion and compare with the prediction.
+
+    Args:
+        ins: the inserted block (:class:`~depthsat_theory.capture.Insertion`), its statistics
+            accumulated on the probe.
+        update: the zero-state update whose real optimizer takes the first step.
+        cfg: the settings (``steps``, ``step_scale``).
+
+    Returns:
+        A dict with ``predicted_slope``, ``observed_slope``, ``slope_error``, ``ratio``,
+        ``etas``, ``delta_j``, ``delta_j_half``, ``observed_decrease`` (see
+        :class:`~depthsat_theory.capture.FirstStepSlope`), ``verdict`` (an
+        :class:`Agreement`), ``reason`` (a short category) and ``detail`` (the numbers).
+    """
+    res = ins.result
+    m = ins.first_step_slope(update, step_scale=cfg.step_scale, steps=cfg.steps)
+    verdict, reason, detail = _verdict(ins, res, m)
+    return {
+        "predicted_slope": m.predicted_slope,
+        "observed_slope": m.observed_slope,
+        "slope_error": m.slope_error,
+        "ratio": m.ratio,
+        "etas": m.etas,
+        "delta_j": m.delta_j,
+        "delta_j_half": m.delta_j_half,
+        "observed_decrease": m.observed_decrease,
+        "verdict": verdict,
+        "reason": reason,
+        "detail": detail,
+    }
+
+
+def _insertion_failure(ins: Insertion) -> tuple[Agreement, str, str] | None:
+    """A counterexample found before any step: function preservation, T1, ``∂J/∂ψ = 0``."""
+    if ins.deviation != 0.0:
+        return Agreement.COUNTEREXAMPLE, "inserted block is not function-preserving", f"max |Δf| = {ins.deviation:.3g}"
+    if ins.gradient_error > ins.gradient_tol:
         return (
-            "counterexample",
-            "s ≤ tol but a first-order change",
-            (f"s = {res.score:.3g}; slope {a_obs:.3g} ± {3 * err:.2g}"),
+            Agreement.COUNTEREXAMPLE,
+            "T1: autograd gradient differs from the statistics' b",
+            f"max |Δb| = {ins.gradient_error:.3g} > {ins.gradient_tol:.3g}",
         )
+    if ins.feature_grad_max != 0.0:
+        return (
+            Agreement.COUNTEREXAMPLE,
+            "feature parameters have a nonzero gradient at the origin",
+            f"max |∂J/∂ψ| = {ins.feature_grad_max:.3g}",
+        )
+    return None
+
+
+def _improvable_verdict(res: SaturationResult, m: FirstStepSlope, max_rate: float) -> tuple[Agreement, str, str]:
+    err3 = 3 * m.slope_error
+    if err3 > 1e-2 * max_rate:
+        return (
+            Agreement.UNDECIDED,
+            "slope resolution too coarse for the largest possible rate",
+            f"resolution {err3:.2g} vs s·‖A‖·‖P(b)‖ = {max_rate:.2g}",
+        )
+    if not m.observed_decrease:
+        return (
+            Agreement.COUNTEREXAMPLE,
+            "s > tol but no first-order decrease",
+            f"s = {res.score:.3g}; observed slope {m.observed_slope:.3g} ± {err3:.2g}",
+        )
+    if abs(m.observed_slope - m.predicted_slope) > 1e-3 * abs(m.predicted_slope) + err3:
+        return (
+            Agreement.COUNTEREXAMPLE,
+            "first-order decrease, but its slope is not −⟨b, P(b)⟩",
+            f"observed {m.observed_slope:.6g}, predicted {m.predicted_slope:.6g}",
+        )
+    return Agreement.AGREE, "first-order decrease with the predicted slope", ""
+
+
+def _verdict(ins: Insertion, res: SaturationResult, m: FirstStepSlope) -> tuple[Agreement, str, str]:
+    """``(verdict, reason, detail)``: ``reason`` is a short category, ``detail`` the numbers."""
+    failure = _insertion_failure(ins)
+    if failure is not None:
+        return failure
+    a_obs, err = m.observed_slope, m.slope_error
+    if res.degenerate:
+        if abs(a_obs) <= 3 * err and not m.observed_decrease:
+            return Agreement.DEGENERATE, "rank K = 0: T = {0}, no first-order change (not 'saturated')", ""
+        return Agreement.COUNTEREXAMPLE, "degenerate family moved J at first order", f"slope {a_obs:.3g}"
+    if res.score > res.tol:
+        # |⟨b, v⟩| ≤ s ‖A v‖ ≤ s ‖A‖ ‖v‖ along the real optimizer's direction v
+        return _improvable_verdict(res, m, res.score * ins.a_norm * m.direction_norm)
+    if abs(a_obs) <= 3 * err + res.tol * ins.a_norm * m.direction_norm:
+        return Agreement.AGREE, "no first-order term (Richardson slope consistent with 0)", ""
+    return (
+        Agreement.COUNTEREXAMPLE,
+        "s ≤ tol but a first-order change",
+        f"s = {res.score:.3g}; slope {a_obs:.3g} ± {3 * err:.2g}",
+    )
 
 
 def run_check(cfg: CheckConfig, *, progress=None) -> dict:
@@ -378,6 +385,9 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
         ``degenerate``, ``seed``, ``config``, ``summary``, ``records``; each record has
         ``model``, ``data``, ``site``, ``family``, ``optimizer``, ``score``, ``tol``,
         ``predicted_improvable``, ``observed_decrease``, ``verdict`` and more.
+
+    Raises:
+        ValueError: on bad settings (:meth:`CheckConfig.validate`).
     """
     cfg.validate()
     draws = _draw(cfg)
@@ -387,62 +397,16 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
     for d in draws:
         by_ctx[d.context].append(d)
     for cname, items in by_ctx.items():
-        ctx = ctxs[cname]
-        task = ctx.task
-        for it in items:
-            it.site = ctx.sites[int(it.site_u * len(ctx.sites))]
-        with torch.no_grad():
-            ctx.reference_output = task.model(task.inputs)
-        # one forward+backward pass over the probe for every (site, family) of this context
-        keys = sorted({(it.site, it.family) for it in items})
-        shapes = _site_shapes(task, sorted({k[0] for k in keys}))
-        fams = {f: _family(f) for _, f in keys}
-        stats = {k: statistics_for(fams[k[1]], shapes[k[0]], task.layout) for k in keys}
-        per_site: dict[str, list] = defaultdict(list)
-        for (s, _fam), acc in stats.items():
-            per_site[s].append(acc)
-        ctx.probe_loss = accumulate(task.model, list(per_site), _batches(task), task.loss, per_site)
-        for key in keys:
-            ins = _Insertion(ctx, key[0], fams[key[1]], stats[key])
-            for it in items:
-                if (it.site, it.family) != key:
-                    continue
-                upd = get_update(it.optimizer)
-                ev = ins.evaluate(upd, cfg)
-                res = ins.result
-                records[it.index] = {
-                    "index": it.index,
-                    "model": task.kind,
-                    "data": task.data,
-                    "construction": ctx.construction,
-                    "site": it.site,
-                    "family": it.family,
-                    "unit": res.unit,
-                    "optimizer": it.optimizer,
-                    "descent_compatible": bool(upd.descent_compatible),
-                    "score": res.score,
-                    "relative_score": _nan_none(res.relative_score),
-                    "tol": res.tol,
-                    "ag_rms": res.ag_rms,
-                    "ag_max": res.ag_max,
-                    "tangent_rank": res.tangent_rank,
-                    "tangent_dim": res.tangent_dim,
-                    "degenerate": res.degenerate,
-                    "predicted_improvable": bool(res.score > res.tol and not res.degenerate),
-                    "gradient_error": ins.gradient_error,
-                    "function_deviation": ins.deviation,
-                    **ev,
-                }
-                if progress is not None:
-                    progress(1, f"{task.kind} {it.site} {it.family}")
+        for rec in _run_context(ctxs[cname], items, cfg, progress):
+            records[rec["index"]] = rec
     recs = [r for r in records if r is not None]
     counts = Counter(r["verdict"] for r in recs)
-    report = {
+    return {
         "instances": len(recs),
-        "agree": counts.get("agree", 0),
-        "counterexamples": counts.get("counterexample", 0),
-        "undecided": counts.get("undecided", 0),
-        "degenerate": counts.get("degenerate", 0),
+        "agree": counts.get(Agreement.AGREE, 0),
+        "counterexamples": counts.get(Agreement.COUNTEREXAMPLE, 0),
+        "undecided": counts.get(Agreement.UNDECIDED, 0),
+        "degenerate": counts.get(Agreement.DEGENERATE, 0),
         "seed": cfg.seed,
         "config": {
             "instances": cfg.instances,
@@ -467,14 +431,132 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
         "summary": summarize(recs),
         "records": recs,
     }
-    return report
+
+
+def _run_context(ctx: CheckContext, items: list[_Instance], cfg: CheckConfig, progress) -> list[dict]:
+    """The records of one context's instances (one statistics pass over its probe)."""
+    task = ctx.task
+    for it in items:
+        it.site = ctx.sites[int(it.site_u * len(ctx.sites))]
+    with torch.no_grad():
+        ctx.reference_output = task.model(task.inputs)
+    keys = sorted({(it.site, it.family) for it in items})
+    fams = {f: pool_family(f) for _, f in keys}
+    stats, ctx.probe_loss = probe_statistics(task, [(site, fams[f]) for site, f in keys])
+    out = []
+    for key, acc in zip(keys, stats, strict=True):
+        ins = Insertion(
+            task.model,
+            key[0],
+            fams[key[1]],
+            acc,
+            task.inputs,
+            task.targets,
+            task.loss,
+            reference_output=ctx.reference_output,
+        )
+        for it in items:
+            if (it.site, it.family) != key:
+                continue
+            out.append(_record(ctx, it, ins, cfg))
+            if progress is not None:
+                progress(1, f"{task.kind} {it.site} {it.family}")
+    return out
+
+
+def _record(ctx: CheckContext, it: _Instance, ins: Insertion, cfg: CheckConfig) -> dict:
+    upd = get_update(it.optimizer)
+    ev = evaluate(ins, upd, cfg)
+    res = ins.result
+    return {
+        "index": it.index,
+        "model": ctx.task.kind,
+        "data": ctx.task.data,
+        "construction": ctx.construction,
+        "site": it.site,
+        "family": it.family,
+        "unit": res.unit,
+        "optimizer": it.optimizer,
+        "descent_compatible": bool(upd.descent_compatible),
+        "score": res.score,
+        "relative_score": _nan_none(res.relative_score),
+        "tol": res.tol,
+        "ag_rms": res.ag_rms,
+        "ag_max": res.ag_max,
+        "tangent_rank": res.tangent_rank,
+        "tangent_dim": res.tangent_dim,
+        "degenerate": res.degenerate,
+        "predicted_improvable": predicted_verdict(res) == Verdict.IMPROVABLE,
+        "gradient_error": ins.gradient_error,
+        "function_deviation": ins.deviation,
+        **ev,
+    }
+
+
+def probe_statistics(
+    task: Task, pairs: list[tuple[str, ResidualFamily]], *, pool_ties: bool = False
+) -> tuple[list, float]:
+    """Stream the statistics of every ``(site, family)`` pair in one pass over a task's probe.
+
+    Args:
+        task: the model, probe and per-example loss.
+        pairs: ``(site, family)`` pairs (a site may repeat with several families).
+        pool_ties: pool exactly equal units (realizability defect, T6).
+
+    Returns:
+        ``(statistics, probe_loss)``: one accumulated statistics object per pair (in order)
+        and the mean probe loss.
+
+    Raises:
+        SiteError, FamilyError, StatisticsError: as :func:`~depthsat_theory.capture.accumulate`.
+    """
+    shapes = site_shapes(task, sorted({site for site, _ in pairs}))
+    stats = [statistics_for(fam, shapes[site], task.layout, pool_ties=pool_ties) for site, fam in pairs]
+    per_site: dict[str, list] = defaultdict(list)
+    for (site, _fam), acc in zip(pairs, stats, strict=True):
+        per_site[site].append(acc)
+    loss = accumulate(task.model, list(per_site), probe_batches(task), task.loss, per_site)
+    return stats, loss
+
+
+def insert_on_probe(task: Task, site: str, family: ResidualFamily, *, pool_ties: bool = False) -> Insertion:
+    """One ``(task, site, family)`` as the checker does it: statistics on the probe, then the insertion.
+
+    Args:
+        task: the model (float64), probe and per-example loss.
+        site: the insertion site.
+        family: the residual family.
+        pool_ties: pool exactly equal units in the statistics.
+
+    Returns:
+        The :class:`~depthsat_theory.capture.Insertion` (its ``stats`` accumulated on the whole probe).
+
+    Raises:
+        NotFunctionPreservingError: if the inserted block changes the model output.
+    """
+    with torch.no_grad():
+        ref = task.model(task.inputs)
+    (stats,), _ = probe_statistics(task, [(site, family)], pool_ties=pool_ties)
+    return Insertion(task.model, site, family, stats, task.inputs, task.targets, task.loss, reference_output=ref)
 
 
 def _nan_none(x: float):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
-def _site_shapes(task: Task, sites: list[str]) -> dict[str, tuple[int, ...]]:
+def site_shapes(task: Task, sites: list[str]) -> dict[str, tuple[int, ...]]:
+    """Per-example shapes of the site tensors (tuple outputs: the first item), from two probe examples.
+
+    Args:
+        task: the model and probe.
+        sites: module names.
+
+    Returns:
+        ``{site: shape without the batch dimension}``.
+
+    Raises:
+        KeyError: on a site that is not a module of the model.
+    """
     shapes: dict[str, tuple[int, ...]] = {}
     mods = dict(task.model.named_modules())
     hs = [
@@ -490,7 +572,8 @@ def _site_shapes(task: Task, sites: list[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _batches(task: Task, size: int = 256):
+def probe_batches(task: Task, size: int = 256) -> Iterator[tuple[Tensor, Tensor]]:
+    """The probe as consecutive ``(inputs, targets)`` batches of ``size`` examples."""
     n = task.inputs.shape[0]
     for i in range(0, n, size):
         yield task.inputs[i : i + size], task.targets[i : i + size]
@@ -505,7 +588,7 @@ def summarize(records: list[dict]) -> dict:
     into those of planted non-descent-compatible updates (expected: T2 assumes descent
     compatibility) and the others.
     """
-    out: dict[str, dict] = {}
+    out: dict[str, Any] = {}
     for key in ("model", "data", "construction", "family", "optimizer"):
         table: dict[str, Counter] = defaultdict(Counter)
         for r in records:
@@ -514,7 +597,7 @@ def summarize(records: list[dict]) -> dict:
             if not r["degenerate"]:
                 row["predicted_improvable" if r["predicted_improvable"] else "predicted_saturated"] += 1
         out[key] = {k: dict(v) for k, v in sorted(table.items())}
-    bad = [r for r in records if r["verdict"] in ("undecided", "counterexample")]
+    bad = [r for r in records if r["verdict"] in (Agreement.UNDECIDED, Agreement.COUNTEREXAMPLE)]
     out["reasons"] = dict(
         Counter(f"{r['verdict']}: {r['reason']}" for r in bad if r["descent_compatible"]).most_common()
     )
@@ -522,7 +605,7 @@ def summarize(records: list[dict]) -> dict:
         Counter(f"{r['verdict']}: {r['reason']}" for r in bad if not r["descent_compatible"]).most_common()
     )
     out["planted_counterexamples"] = sum(
-        1 for r in bad if r["verdict"] == "counterexample" and not r["descent_compatible"]
+        1 for r in bad if r["verdict"] == Agreement.COUNTEREXAMPLE and not r["descent_compatible"]
     )
     return out
 

@@ -29,45 +29,33 @@ parameters ``ψ`` have exactly zero gradient at the origin.  Each family states 
 blocks), ``"tensor"`` when it depends on the whole example (attention, 3×3 conv).
 
 Families are dimension-agnostic descriptions; concrete weights (for example the
-seeded random features) are built for a site from its per-example shape.
+seeded random features) are built for a site from its per-example shape.  The built-in
+families live in :mod:`depthsat_theory.families.builtin`, their spec strings in
+:mod:`depthsat_theory.families.specs`.
 """
 
 from __future__ import annotations
 
 import abc
 import copy
-import math
-import re
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from depthsat_theory.vocabulary import Layout
+
 __all__ = [
-    "LAYOUTS",
     "FamilyError",
     "FeatureFamily",
     "GeneralFamily",
     "ResidualFamily",
-    "causal_attention",
-    "conv1x1",
-    "conv3x3",
-    "even_features",
-    "family_specs",
     "from_rows",
-    "linear",
-    "parse_family",
-    "polynomial",
-    "preln_mlp",
-    "product",
-    "random_features",
     "to_rows",
 ]
 
-LAYOUTS = ("vector", "sequence", "image")
-#: Largest polynomial degree and feature width accepted from specs.
-MAX_DEGREE = 16
-MAX_WIDTH = 1 << 16
+#: Dimensions of a batch of site tensors (batch first) by layout.
+_NDIM: dict[str, int] = {Layout.VECTOR: 2, Layout.SEQUENCE: 3, Layout.IMAGE: 4}
 
 
 class FamilyError(ValueError):
@@ -80,7 +68,7 @@ def to_rows(t: Tensor, layout: str) -> Tensor:
 
     Args:
         t: site tensor, ``(B, d)``, ``(B, T, d)`` or ``(B, C, H, W)`` by ``layout``.
-        layout: one of :data:`LAYOUTS`.
+        layout: a :class:`~depthsat_theory.vocabulary.Layout` (or its string value).
 
     Returns:
         ``(B, R, d)`` with ``R = 1``, ``T`` or ``H·W`` (a view where possible).
@@ -89,42 +77,31 @@ def to_rows(t: Tensor, layout: str) -> Tensor:
         FamilyError: if ``t`` has the wrong number of dimensions for ``layout``.
     """
     _check_layout_tensor(t, layout)
-    if layout == "vector":
+    if layout == Layout.VECTOR:
         return t.unsqueeze(1)
-    if layout == "sequence":
+    if layout == Layout.SEQUENCE:
         return t
     return t.flatten(2).transpose(1, 2)
 
 
 def from_rows(rows: Tensor, layout: str, shape: Sequence[int]) -> Tensor:
     """Inverse of :func:`to_rows`: ``(B, R, d)`` rows back to site tensors of ``shape``."""
-    if layout == "vector":
+    if layout == Layout.VECTOR:
         return rows.squeeze(1)
-    if layout == "sequence":
+    if layout == Layout.SEQUENCE:
         return rows
     b = rows.shape[0]
     return rows.transpose(1, 2).reshape(b, *shape[1:])
 
 
 def _check_layout_tensor(t: Tensor, layout: str) -> None:
-    ndim = {"vector": 2, "sequence": 3, "image": 4}.get(layout)
+    ndim = _NDIM.get(layout)
     if ndim is None:
-        raise FamilyError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+        raise FamilyError(f"unknown layout {layout!r}; expected one of {tuple(lay.value for lay in Layout)}")
     if t.dim() != ndim:
         raise FamilyError(
-            f"a {layout!r} site tensor must have {ndim} dimensions (batch first), got shape {tuple(t.shape)}"
+            f"a {str(layout)!r} site tensor must have {ndim} dimensions (batch first), got shape {tuple(t.shape)}"
         )
-
-
-def _check_width(width: int) -> None:
-    if not 1 <= width <= MAX_WIDTH:
-        raise FamilyError(f"feature width must be in 1..{MAX_WIDTH}, got {width}")
-
-
-def _generator(seed: int) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(int(seed))
-    return g
 
 
 # ----------------------------------------------------------------------------- base
@@ -140,7 +117,7 @@ class ResidualFamily(abc.ABC):
 
     spec: str = ""
     unit: str = "row"
-    layouts: tuple[str, ...] = LAYOUTS
+    layouts: tuple[str, ...] = tuple(Layout)
 
     def check_site(self, shape: Sequence[int], layout: str) -> None:
         """Raise :class:`FamilyError` if the family does not fit a site.
@@ -151,12 +128,12 @@ class ResidualFamily(abc.ABC):
         """
         if layout not in self.layouts:
             raise FamilyError(
-                f"family {self.spec!r} does not fit a {layout!r} site "
+                f"family {self.spec!r} does not fit a {str(layout)!r} site "
                 f"(it fits {', '.join(self.layouts)} sites); choose another family"
             )
-        want = {"vector": 1, "sequence": 2, "image": 3}[layout]
+        want = _NDIM[layout] - 1
         if len(shape) != want:
-            raise FamilyError(f"a {layout!r} site has per-example shape of {want} dims, got {tuple(shape)}")
+            raise FamilyError(f"a {str(layout)!r} site has per-example shape of {want} dims, got {tuple(shape)}")
 
     @abc.abstractmethod
     def param_dim(self, shape: Sequence[int]) -> int:
@@ -211,22 +188,6 @@ class _FeatureBlock(nn.Module):
         return from_rows(rows, self.layout, z.shape)
 
 
-class _Conv1x1Block(nn.Module):
-    """A zero-initialized ``1×1`` convolution ``z ↦ W z + c`` (image sites)."""
-
-    def __init__(self, c: int, features: nn.Module | None, k: int, bias: bool):
-        super().__init__()
-        self.out = nn.Conv2d(k, c, kernel_size=1, bias=bias)
-        nn.init.zeros_(self.out.weight)
-        if bias:
-            nn.init.zeros_(self.out.bias)
-        self.features = features
-
-    def forward(self, z: Tensor) -> Tensor:
-        x = z if self.features is None else self.features.image(z)
-        return self.out(x)
-
-
 class FeatureFamily(ResidualFamily):
     """Zero-output feature family ``h(z)_r = W φ_ψ(z)_r + c`` (theory/definitions.md).
 
@@ -243,7 +204,7 @@ class FeatureFamily(ResidualFamily):
 
     bias: bool = True
 
-    def __init__(self, spec: str, *, bias: bool = True, unit: str = "row", layouts: tuple[str, ...] = LAYOUTS):
+    def __init__(self, spec: str, *, bias: bool = True, unit: str = "row", layouts: tuple[str, ...] = tuple(Layout)):
         self.spec = spec
         self.bias = bias
         self.unit = unit
@@ -276,7 +237,7 @@ class FeatureFamily(ResidualFamily):
 
     def site_dim(self, shape: Sequence[int], layout: str) -> int:
         """Row dimension ``d`` (``C`` for image sites)."""
-        return int(shape[0] if layout == "image" else shape[-1])
+        return int(shape[0] if layout == Layout.IMAGE else shape[-1])
 
     def augmented_dim(self, shape: Sequence[int], layout: str) -> int:
         """``k̃ = k + bias``: the length of ``φ̃``."""
@@ -330,235 +291,12 @@ class FeatureFamily(ResidualFamily):
         return blk.to(dtype=dtype or torch.float64, device=device)
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
-        out = block.out
-        ps = [out.weight] + ([out.bias] if self.bias else [])
-        return ps
+        out = block.get_submodule("out")
+        return [out.get_parameter("weight")] + ([out.get_parameter("bias")] if self.bias else [])
 
 
-def _layout_of(shape: Sequence[int]) -> str:
-    return {1: "vector", 2: "sequence", 3: "image"}[len(shape)]
-
-
-# -- concrete feature maps
-class _Rows(nn.Module):
-    def __init__(self, layout: str):
-        super().__init__()
-        self.layout = layout
-
-    def forward(self, z: Tensor) -> Tensor:
-        return to_rows(z, self.layout)
-
-
-class _Powers(_Rows):
-    def __init__(self, layout: str, degree: int):
-        super().__init__(layout)
-        self.degree = degree
-
-    def forward(self, z: Tensor) -> Tensor:
-        r = to_rows(z, self.layout)
-        return torch.cat([r**j for j in range(1, self.degree + 1)], dim=-1)
-
-
-class _Even(_Rows):
-    def __init__(self, layout: str, kind: str):
-        super().__init__(layout)
-        self.kind = kind
-
-    def forward(self, z: Tensor) -> Tensor:
-        r = to_rows(z, self.layout)
-        return r.abs() if self.kind == "abs" else r * r
-
-
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "relu": torch.relu,
-    "gelu": nn.functional.gelu,
-    "tanh": torch.tanh,
-}
-
-
-class _RandomFeatures(_Rows):
-    def __init__(self, layout: str, d: int, k: int, act: str, seed: int, layernorm: bool):
-        super().__init__(layout)
-        gen = _generator(seed)
-        self.norm = nn.LayerNorm(d, dtype=torch.float64) if layernorm else None
-        self.proj = nn.Linear(d, k, dtype=torch.float64)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.randn(k, d, generator=gen, dtype=torch.float64) / math.sqrt(d))
-            self.proj.bias.copy_(torch.randn(k, generator=gen, dtype=torch.float64) * 0.5)
-        self.act = act
-
-    def forward(self, z: Tensor) -> Tensor:
-        r = to_rows(z, self.layout)
-        if self.norm is not None:
-            r = self.norm(r)
-        return _ACTIVATIONS[self.act](self.proj(r))
-
-
-class _Conv3x3Features(nn.Module):
-    def __init__(self, c: int, k: int, seed: int):
-        super().__init__()
-        gen = _generator(seed)
-        self.conv = nn.Conv2d(c, k, kernel_size=3, padding=1, dtype=torch.float64)
-        with torch.no_grad():
-            self.conv.weight.copy_(torch.randn(k, c, 3, 3, generator=gen, dtype=torch.float64) / math.sqrt(9 * c))
-            self.conv.bias.copy_(torch.randn(k, generator=gen, dtype=torch.float64) * 0.5)
-
-    def image(self, z: Tensor) -> Tensor:
-        return torch.relu(self.conv(z))
-
-    def forward(self, z: Tensor) -> Tensor:
-        return to_rows(self.image(z), "image")
-
-
-class _CausalAttentionFeatures(nn.Module):
-    """Pre-LN causal self-attention without its output projection: rows ``(B, T, k)``."""
-
-    def __init__(self, d: int, k: int, heads: int, seed: int):
-        super().__init__()
-        if k % heads:
-            raise FamilyError(f"attention width {k} must be a multiple of heads={heads}")
-        gen = _generator(seed)
-        self.heads = heads
-        self.norm = nn.LayerNorm(d, dtype=torch.float64)
-        self.q = nn.Linear(d, k, bias=False, dtype=torch.float64)
-        self.k = nn.Linear(d, k, bias=False, dtype=torch.float64)
-        self.v = nn.Linear(d, k, bias=False, dtype=torch.float64)
-        with torch.no_grad():
-            for lin in (self.q, self.k, self.v):
-                lin.weight.copy_(torch.randn(k, d, generator=gen, dtype=torch.float64) / math.sqrt(d))
-
-    def forward(self, z: Tensor) -> Tensor:
-        b, t, _ = z.shape
-        x = self.norm(z)
-        h = self.heads
-
-        def split(y: Tensor) -> Tensor:
-            return y.view(b, t, h, -1).transpose(1, 2)
-
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(t, t, dtype=torch.bool, device=z.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        return (att @ v).transpose(1, 2).reshape(b, t, -1)
-
-
-class _SimpleFeatureFamily(FeatureFamily):
-    def __init__(self, spec, make, kdim, *, bias=True, unit="row", layouts=LAYOUTS):
-        super().__init__(spec, bias=bias, unit=unit, layouts=layouts)
-        self._make = make
-        self._kdim = kdim
-
-    def feature_dim(self, shape, layout):
-        return int(self._kdim(self.site_dim(shape, layout)))
-
-    def _make_feature_map(self, shape, layout):
-        return self._make(self.site_dim(shape, layout), layout)
-
-
-class _Conv1x1Family(_SimpleFeatureFamily):
-    def block(self, shape, layout, *, dtype=None, device=None):
-        self.check_site(shape, layout)
-        blk = _Conv1x1Block(int(shape[0]), None, int(shape[0]), self.bias)
-        return blk.to(dtype=dtype or torch.float64, device=device)
-
-
-class _Conv3x3Family(_SimpleFeatureFamily):
-    def block(self, shape, layout, *, dtype=None, device=None):
-        self.check_site(shape, layout)
-        fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
-        blk = _Conv1x1Block(int(shape[0]), fmap, self.feature_dim(shape, layout), self.bias)
-        return blk.to(dtype=dtype or torch.float64, device=device)
-
-
-# -- constructors (public)
-def linear(*, bias: bool = True) -> FeatureFamily:
-    """Linear family ``h(u) = W u (+ c)`` on rows: ``φ(u) = u``, ``k = d``."""
-    return _SimpleFeatureFamily(
-        "linear" if bias else "linear-nobias", lambda d, lay: _Rows(lay), lambda d: d, bias=bias
-    )
-
-
-def polynomial(degree: int, *, bias: bool = True) -> FeatureFamily:
-    """Elementwise polynomial features ``φ(u) = (u, u², …, u^D)``, ``k = D d``.
-
-    Raises:
-        FamilyError: if ``degree < 1``.
-    """
-    if not 1 <= degree <= MAX_DEGREE:
-        raise FamilyError(f"polynomial degree must be in 1..{MAX_DEGREE}, got {degree}")
-    return _SimpleFeatureFamily(f"poly:{degree}", lambda d, lay: _Powers(lay, degree), lambda d: degree * d, bias=bias)
-
-
-def random_features(width: int, activation: str = "relu", seed: int = 0) -> FeatureFamily:
-    """Random-feature block ``φ(u) = act(Ω u + β)``, ``Ω ~ N(0, 1/d)``, ``β ~ N(0, 1/4)``.
-
-    The feature seed ``ψ_0`` is part of the family (``T`` is random through it,
-    theory label thm-reparameterization).  ``activation`` is ``relu``, ``gelu`` or ``tanh``.
-
-    Raises:
-        FamilyError: on an unknown activation or ``width < 1``.
-    """
-    if activation not in _ACTIVATIONS:
-        raise FamilyError(f"unknown activation {activation!r}; use one of {sorted(_ACTIVATIONS)}")
-    _check_width(width)
-    return _SimpleFeatureFamily(
-        f"{activation}:{width}:{seed}",
-        lambda d, lay: _RandomFeatures(lay, d, width, activation, seed, layernorm=False),
-        lambda d: width,
-    )
-
-
-def even_features(kind: str = "abs") -> FeatureFamily:
-    """Even elementwise features ``|u|`` or ``u²`` (used by the odd construction, theory label ex-saturated)."""
-    if kind not in ("abs", "square"):
-        raise FamilyError(f"even features are 'abs' or 'square', got {kind!r}")
-    return _SimpleFeatureFamily(f"even:{kind}", lambda d, lay: _Even(lay, kind), lambda d: d)
-
-
-def preln_mlp(width: int, seed: int = 0) -> FeatureFamily:
-    """Pre-LN MLP block: LayerNorm → Linear(d, k) → GELU → zero Linear(k, d) (with bias)."""
-    _check_width(width)
-    return _SimpleFeatureFamily(
-        f"preln:{width}:{seed}",
-        lambda d, lay: _RandomFeatures(lay, d, width, "gelu", seed, layernorm=True),
-        lambda d: width,
-    )
-
-
-def conv1x1(*, bias: bool = True) -> FeatureFamily:
-    """A zero ``1×1`` convolution on image sites (the linear family on pixel rows)."""
-    return _Conv1x1Family("conv1x1", lambda d, lay: _Rows(lay), lambda d: d, bias=bias, layouts=("image",))
-
-
-def conv3x3(width: int, seed: int = 0) -> FeatureFamily:
-    """Conv3×3(C, k) → ReLU → zero Conv1×1(k, C): unit is the whole image."""
-    _check_width(width)
-    return _Conv3x3Family(
-        f"conv3x3:{width}:{seed}",
-        lambda d, lay: _Conv3x3Features(d, width, seed),
-        lambda d: width,
-        unit="tensor",
-        layouts=("image",),
-    )
-
-
-def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily:
-    """Pre-LN causal self-attention with a zero output projection (sequence sites).
-
-    Features are the concatenated head outputs ``(B, T, k)``; the unit is the whole
-    sequence.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
-    ``out_proj``'s hooks, theory/definitions.md).
-    """
-    _check_width(width)
-    if heads < 1:
-        raise FamilyError(f"attention heads must be >= 1, got {heads}")
-    return _SimpleFeatureFamily(
-        f"attention:{width}:{seed}",
-        lambda d, lay: _CausalAttentionFeatures(d, width, heads, seed),
-        lambda d: width,
-        unit="tensor",
-        layouts=("sequence",),
-    )
+def _layout_of(shape: Sequence[int]) -> Layout:
+    return {1: Layout.VECTOR, 2: Layout.SEQUENCE, 3: Layout.IMAGE}[len(shape)]
 
 
 # ----------------------------------------------------------------------------- general
@@ -586,7 +324,7 @@ class GeneralFamily(ResidualFamily):
         unit: ``"row"`` or ``"tensor"``.
         layouts: site layouts the function accepts.
 
-    Function preservation is *not* assumed: :func:`depthsat_theory.capture.sites.check_function_preserving`
+    Function preservation is *not* assumed: :func:`depthsat_theory.capture.check_function_preserving`
     measures ``max |h(0, z)|`` on a probe and raises if it is not zero.
     """
 
@@ -597,7 +335,7 @@ class GeneralFamily(ResidualFamily):
         *,
         name: str = "general",
         unit: str = "row",
-        layouts: tuple[str, ...] = LAYOUTS,
+        layouts: tuple[str, ...] = tuple(Layout),
     ):
         if unit not in ("row", "tensor"):
             raise FamilyError(f"unit must be 'row' or 'tensor', got {unit!r}")
@@ -609,7 +347,7 @@ class GeneralFamily(ResidualFamily):
 
     def param_dim(self, shape: Sequence[int]) -> int:
         layout = _layout_of(shape)
-        d = int(shape[0] if layout == "image" else shape[-1])
+        d = int(shape[0] if layout == Layout.IMAGE else shape[-1])
         p = self._p(d) if callable(self._p) else self._p
         if int(p) < 1:
             raise FamilyError(f"family {self.spec!r} has param_dim {p}; need >= 1")
@@ -631,87 +369,3 @@ class GeneralFamily(ResidualFamily):
     def block(self, shape, layout, *, dtype=None, device=None) -> nn.Module:
         self.check_site(shape, layout)
         return _GeneralBlock(self, self.param_dim(shape), layout).to(dtype=dtype or torch.float64, device=device)
-
-
-def product(rank: int) -> GeneralFamily:
-    """Degenerate product family ``h(u) = U V u`` with ``U ∈ R^{d×R}``, ``V ∈ R^{R×d}`` both zero.
-
-    Its tangent map vanishes at the origin (``A ≡ 0``), so ``T = {0}``: the family is
-    *degenerate* and must never be reported as saturated (theory label thm-reparameterization).
-    """
-    if rank < 1:
-        raise FamilyError(f"product rank must be >= 1, got {rank}")
-
-    def fn(theta: Tensor, u: Tensor) -> Tensor:
-        d = u.shape[-1]
-        big_u = theta[: d * rank].reshape(d, rank)
-        big_v = theta[d * rank :].reshape(rank, d)
-        return u @ big_v.T @ big_u.T
-
-    return GeneralFamily(fn, lambda d: 2 * d * rank, name=f"product:{rank}")
-
-
-# ----------------------------------------------------------------------------- specs
-_SPEC_HELP = (
-    "linear, linear-nobias, poly:D, relu:K[:SEED], gelu:K[:SEED], tanh:K[:SEED], "
-    "even:abs, even:square, preln:K[:SEED], conv1x1, conv3x3:K[:SEED], "
-    "attention:K[:SEED], product:R"
-)
-
-
-def family_specs() -> str:
-    """A one-line description of the built-in family spec grammar."""
-    return _SPEC_HELP
-
-
-def parse_family(spec: str) -> ResidualFamily:
-    """Build a built-in residual family from a spec string.
-
-    Grammar: ``linear``, ``linear-nobias``, ``poly:D``, ``relu:K[:SEED]``,
-    ``gelu:K[:SEED]``, ``tanh:K[:SEED]``, ``even:abs``, ``even:square``,
-    ``preln:K[:SEED]``, ``conv1x1``, ``conv3x3:K[:SEED]``, ``attention:K[:SEED]``,
-    ``product:R`` (degenerate).  Seeds default to 0.
-
-    Raises:
-        FamilyError: on an unknown or malformed spec (the message lists the grammar).
-    """
-    s = spec.strip().lower()
-
-    def bad(why: str) -> FamilyError:
-        return FamilyError(f"bad family spec {spec!r}: {why}; valid specs: {_SPEC_HELP}")
-
-    if s == "linear":
-        return linear()
-    if s == "linear-nobias":
-        return linear(bias=False)
-    if s == "conv1x1":
-        return conv1x1()
-    m = re.fullmatch(r"even:(abs|square)", s)
-    if m:
-        return even_features(m.group(1))
-    m = re.fullmatch(r"([a-z0-9]+):(\d+)(?::(\d+))?", s)
-    if not m:
-        raise bad("unknown family")
-    name, a, seed = m.group(1), int(m.group(2)), int(m.group(3) or 0)
-    if name == "poly":
-        if m.group(3) is not None:
-            raise bad("poly takes no seed")
-        return polynomial(a)
-    if name in _ACTIVATIONS:
-        return random_features(a, name, seed)
-    if name == "preln":
-        return preln_mlp(a, seed)
-    if name == "conv3x3":
-        return conv3x3(a, seed)
-    if name == "attention":
-        return causal_attention(a, heads=_heads_for(a), seed=seed)
-    if name == "product":
-        return product(a)
-    raise bad(f"unknown family {name!r}")
-
-
-def _heads_for(width: int) -> int:
-    for h in (4, 2, 1):
-        if width % h == 0:
-            return h
-    return 1
