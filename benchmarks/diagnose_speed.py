@@ -23,10 +23,10 @@ floor-nograd     one forward + ``torch.autograd.grad(loss, x)`` per batch, param
                  frozen: the least backward that reaches every site.  This is the real
                  lower bound of any method that needs ``g`` at the lowest site.
 depthsat         ``depthsat_theory.capture.probe.accumulate`` with a
-                 :class:`~depthsat_theory.statistics.tangent.FeatureStatistics` per site: one
+                 :class:`~depthsat_theory.statistics.FeatureStatistics` per site: one
                  forward + one backward for all 8 sites, float64 ``G``, ``Σ`` (the pass).
 depthsat+finish  the same plus ``result()`` at every site (eigh of ``Σ``, ``s² = tr(GΣ⁺Gᵀ)``).
-diagnose()       ``depthsat_theory.diagnose.run.diagnose`` end to end (pass + finish), if the
+diagnose()       ``depthsat_theory.diagnose.diagnose`` end to end (pass + finish), if the
                  module imports.
 naive            one full pass over the probe per site (``accumulate`` with one site).
 gromo-min        GroMo 0.1.0: a ``LinearGrowingBlock`` inserted after each site (a
@@ -755,7 +755,7 @@ def main():
     ap.add_argument(
         "--diagnose",
         action="store_true",
-        help="also time depthsat_theory.diagnose.run.diagnose (forces pass-level interleaving)",
+        help="also time depthsat_theory.diagnose.diagnose (forces pass-level interleaving)",
     )
     ap.add_argument(
         "--interleave",

@@ -338,3 +338,27 @@ def test_cli_package_exports_app_and_main():
 
     assert cli.__all__ == ["app", "main"]
     assert callable(cli.main) and cli.app.registered_commands
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--instances", "0"], "error: --instances must be >= 1, got 0"),
+        (["--construction-fraction", "2"], "error: --construction-fraction must be in [0, 1], got 2.0"),
+        (["--models", "mlp,foo"], "error: unknown model kind 'foo' in --models; use mlp, cnn, gpt"),
+    ],
+)
+def test_check_config_errors_name_the_flags(args, message, tmp_path):
+    """The checker's CheckConfig names Python fields; the CLI reports them as its own flags."""
+    from depthsat_theory.check import CheckConfig
+
+    with pytest.raises(ValueError, match="instances must be >= 1"):
+        CheckConfig(instances=0).validate()
+    res = subprocess.run(
+        [sys.executable, "-m", "depthsat_theory.cli", "check", *args, "--report", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip() == message

@@ -31,7 +31,7 @@ class ProbeMoments:
         g_sq: ``mean ‖g‖_F²`` (``AG_rms²``).
         g_max: ``max ‖g(x)‖_F`` (``AG_max``).
         feat_sq_max: ``max_x Σ_t ‖φ̃_t‖²``.
-        rtol: relative eigenvalue cutoff for ``Σ̂⁺`` (:func:`~depthsat_theory.statistics.tangent.default_rtol`).
+        rtol: relative eigenvalue cutoff for ``Σ̂⁺`` (:func:`~depthsat_theory.statistics.default_rtol`).
         phi: kept feature rows ``(N, units, k)`` of the distinct examples, or ``None``.
         g: kept gradient rows ``(N, units, d)``, or ``None``.
         weights: multiplicity of each kept example (``None``: all 1).

@@ -15,7 +15,7 @@ __all__ = ["BoundStatistics"]
 
 
 class BoundStatistics(FeatureStatistics):
-    """:class:`~depthsat_theory.statistics.tangent.FeatureStatistics` plus what the bound needs.
+    """:class:`~depthsat_theory.statistics.FeatureStatistics` plus what the bound needs.
 
     Streams, besides ``Σ̂`` and ``Ĝ``, the ``k × k`` sum of ``G_xᵀ G_x`` and the maxima
     ``max ‖g(x)‖_F`` and ``max Σ_t ‖φ̃_t‖²`` (memory ``O(dk + k²)``), declared as the

@@ -52,7 +52,16 @@ from depthsat_theory.families import GeneralFamily, ResidualFamily, parse_family
 from depthsat_theory.io import atomic_write
 from depthsat_theory.optimizers import DESCENT_COMPATIBLE, ZeroStateUpdate, get_update
 from depthsat_theory.statistics import TOL_FACTOR, SaturationResult, statistics_for
-from depthsat_theory.tasks import KINDS, LSQ_FAMILIES, ODD_FAMILIES, Task, lsq_readout, odd_network, trained_task
+from depthsat_theory.tasks import (
+    KINDS,
+    LSQ_FAMILIES,
+    ODD_FAMILIES,
+    Task,
+    lsq_readout,
+    model_entry,
+    odd_network,
+    trained_task,
+)
 from depthsat_theory.vocabulary import Layout, Verdict
 
 __all__ = [
@@ -78,7 +87,7 @@ __all__ = [
 
 #: Site layout of each trained model kind the checker draws (the kinds of
 #: :data:`depthsat_theory.tasks.KINDS`): the one place the checker names models.
-KIND_LAYOUTS: dict[str, Layout] = {"mlp": Layout.VECTOR, "cnn": Layout.IMAGE, "gpt": Layout.SEQUENCE}
+KIND_LAYOUTS: dict[str, Layout] = {kind: model_entry(kind).layout for kind in KINDS}
 #: The contexts of the exact constructions (theory label ``ex-saturated``): the least-squares
 #: readout on the trained kind :data:`LSQ_BASE`, and the odd network on synthetic data.
 LSQ_CONTEXT, ODD_CONTEXT, LSQ_BASE = "mlp-lsq", "mlp-odd", "mlp"

@@ -17,7 +17,7 @@ import typer
 
 from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
 from depthsat_theory.cli import render
-from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, FLAGS
+from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
 from depthsat_theory.cli.inputs import UserError, check_output_path, check_writable, diagnose_target, load_probe
 from depthsat_theory.families import FamilyError, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
@@ -79,7 +79,10 @@ def check(
         cache_dir=str(cache),
     )
     try:
-        cfg.validate()
+        try:
+            cfg.validate()
+        except ValueError as exc:
+            raise ValueError(respell(str(exc), CHECK_FLAGS)) from None
         check_writable(report)
         if Path(cache).exists() and not Path(cache).is_dir():
             raise OSError(f"the cache folder {cache} is a file, not a folder")
@@ -329,8 +332,7 @@ def proofs(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-check progress lines."),
 ) -> None:
     """Run the machine checks of every claim in theory/ (same as python -m proofs_checks); exit 1 on a failure."""
-    from proofs_checks import Context
-    from proofs_checks._report import run_and_report  # not yet exported by proofs_checks on this branch
+    from proofs_checks import Context, run_and_report
 
     claims = list(_split(only)) if only else None
     raise typer.Exit(run_and_report(Context(seed=seed, quick=quick), only=claims, json_path=json_path, quiet=quiet))

@@ -6,9 +6,11 @@ CLI reports them with its own flags (``--leverage-max must be > 0``).
 
 from __future__ import annotations
 
+import re
+
 from depthsat_theory.bounds import BoundError
 
-__all__ = ["BOUND_OPTION_DEFAULTS", "FLAGS", "user_message"]
+__all__ = ["BOUND_OPTION_DEFAULTS", "CHECK_FLAGS", "FLAGS", "respell", "user_message"]
 
 #: CLI flag of each Python argument of the bounds (``depthsat score``/``bound``/``diagnose``)
 FLAGS: dict[str, str] = {
@@ -25,6 +27,15 @@ FLAGS: dict[str, str] = {
     "score_max": "--score-max",
     "candidates": "--candidates",
     "bootstrap": "--bootstrap",
+}
+
+#: CLI flag of each field of :class:`~depthsat_theory.check.CheckConfig` (``depthsat check``)
+CHECK_FLAGS: dict[str, str] = {
+    "instances": "--instances",
+    "construction_fraction": "--construction-fraction",
+    "optimizers": "--optimizers",
+    "kinds": "--models",
+    "seed": "--seed",
 }
 
 #: the options of ``depthsat score`` that act only on the interval, with their defaults
@@ -51,3 +62,19 @@ def user_message(exc: Exception) -> str:
     if isinstance(exc, BoundError):
         return exc.render(FLAGS)
     return str(exc)
+
+
+def respell(message: str, names: dict[str, str]) -> str:
+    """``message`` with every whole-word Python argument of ``names`` replaced by its flag.
+
+    Args:
+        message: a library error message that names Python arguments (``instances must be >= 1``).
+        names: ``{argument: flag}``.
+
+    Returns:
+        The message in the CLI's terms (``--instances must be >= 1``).
+    """
+    if not names:
+        return message
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    return pattern.sub(lambda m: names[m[1]], message)

@@ -31,7 +31,7 @@ class SiteDiagnosis:
         site: module name.
         depth: position in depth order (0 = first site).
         layout: ``"vector"``, ``"sequence"`` or ``"image"``; ``shape``: per-example shape.
-        result: the :class:`~depthsat_theory.statistics.tangent.SaturationResult` (``score`` =
+        result: the :class:`~depthsat_theory.statistics.SaturationResult` (``score`` =
             ``s``, ``relative_score`` = ``s / AG_rms``, ``raw_score`` = ``r̂``,
             ``realizability_defect`` = ``ρ̂``, ``ag_rms``, ``ag_max``, ``tangent_rank``…;
             nats per example per unit function-space step).

@@ -117,7 +117,7 @@ def diagnose(
     (:class:`~depthsat_theory.capture.sites.SiteRecorder`), the per-example losses
     ``loss_fn(model(x), y)`` (shape ``(B,)``, nats per example) are summed and
     backpropagated once to all sites, and each site's float64 accumulator
-    (:func:`~depthsat_theory.statistics.tangent.statistics_for`, or
+    (:func:`~depthsat_theory.statistics.statistics_for`, or
     :class:`~depthsat_theory.bounds.statistics.BoundStatistics` with ``delta``) adds the batch.
     No parameter gradients are formed.
 
@@ -132,7 +132,7 @@ def diagnose(
             first batch: one extra no-grad forward, only when the model has no
             ``site_names()``).
         family: a :class:`~depthsat_theory.families.base.ResidualFamily` or a spec string
-            (:func:`~depthsat_theory.families.base.parse_family`), the same at every site.
+            (:func:`~depthsat_theory.families.parse_family`), the same at every site.
         delta: ``δ ∈ (0, 1)``: add the ``(1 − δ)`` interval (zero-output feature
             families only), union-bounded over the sites (``candidates = len(sites)``).
         realizability: pool exactly equal units to report ``r̂`` and ``ρ̂``

@@ -4,7 +4,7 @@
   into a batched function ``h(θ, u)`` (rows of ``u``) for numpy or torch;
 * :func:`to_general_family` wraps the torch version as a
   :class:`depthsat_theory.families.base.GeneralFamily`, so the numeric engine
-  (:class:`~depthsat_theory.statistics.tangent.GeneralStatistics`, ``torch.func``) can score it;
+  (:class:`~depthsat_theory.statistics.GeneralStatistics`, ``torch.func``) can score it;
 * :func:`lambdify_units` evaluates functions of the unit (``m``, ``Π m``) on rows;
 * :func:`sample`, :func:`finite_support`, :func:`replicated_support` turn measures
   into numeric probes.

@@ -19,7 +19,7 @@ measures with rational parameters); for transcendental entries they rely on
 
 Functions mirror the numeric engine's names (:mod:`depthsat_theory.statistics.tangent`):
 :class:`SymbolicSaturation` has the fields of
-:class:`~depthsat_theory.statistics.tangent.SaturationResult` that apply.
+:class:`~depthsat_theory.statistics.SaturationResult` that apply.
 """
 
 from __future__ import annotations
@@ -408,7 +408,7 @@ def is_regular_reparameterization(fam: SymbolicFamily, chi, xi_symbols, measure=
 class SymbolicSaturation:
     """Exact saturation quantities of a (family, measure, ``m``) (theory/definitions.md).
 
-    Field names follow :class:`depthsat_theory.statistics.tangent.SaturationResult` where they
+    Field names follow :class:`depthsat_theory.statistics.SaturationResult` where they
     apply; values are exact sympy objects.
 
     Attributes:

@@ -15,7 +15,7 @@ order**, so gradients ``b`` can be compared entry by entry:
   row-major, ``c`` last), exactly as
   :meth:`depthsat_theory.families.base.FeatureFamily.split_theta`;
 * :func:`product`: ``h(u) = U V u`` with ``θ = (vec_row(U), vec_row(V))`` as
-  :func:`depthsat_theory.families.base.product` (degenerate, T4);
+  :func:`depthsat_theory.families.product` (degenerate, T4);
 * :func:`elementwise_square_param`: the linear family reparameterized by
   ``θ = ξ ⊙ ξ`` (degenerate, T4).
 
@@ -482,7 +482,7 @@ def _feature_family(phi: Sequence[sp.Expr], units, bias: bool, name: str) -> Sym
 def linear(d: int, bias: bool = True) -> SymbolicFamily:
     """Linear family ``h(u) = W u (+ c)``, ``θ = (vec_row(W), c)``, ``p = d(d + bias)``.
 
-    Mirrors :func:`depthsat_theory.families.base.linear` (same coordinate order).
+    Mirrors :func:`depthsat_theory.families.linear` (same coordinate order).
 
     Raises:
         FamilyError: if ``d < 1``.
@@ -494,7 +494,7 @@ def linear(d: int, bias: bool = True) -> SymbolicFamily:
 def polynomial(d: int, degree: int, bias: bool = True) -> SymbolicFamily:
     """Elementwise polynomial features ``φ(u) = (u, u², …, u^D)`` (``k = D d``), ``h = W φ (+ c)``.
 
-    Mirrors :func:`depthsat_theory.families.base.polynomial`: ``φ_{(q−1)d + j} = u_j^q``.
+    Mirrors :func:`depthsat_theory.families.polynomial`: ``φ_{(q−1)d + j} = u_j^q``.
 
     Raises:
         FamilyError: if ``d < 1`` or ``degree < 1``.
@@ -510,7 +510,7 @@ def product(d: int, rank: int) -> SymbolicFamily:
     """Degenerate product family ``h(u) = U V u`` (``U ∈ R^{d×R}``, ``V ∈ R^{R×d}``, both 0).
 
     ``θ = (vec_row(U), vec_row(V))``, ``p = 2 d R``, as
-    :func:`depthsat_theory.families.base.product`.  ``A ≡ 0`` (theory label thm-reparameterization): degenerate.
+    :func:`depthsat_theory.families.product`.  ``A ≡ 0`` (theory label thm-reparameterization): degenerate.
 
     Raises:
         FamilyError: if ``d < 1`` or ``rank < 1``.
@@ -545,7 +545,7 @@ def random_features(d: int, k: int, activation: str, W, a, bias: bool = True) ->
 
     ``θ = (vec_row(V), c)``, ``V ∈ R^{d×k}`` (the numeric ``FeatureFamily`` order), so
     passing the numeric family's ``proj.weight`` and ``proj.bias`` reproduces
-    :func:`depthsat_theory.families.base.random_features` exactly.  A zero-output family
+    :func:`depthsat_theory.families.random_features` exactly.  A zero-output family
     (theory/definitions.md, T5 ``thm-zero-output``): ``A(u) v = δV φ(u) + δc`` and saturation
     holds iff ``G = E[m φ̃ᵀ] = 0``.
 
