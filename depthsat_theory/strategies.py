@@ -227,7 +227,7 @@ class FinitePointSet:
     Atoms are distinct multiples of ``1/8`` (exact in binary, so the symbolic
     conversion is exact).  :meth:`units` repeats each atom ``c_i`` times: a probe on
     those rows has *exactly* this measure as its empirical measure, so the pooled
-    ``r̂`` and ``ρ̂`` of :mod:`depthsat_theory.statistics.tangent` are the population values.
+    ``r̂`` and ``ρ̂`` of :mod:`depthsat_theory.statistics` are the population values.
 
     Attributes:
         points: ``(m, d)`` float64 distinct atoms.

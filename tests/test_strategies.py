@@ -1,6 +1,6 @@
 """Property tests of the built-in families with :mod:`depthsat_theory.strategies`.
 
-References are independent of the streaming statistics in :mod:`depthsat_theory.statistics.tangent`:
+References are independent of the streaming statistics in :mod:`depthsat_theory.statistics`:
 
 * the tangent Jacobian ``A`` (``(n·d) × p``) from forward-mode ``torch.func``
   (:func:`~depthsat_theory.strategies.tangent_jacobian`), or in closed form for

@@ -5,7 +5,7 @@ Expected values come from outside the module under test:
 * closed forms worked out by hand in the docstrings (normal/uniform moments, Gram
   matrices, projections);
 * the real ``torch.optim`` classes (first steps from zero state);
-* the numeric engine (:mod:`depthsat_theory.statistics.tangent`): exact agreement (to rounding,
+* the numeric engine (:mod:`depthsat_theory.statistics`): exact agreement (to rounding,
   ``1e-10``) on finite measures, whose points are replicated in proportion to their
   rational weights so that the engine's row mean integrates exactly; and agreement
   within a stated Monte-Carlo tolerance (5 standard errors estimated from the sample)

@@ -1,4 +1,4 @@
-"""Tests for depthsat_theory.statistics.tangent (streaming tangent statistics, projector, scores).
+"""Tests for depthsat_theory.statistics (streaming tangent statistics, projector, scores).
 
 Every expected value is derived independently of ``tangent.py``: from dense
 Jacobians (``reference.dense_jacobian`` / ``torch.func``), from Jacobians or

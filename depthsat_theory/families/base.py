@@ -199,7 +199,7 @@ class FeatureFamily(ResidualFamily):
 
     Statistics for these families use the cross-gradient
     ``G = E[Σ_r g_r φ̃_rᵀ]`` and ``Σ = E[Σ_r φ̃_r φ̃_rᵀ]`` and never build the
-    ``(units·d) × p`` Jacobian (see :mod:`depthsat_theory.statistics.tangent`).
+    ``(units·d) × p`` Jacobian (see :mod:`depthsat_theory.statistics`).
     """
 
     bias: bool = True

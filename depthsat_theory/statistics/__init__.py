@@ -1,20 +1,23 @@
-"""The streaming-statistics protocol, tangent statistics, the projector onto the tangent space and saturation scores."""
+"""Streaming statistics: the protocol, tangent statistics, the projector and saturation scores.
 
+- :mod:`.protocol`: :class:`StreamingStatistic` (declared state with its reduction, ``merge``,
+  ``state_dict``) and the exact-tie pool :class:`TiePool`;
+- :mod:`.tangent`: :class:`TangentStatistics`, the state every tangent statistic shares
+  (counts, ``‖g‖²``, ``max ‖g‖``, ``‖z‖²``, forward dtype, ties);
+- :mod:`.feature`: zero-output feature families (``Σ``, ``G``) and the projector ``Π``;
+- :mod:`.general`: general families ``h(θ, u)`` (``K``, ``b``, matrix-free);
+- :mod:`.linalg`: rank cutoffs, tolerances and the pseudo-inverse quadratic form;
+- :mod:`.result`: :class:`SaturationResult`, the result type every engine shares;
+- :mod:`.factory`: :func:`statistics_for`, the statistics that fit a family.
+"""
+
+from depthsat_theory.statistics.factory import statistics_for
+from depthsat_theory.statistics.feature import FeatureStatistics, TangentProjector
+from depthsat_theory.statistics.general import GeneralStatistics
+from depthsat_theory.statistics.linalg import GRAM_FACTOR, TOL_FACTOR, default_rtol, default_tol, pinv_quadratic
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
-from depthsat_theory.statistics.tangent import (
-    GRAM_FACTOR,
-    TANGENT_GRAM_MAX_ELEMENTS,
-    TOL_FACTOR,
-    FeatureStatistics,
-    GeneralStatistics,
-    SaturationResult,
-    StatisticsError,
-    TangentProjector,
-    default_rtol,
-    default_tol,
-    pinv_quadratic,
-    statistics_for,
-)
+from depthsat_theory.statistics.result import SaturationResult, StatisticsError
+from depthsat_theory.statistics import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics, check_pair
 
 __all__ = [
     "GRAM_FACTOR",
@@ -27,7 +30,9 @@ __all__ = [
     "StatisticsError",
     "StreamingStatistic",
     "TangentProjector",
+    "TangentStatistics",
     "TiePool",
+    "check_pair",
     "default_rtol",
     "default_tol",
     "pinv_quadratic",

@@ -1,6 +1,6 @@
 """Symbolic (sympy) engine: exact answers to the numeric engine's questions.
 
-Mirrors :mod:`depthsat_theory.families.base`, :mod:`depthsat_theory.statistics.tangent` and
+Mirrors :mod:`depthsat_theory.families.base`, :mod:`depthsat_theory.statistics` and
 :mod:`depthsat_theory.optimizers.updates` with exact sympy arithmetic so results can be
 cross-checked (theory/definitions.md; theory labels thm-gradient T1, thm-iff T2,
 thm-update-invariance T3, thm-reparameterization T4, thm-zero-output T5,

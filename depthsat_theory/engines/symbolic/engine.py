@@ -17,7 +17,7 @@ rational/algebraic quantities (polynomial families under finite, normal or unifo
 measures with rational parameters); for transcendental entries they rely on
 ``sympy.simplify``.
 
-Functions mirror the numeric engine's names (:mod:`depthsat_theory.statistics.tangent`):
+Functions mirror the numeric engine's names (:mod:`depthsat_theory.statistics`):
 :class:`SymbolicSaturation` has the fields of
 :class:`~depthsat_theory.statistics.SaturationResult` that apply.
 """

@@ -1,0 +1,261 @@
+"""Streaming statistics of zero-output feature families (``Σ``, ``G``; ``s² = tr(G Σ⁺ Gᵀ)``) and the projector ``Π``."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse.linalg as spla
+import torch
+from torch import Tensor, nn
+
+from depthsat_theory.families import FamilyError, FeatureFamily, from_rows, to_rows
+from depthsat_theory.statistics.linalg import default_rtol, pinv_quadratic
+from depthsat_theory.statistics.protocol import Reduction
+from depthsat_theory.statistics.result import SaturationResult, StatisticsError
+from depthsat_theory.statistics import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
+
+__all__ = ["FeatureStatistics", "TangentProjector"]
+
+
+def _rows_as_site(rows: Tensor, layout: str) -> Tensor:
+    """Pack unit rows ``(N, d)`` into one site tensor so row-wise maps see each row once."""
+    if layout == "vector":
+        return rows
+    if layout == "sequence":
+        return rows.unsqueeze(0)
+    return rows.T.reshape(1, rows.shape[1], rows.shape[0], 1)
+
+
+class FeatureStatistics(TangentStatistics):
+    """Streaming cross-gradient statistics for a :class:`FeatureFamily` at one site.
+
+    Accumulates, in float64, ``Σ = Σ_x Σ_r φ̃_r φ̃_rᵀ`` (``k̃ × k̃``) and
+    ``G = Σ_x Σ_r g_r φ̃_rᵀ`` (``d × k̃``), plus counts and norms; divides by ``n`` at
+    the end.  Cost per batch ``O(units · (d k̃ + k̃²))``.
+
+    Args:
+        family: the feature family.
+        shape: per-example site shape.
+        layout: site layout.
+        pool_ties: also pool exactly equal units to report ``r̂`` and ``ρ̂``
+            (memory grows with the number of distinct units).
+        device: where features are computed (default: the device of the first batch).
+
+    Raises:
+        FamilyError: if the family does not fit the site.
+    """
+
+    family: FeatureFamily
+
+    def __init__(self, family: FeatureFamily, shape, layout: str, *, pool_ties: bool = False, device=None):
+        if not isinstance(family, FeatureFamily):
+            raise FamilyError(f"{family!r} is not a feature family; use GeneralStatistics")
+        super().__init__(family, shape, layout, pool_ties=pool_ties)
+        self.d = family.site_dim(self.shape, layout)
+        self.k = family.augmented_dim(self.shape, layout)
+        self.add_state("sigma", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
+        self.add_state("cross", torch.zeros(self.d, self.k, dtype=torch.float64), Reduction.SUM)
+        self._fmap: nn.Module | None = None
+        self._device = device
+
+    def _features(self, z: Tensor) -> Tensor:
+        if self._fmap is None:
+            dev = self._device if self._device is not None else z.device
+            self._fmap = self.family.frozen_feature_map(self.shape, self.layout, dtype=torch.float64, device=dev)
+            for name in ("sigma", "cross"):
+                self.states[name] = self.states[name].to(dev)
+        fmap = self._fmap
+        with torch.no_grad():
+            return self.family.augmented_features(fmap, z.detach().to(torch.float64))
+
+    def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
+        """Add a batch of site tensors ``z`` and activation gradients ``g``.
+
+        Args:
+            z: ``(B, *shape)`` activations, float32/float64.
+            g: ``(B, *shape)`` gradients of the *per-example* losses w.r.t. ``z``.
+            mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens, for
+                sequence sites of row-wise families: padded rows are left out of every
+                sum (theory/definitions.md, def-setting, padding excluded); ``n`` still counts examples.
+
+        Raises:
+            StatisticsError: on shape mismatch, NaN/Inf, an empty batch, or a mask of the
+                wrong shape/dtype/site, or with ``g ≠ 0`` at a padded position.
+        """
+        mask = self._row_mask(z, g, mask)
+        self._common(z, g, mask)
+        phi = self._features(z)
+        rows_g = to_rows(g.detach().to(torch.float64), self.layout)
+        if mask is not None:
+            phi, rows_g = phi[mask], rows_g[mask]
+        phi2 = phi.reshape(-1, self.k)
+        self.states["sigma"] += phi2.T @ phi2
+        self.states["cross"] += rows_g.reshape(-1, self.d).T @ phi2
+        self.states["units"] += phi2.shape[0]
+
+    @property
+    def sigma(self) -> Tensor:
+        """The raw sum ``Σ_x Σ_r φ̃_r φ̃_rᵀ`` (float64 ``(k̃, k̃)``; :meth:`feature_gram` is the mean)."""
+        return self.states["sigma"]
+
+    @property
+    def cross(self) -> Tensor:
+        """The raw sum ``Σ_x Σ_r g_r φ̃_rᵀ`` (float64 ``(d, k̃)``; :meth:`cross_gradient` is the mean)."""
+        return self.states["cross"]
+
+    def feature_gram(self) -> np.ndarray:
+        """``Σ = E[Σ_r φ̃_r φ̃_rᵀ]``: the per-example mean feature Gram.
+
+        Returns:
+            float64 numpy array ``(k̃, k̃)`` (``k̃`` the augmented feature dimension),
+            in (feature units)² per example (theory label ``thm-cross-gradient``).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.sigma / self.n).cpu().numpy()
+
+    def cross_gradient(self) -> np.ndarray:
+        """``G = E[Σ_r g_r φ̃_rᵀ]``: the per-example mean cross-gradient, equal to ``∂J/∂(W, c)``.
+
+        Returns:
+            float64 numpy array ``(d, k̃)`` in (loss units)·(feature units) per example
+            (theory label ``thm-cross-gradient``).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.cross / self.n).cpu().numpy()
+
+    def gradient(self) -> np.ndarray:
+        """``b = E[Aᵀ g] = vec(G)`` in the tangent-coordinate order ``(vec_row(W), c)``.
+
+        Returns:
+            float64 numpy vector ``(p,)`` with ``p = d · k̃`` (:meth:`theta_vector` of :meth:`cross_gradient`).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        return self.theta_vector(self.cross_gradient())
+
+    def tangent_gram(self, *, max_elements: int = TANGENT_GRAM_MAX_ELEMENTS) -> np.ndarray:
+        """``K = E[AᵀA] = I_d ⊗ Σ`` formed explicitly, in the order of :meth:`gradient`.
+
+        For feature families ``K`` is block diagonal with ``d`` copies of ``Σ``; it has
+        ``p² = (d k̃)²`` entries, so it is formed only for small sites (scores never
+        need it: ``s² = tr(G Σ⁺ Gᵀ)``, theory label ``thm-cross-gradient``).
+
+        Args:
+            max_elements: refuse to form ``K`` with more entries than this
+                (default :data:`TANGENT_GRAM_MAX_ELEMENTS`, 128 MiB of float64).
+
+        Returns:
+            float64 numpy array ``(p, p)``, ``p = d · k̃``.
+
+        Raises:
+            StatisticsError: if no examples were accumulated, or ``p² > max_elements``.
+        """
+        p = self.d * self.k
+        if p * p > max_elements:
+            raise StatisticsError(
+                f"the tangent Gram K = I_d ⊗ Σ would have p² = {p}² = {p * p} entries, above "
+                f"max_elements = {max_elements}; use feature_gram() (Σ, {self.k}×{self.k}) instead"
+            )
+        kron = np.kron(np.eye(self.d), self.feature_gram())
+        order = self.theta_vector(np.arange(p).reshape(self.d, self.k))
+        return kron[np.ix_(order, order)]
+
+    def result(self, *, rtol: float | None = None, tol: float | None = None) -> SaturationResult:
+        """Compute ``s² = tr(G Σ⁺ Gᵀ)`` and the other quantities.
+
+        Args:
+            rtol: relative eigenvalue cutoff for ``Σ`` (default :func:`default_rtol`).
+            tol: saturation threshold (default :func:`default_tol`).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        if self.n == 0:
+            raise StatisticsError("no examples were accumulated: the probe is empty")
+        rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else float(rtol)
+        sig, big_g = self.feature_gram(), self.cross_gradient()
+        self._check_finite(sig, big_g)
+        s2, rank_sigma, cutoff, inv = pinv_quadratic(sig, big_g, rtol)
+        self._coef = big_g @ inv  # Π g (u) = G Σ⁻ φ̃(u)
+        return self._finish(s2, self.theta_vector(big_g), self.d * rank_sigma, self.d * self.k, cutoff, rtol, tol)
+
+    def _project_units(self, units: Tensor) -> Tensor:
+        coef = torch.from_numpy(self._coef)
+        if self.family.unit == "row":
+            site = _rows_as_site(units.to(torch.float64), self.layout)
+            phi = self._features(site.to(self.sigma.device)).reshape(units.shape[0], -1, self.k).cpu()
+            return (phi @ coef.T).reshape(units.shape[0], -1)
+        site = units.reshape(units.shape[0], *self.shape)
+        phi = self._features(site.to(self.sigma.device)).cpu()
+        return from_rows(phi @ coef.T, self.layout, site.shape).reshape(units.shape[0], -1)
+
+    def theta_vector(self, mat: np.ndarray) -> np.ndarray:
+        """Flatten a ``(d, k̃)`` matrix in the tangent-coordinate order ``(vec_row(W), c)``."""
+        if self.family.bias:
+            return np.concatenate([mat[:, :-1].reshape(-1), mat[:, -1]])
+        return mat.reshape(-1).copy()
+
+    def projector(self, *, rtol: float | None = None) -> TangentProjector:
+        """The orthogonal projector onto ``T`` on this probe's units (see :class:`TangentProjector`)."""
+        rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else rtol
+        _, rank, _cutoff, inv = pinv_quadratic(self.feature_gram(), np.zeros((0, self.k)), rtol)
+        return TangentProjector(self, inv, rank)
+
+
+class TangentProjector:
+    """Orthogonal projector ``Π`` onto the tangent space of a feature family on a probe.
+
+    Acts on functions sampled at the probe's rows: an array ``m`` of shape
+    ``(N, d)`` (one row per unit row ``u_i`` of the probe, ``N`` = number of rows, in
+    the order of :func:`~depthsat_theory.families.base.to_rows` over the probe) maps to
+
+    .. math::
+
+        (Π m)(u_i) = M Σ^+ φ̃(u_i), \\qquad M = \\tfrac1n \\textstyle\\sum_j m(u_j) φ̃(u_j)^T,
+
+    the least-squares fit of ``m`` by ``V φ̃`` in ``⟨·,·⟩`` (self-adjoint and
+    idempotent in that inner product, and in the Euclidean one on ``R^{N d}``).
+    Built by :meth:`FeatureStatistics.projector`; ``phi`` (the probe's ``φ̃`` rows) is
+    set with :meth:`on`.
+    """
+
+    def __init__(self, stats: FeatureStatistics, sigma_pinv: np.ndarray, rank: int):
+        self.stats = stats
+        self.sigma_pinv = sigma_pinv
+        self.rank = rank
+        self.phi: np.ndarray | None = None
+
+    def on(self, z: Tensor) -> TangentProjector:
+        """Fix the probe's rows: ``z`` are the probe's site tensors ``(n, *shape)``."""
+        phi = self.stats._features(z)
+        self.phi = phi.reshape(-1, phi.shape[-1]).cpu().numpy()
+        self.n = int(z.shape[0])
+        return self
+
+    def __call__(self, m: np.ndarray) -> np.ndarray:
+        """Apply ``Π`` to ``m`` of shape ``(N, d)``; returns ``(N, d)`` float64."""
+        if self.phi is None:
+            raise StatisticsError("call .on(z) with the probe's site tensors first")
+        m = np.asarray(m, dtype=np.float64)
+        if m.shape != (self.phi.shape[0], self.stats.d):
+            raise StatisticsError(f"m must have shape {(self.phi.shape[0], self.stats.d)}, got {m.shape}")
+        big_m = m.T @ self.phi / self.n
+        return self.phi @ (big_m @ self.sigma_pinv).T
+
+    def to_scipy(self) -> spla.LinearOperator:
+        """The projector as a :class:`scipy.sparse.linalg.LinearOperator` on ``R^{N d}``."""
+        if self.phi is None:
+            raise StatisticsError("call .on(z) with the probe's site tensors first")
+        size = self.phi.shape[0] * self.stats.d
+        shape = (self.phi.shape[0], self.stats.d)
+
+        def mv(v):
+            return self(np.asarray(v).reshape(shape)).reshape(-1)
+
+        return spla.LinearOperator((size, size), matvec=mv, rmatvec=mv, dtype=np.float64)
