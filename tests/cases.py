@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from depthsat_theory.vocabulary import Layout, Verdict
@@ -36,6 +35,8 @@ __all__ = [
     "CASE_IDS",
     "DEVICES",
     "ENGINES",
+    "ENGINE_CASES",
+    "ENGINE_CASE_IDS",
     "EXACT_CASES",
     "EXACT_CASE_IDS",
     "Case",
@@ -214,12 +215,17 @@ EXACT_CASE_IDS: list[str] = [c.name for c in EXACT_CASES]
 #: The engines answering a case: streaming statistics, dense ``torch.func`` Jacobian, sympy.
 ENGINES: tuple[str, ...] = ("numeric", "dense", "symbolic")
 
-#: Every device id appears; CUDA runs only where a GPU exists (a visible skip otherwise).
-DEVICES: list = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
-    ),
+#: CPU everywhere; CUDA too where a GPU exists (as the suite's ``device`` fixture).
+DEVICES: list[str] = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _applies(engine: str, case: Case, device: str) -> bool:
+    """The symbolic engine answers exact finite measures only, in exact (device-free) arithmetic."""
+    return engine != "symbolic" or (case.exact and device == "cpu")
+
+
+#: Every (engine, case, device) combination that applies: no test is generated only to be skipped.
+ENGINE_CASES: list[tuple[str, Case, str]] = [
+    (e, c, d) for e in ENGINES for c in CASES for d in DEVICES if _applies(e, c, d)
 ]
+ENGINE_CASE_IDS: list[str] = [f"{e}-{c.name}-{d}" for e, c, d in ENGINE_CASES]

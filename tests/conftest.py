@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+import cases
+
 # CI draws the same hypothesis examples every run (a red CI must be reproducible);
 # local runs explore new examples each time.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
@@ -37,31 +39,19 @@ def model_cache(tmp_path_factory) -> str:
 
 # ----------------------------------------------------------------------------- engine cases
 # Cases as data (tests/cases.py), expanded here over engine × case × device.
-from cases import CASE_IDS, CASES, DEVICES, ENGINES, EXACT_CASE_IDS, EXACT_CASES  # noqa: E402
 
 
-@pytest.fixture(params=CASES, ids=CASE_IDS)
-def case(request):
-    """One engine test case (:class:`cases.Case`)."""
-    return request.param
+@pytest.fixture(params=cases.ENGINE_CASES, ids=cases.ENGINE_CASE_IDS)
+def engine_case(request) -> tuple[str, cases.Case, torch.device]:
+    """One ``(engine, case, device)``: every engine that applies to the case, on every device."""
+    engine, case, device = request.param
+    return engine, case, torch.device(device)
 
 
-@pytest.fixture(params=EXACT_CASES, ids=EXACT_CASE_IDS)
-def exact_case(request):
+@pytest.fixture(params=cases.EXACT_CASES, ids=cases.EXACT_CASE_IDS)
+def exact_case(request) -> cases.Case:
     """One case with an exact finite measure (the symbolic engine applies)."""
     return request.param
-
-
-@pytest.fixture(params=ENGINES)
-def engine(request) -> str:
-    """The engine answering a case: ``"numeric"``, ``"dense"`` or ``"symbolic"``."""
-    return request.param
-
-
-@pytest.fixture(params=DEVICES)
-def case_device(request) -> torch.device:
-    """CPU, and CUDA: the CUDA ids always appear and are skipped with a reason without a GPU."""
-    return torch.device(request.param)
 
 
 # ----------------------------------------------------------------------------- slow tests

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import sympy as sp
 import torch
-from cases import CASES, Case
 
+from cases import CASES, Case
 from depthsat_theory.engines import dense_saturation
 from depthsat_theory.engines import symbolic as S
 from depthsat_theory.families import parse_family
@@ -127,11 +127,8 @@ def assert_agrees(res: Any, ref: Any, case: Case) -> None:
     np.testing.assert_allclose(_as_vector(res.gradient), ref_b, rtol=RTOL, atol=1e-12 * max(np.abs(ref_b).max(), 1.0))
 
 
-def test_engine_agrees_with_dense_reference(engine: str, case: Case, case_device: torch.device) -> None:
-    if engine == "symbolic" and not case.exact:
-        pytest.skip("the symbolic engine needs an exact finite measure; this case has a random probe")
-    if engine == "symbolic" and case_device.type != "cpu":
-        pytest.skip("the symbolic engine is exact sympy arithmetic: device-independent, run on cpu only")
+def test_engine_agrees_with_dense_reference(engine_case: tuple[str, Case, torch.device]) -> None:
+    engine, case, case_device = engine_case
     res = run_engine(engine, case, case_device)
     assert_agrees(res, reference(case), case)
     if engine == "dense":

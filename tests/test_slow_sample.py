@@ -1,7 +1,7 @@
 """The ``slow`` marker keeps its promise: ``--slow-sample N`` runs a fixed sample of N slow tests.
 
 Each case runs pytest in a subprocess on a scratch folder holding a copy of ``tests/conftest.py``
-and a file of 5 slow and 2 fast tests.
+(with the ``cases`` module it imports) and a file of 5 slow and 2 fast tests.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ _SLOW_IDS = [f"test_fake.py::test_slow[{i}]" for i in range(5)]
 def scratch(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("slow-sample")
     shutil.copy(Path(__file__).with_name("conftest.py"), folder / "conftest.py")
+    shutil.copy(Path(__file__).with_name("cases.py"), folder / "cases.py")  # the conftest's engine cases
     (folder / "test_fake.py").write_text(_FAKE_TESTS)
     (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\naddopts = --strict-markers\n")
     return folder
