@@ -17,7 +17,7 @@ from depthsat_theory.statistics.general import GeneralStatistics
 from depthsat_theory.statistics.linalg import GRAM_FACTOR, TOL_FACTOR, default_rtol, default_tol, pinv_quadratic
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
-from depthsat_theory.statistics import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics, check_pair
+from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics, check_pair
 
 __all__ = [
     "GRAM_FACTOR",

@@ -11,7 +11,7 @@ from depthsat_theory.families import FamilyError, FeatureFamily, from_rows, to_r
 from depthsat_theory.statistics.linalg import default_rtol, pinv_quadratic
 from depthsat_theory.statistics.protocol import Reduction
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
-from depthsat_theory.statistics import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
+from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
 
 __all__ = ["FeatureStatistics", "TangentProjector"]
 

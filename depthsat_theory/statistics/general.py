@@ -10,7 +10,7 @@ from depthsat_theory.families import GeneralFamily, to_rows
 from depthsat_theory.statistics.linalg import default_rtol, pinv_quadratic
 from depthsat_theory.statistics.protocol import Reduction
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
-from depthsat_theory.statistics import TangentStatistics
+from depthsat_theory.statistics.tangent import TangentStatistics
 from depthsat_theory.vocabulary import Layout
 
 __all__ = ["GeneralStatistics"]
