@@ -9,8 +9,10 @@ from typing import IO
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], object], *, binary: bool = False) -> None:
-    """Write ``path`` atomically: ``write(fh)`` on a temporary file in the same folder, then fsync
-    and ``os.replace`` it into place, so readers see the old file or the whole new one.
+    """Write ``path`` atomically, so readers see the old file or the whole new one.
+
+    ``write(fh)`` fills a temporary file in the same folder, which is then fsynced and moved into
+    place with ``os.replace``.
 
     Args:
         path: the file to (over)write; its folder must exist.

@@ -172,6 +172,7 @@ def polynomial_families(draw, *, max_terms: int = 4, max_params: int = 3) -> Pol
     """Random :class:`PolynomialFamily` objects (general families for the ``torch.func`` path).
 
     Args:
+        draw: Hypothesis' draw function, supplied by ``st.composite`` (callers omit it).
         max_terms: largest number of terms.
         max_params: largest number of parameters ``p`` (every parameter appears).
     """
@@ -239,6 +240,7 @@ class FinitePointSet:
 
     @property
     def d(self) -> int:
+        """Dimension ``d`` of the atoms (``points.shape[1]``)."""
         return int(self.points.shape[1])
 
     @property
@@ -269,6 +271,7 @@ def finite_measures(
     """Finite weighted point sets (:class:`FinitePointSet`) in ``R^d``.
 
     Args:
+        draw: Hypothesis' draw function, supplied by ``st.composite`` (callers omit it).
         d: dimension (an int or a strategy).
         max_atoms: largest number of distinct atoms.
         max_count: largest multiplicity of an atom.
@@ -352,11 +355,13 @@ def probes(
     """Float64 probes ``(z, g)`` of ``n`` rows in ``R^d`` (vector sites).
 
     Args:
-        d, n: dimension and number of rows (ints or strategies).
+        draw: Hypothesis' draw function, supplied by ``st.composite`` (callers omit it).
+        d: dimension (an int or a strategy).
+        n: number of rows (an int or a strategy).
         rank: rank of ``z`` (``z = B C`` with ``B ∈ R^{n×r}``, ``C ∈ R^{r×d}``; default
             generic full rank).
-        z_scale, g_scale: multipliers of ``z`` and ``g`` (default: drawn from
-            ``{1e-2, 1, 1e2}``).
+        z_scale: multiplier of ``z`` (a float or a strategy; default: drawn from ``{1e-2, 1, 1e2}``).
+        g_scale: multiplier of ``g`` (a float or a strategy; default: drawn from ``{1e-2, 1, 1e2}``).
         family: the family for ``kind="saturated"`` / ``"realizable"``.
         kind: ``"generic"`` (``g`` standard normal), ``"saturated"`` (``g ⟂ T`` on the
             probe: a random ``g`` minus its projection onto the span of the family's
@@ -439,6 +444,7 @@ def small_models(draw, *, max_width: int = 6, max_depth: int = 3, max_n: int = 2
     """Tiny residual MLPs with named sites, deterministic in a drawn seed.
 
     Args:
+        draw: Hypothesis' draw function, supplied by ``st.composite`` (callers omit it).
         max_width: largest stream width ``d``.
         max_depth: largest number of residual blocks.
         max_n: largest probe size.

@@ -1,5 +1,8 @@
-"""``python -m proofs_checks [--quick] [--seed S] [--only T2,T4] [--json PATH]``: the same
-command as ``depthsat proofs`` (one definition of the options, in ``depthsat_theory.cli``)."""
+"""``python -m proofs_checks``: the same command as ``depthsat proofs``.
+
+It takes the same options, ``[--quick] [--seed S] [--only T2,T4] [--json PATH]``, defined once in
+``depthsat_theory.cli``.
+"""
 
 from __future__ import annotations
 

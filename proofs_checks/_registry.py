@@ -81,7 +81,7 @@ class Context:
         return np.random.default_rng([self.seed, *name.encode()])
 
     def torch_generator(self, name: str) -> torch.Generator:
-        """torch CPU generator seeded from ``(seed, name)``."""
+        """A torch CPU generator seeded from ``(seed, name)``."""
         return torch.Generator().manual_seed(int(self.rng(name).integers(2**62)))
 
     def count(self, full: int, quick: int) -> int:

@@ -128,9 +128,11 @@ def random_task(kind: str, seed: int) -> Task:
 
 @functools.lru_cache(maxsize=1)
 def weights_cache() -> str:
-    """Where trained weights are cached: ``$DEPTHSAT_CACHE`` when set, else a folder private to
-    this process (removed at exit), so that a model is trained at most once per run even when
-    the theorem checker loads it again by itself."""
+    """Where trained weights are cached.
+
+    ``$DEPTHSAT_CACHE`` when set, else a folder private to this process (removed at exit), so that
+    a model is trained at most once per run even when the theorem checker loads it again by itself.
+    """
     env = os.environ.get(CACHE_ENV_VAR)
     if env:
         return env
@@ -141,8 +143,10 @@ def weights_cache() -> str:
 
 @functools.lru_cache(maxsize=8)
 def trained(kind: str) -> Task:
-    """The trained task of ``kind`` (training seed 0, weights cached in :func:`weights_cache`),
-    restricted to the first :data:`TRAINED_PROBE` probe examples."""
+    """The trained task of ``kind``, restricted to the first :data:`TRAINED_PROBE` probe examples.
+
+    The model is trained with seed 0; its weights are cached in :func:`weights_cache`.
+    """
     task = trained_task(kind, 0, cache_dir=weights_cache())
     k = TRAINED_PROBE[kind]
     return dataclasses.replace(task, kind=f"trained-{kind}", inputs=task.inputs[:k], targets=task.targets[:k])
@@ -165,8 +169,11 @@ def insertion(task: Task, site: str, family: ResidualFamily | str, *, pool_ties:
 def draw_instances(
     rng: np.random.Generator, n: int, *, trained_kinds=("mlp",), random_kinds=RANDOM_KINDS, exclude=()
 ) -> list[tuple[Task, str, str]]:
-    """``n`` random ``(task, site, family spec)`` triples: random models (fresh seeds) and
-    trained models, sites uniformly, families from the checker's pool of the layout."""
+    """``n`` random ``(task, site, family spec)`` triples.
+
+    Models are random (fresh seeds) or trained, sites are drawn uniformly, families from the
+    checker's pool of the layout.
+    """
     kinds = [("random", k) for k in random_kinds] + [("trained", k) for k in trained_kinds]
     out = []
     for _ in range(n):
@@ -235,6 +242,7 @@ class FiniteMeasure:
 
     @property
     def K(self) -> sp.Matrix:
+        """``K = E[Aᵀ A] = Σ_i μ_i A_iᵀ A_i`` (``p × p``)."""
         return sum((w * a.T * a for w, a in zip(self.mu, self.A, strict=False)), sp.zeros(self.A[0].shape[1]))
 
     @property
@@ -250,6 +258,7 @@ class FiniteMeasure:
         return sum((w * (x.T * y)[0, 0] for w, x, y in zip(self.mu, f1, f2, strict=False)), sp.Integer(0))
 
     def ms(self) -> list:
+        """``[m(u_0), m(u_1), …]``: the conditional means of every unit (``d × 1`` each)."""
         return [self.m(i) for i in range(len(self.mu))]
 
 
@@ -267,6 +276,10 @@ def random_measure(
     """A random rational finite measure with tangent maps ``A_i`` (``d × p``).
 
     Args:
+        rng: the source of randomness.
+        units: number of units ``u_i``; each has a rational mass ``μ_i``.
+        d: output dimension of the tangent maps (rows of ``A_i``, length of ``g``).
+        p: number of parameters (columns of ``A_i``).
         rank: if given, ``A_i = B_i R`` with a shared ``R`` (``rank × p``), so ``rank K ≤ rank``.
         draws: number of ``g`` values per unit.
         realizable: make ``m = A v₀`` (``m ∈ T``) for a random ``v₀``.
@@ -325,8 +338,10 @@ class ExampleLaw:
         ]
 
     def pooled(self, n_units: int, d: int) -> list[tuple[int, sp.Rational, sp.Matrix]]:
-        """``(k, μ(u_k), m(u_k))`` for the units of positive intensity ``μ(u) = E_x #{t: u_t = u}``,
-        with ``m(u) = E_x Σ_{t: u_t = u} g_t / μ(u)``."""
+        """``(k, μ(u_k), m(u_k))`` for the units of positive intensity.
+
+        The intensity is ``μ(u) = E_x #{t: u_t = u}`` and ``m(u) = E_x Σ_{t: u_t = u} g_t / μ(u)``.
+        """
         out = []
         for k in range(n_units):
             mass = sum(q for q, j, _ in self.terms() if j == k)
@@ -338,8 +353,10 @@ class ExampleLaw:
 
 
 def random_example_law(rng: np.random.Generator, n_ex: int, T: int, n_units: int, d: int) -> ExampleLaw:
-    """``n_ex`` examples of ``T`` units drawn from ``n_units`` (ties across and within examples),
-    rational probabilities and rational ``g`` (``d × 1``)."""
+    """``n_ex`` examples of ``T`` units drawn from ``n_units``.
+
+    Units tie across and within examples; the example probabilities and ``g`` (``d × 1``) are rational.
+    """
     px = rat_probs(rng, n_ex)
     units = [[int(rng.integers(n_units)) for _ in range(T)] for _ in range(n_ex)]
     g = [[rat_matrix(rng, d, 1) for _ in range(T)] for _ in range(n_ex)]

@@ -1,5 +1,7 @@
-"""T3: every descent-compatible zero-state update has the same improvable set
-(``thm-update-invariance``); the first steps of the usual optimizers (``prop-adam-first-step``).
+"""T3: update invariance of the improvable set and the first steps of the usual optimizers.
+
+Every descent-compatible zero-state update has the same improvable set (``thm-update-invariance``);
+the first steps of the usual optimizers are those of ``prop-adam-first-step``.
 
 Claim (theory/updates.md, thm-update-invariance): the improvable set is the same for every descent-compatible
 zero-state update; a map that is not descent-compatible (a rotation) can fail where ``s > 0``.

@@ -143,8 +143,11 @@ def _engine_instance(rng: np.random.Generator, i: int) -> tuple[bool, str]:
 
 @check("T4", "thm-reparameterization", "t4-symbolic-engine", "symbolic")
 def symbolic_engine(ctx: Context) -> Outcome:
-    """The exact engine (``depthsat_theory.engines.symbolic``) agrees: ``s`` invariant under a regular χ,
-    ``ξ⊙ξ`` not regular, ``UV`` and ``ξ⊙ξ`` degenerate (never saturated)."""
+    """The exact engine (``depthsat_theory.engines.symbolic``) agrees with T4.
+
+    ``s`` is invariant under a regular χ, ``ξ⊙ξ`` is not regular, ``UV`` and ``ξ⊙ξ`` are
+    degenerate (never saturated).
+    """
     rng = ctx.rng("t4-symbolic-engine")
     n = ctx.count(3, 1)
     bad, names = 0, []
@@ -165,8 +168,10 @@ def symbolic_engine(ctx: Context) -> Outcome:
 
 # ============================================================================ numeric
 def _prebuild(base: ResidualFamily, d: int) -> None:
-    """Build a feature family's frozen row feature map outside ``torch.func`` transforms
-    (building it lazily inside ``vjp`` fails: ``Module.to`` mutates ``.data``)."""
+    """Build a feature family's frozen row feature map outside ``torch.func`` transforms.
+
+    Building it lazily inside ``vjp`` fails: ``Module.to`` mutates ``.data``.
+    """
     if isinstance(base, FeatureFamily):
         base.frozen_feature_map((d,), Layout.VECTOR, dtype=torch.float64, device=torch.device("cpu"))
 

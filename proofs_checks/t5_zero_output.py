@@ -1,5 +1,4 @@
-"""T5: zero-output families (``thm-zero-output``) and the cross-gradient identity
-(``thm-cross-gradient``).
+"""T5: zero-output families (``thm-zero-output``) and the cross-gradient identity (``thm-cross-gradient``).
 
 Claim (theory/definitions.md and the claims of theory/, T5): for ``h(u) = W φ_ψ(u) + c`` with the final linear map zero
 at the origin, ``A(u)(δW, δc, δψ) = δW φ(u) + δc`` (zero ``ψ`` columns),
@@ -241,9 +240,11 @@ def _feature_stats(fam, z, g, layout):
 
 
 def _g_bounds(ins) -> tuple[float, float, float, float]:
-    """``(‖G̃‖_F, s·√λ̃⁺_min, s·√λ̃_max, rounding allowance)`` in the engine's diagonally scaled
-    coordinates (``G̃ = G D^{-1/2}``, ``Σ̃ = D^{-1/2} Σ D^{-1/2}``, ``D = diag Σ``; ``s`` is invariant),
-    ``λ̃⁺_min`` the smallest eigenvalue the engine keeps (``> rtol·λ̃_max``)."""
+    """``(‖G̃‖_F, s·√λ̃⁺_min, s·√λ̃_max, rounding allowance)`` in the engine's diagonally scaled coordinates.
+
+    The coordinates are ``G̃ = G D^{-1/2}``, ``Σ̃ = D^{-1/2} Σ D^{-1/2}``, ``D = diag Σ`` (``s`` is
+    invariant); ``λ̃⁺_min`` is the smallest eigenvalue the engine keeps (``> rtol·λ̃_max``).
+    """
     G, sig = ins.stats.cross_gradient(), ins.stats.feature_gram()
     diag = np.clip(np.diag(sig), 0.0, None)
     scale = np.where(diag > 0, 1.0 / np.sqrt(np.where(diag > 0, diag, 1.0)), 0.0)

@@ -1,5 +1,4 @@
-"""T6: signal realizability (``thm-realizability``) and the certificate chain
-(``cor-agmax-certificate``).
+"""T6: signal realizability (``thm-realizability``) and the certificate chain (``cor-agmax-certificate``).
 
 Claim (theory/realizability.md, thm-realizability): if ``m ∈ T`` then ``s = r``, so saturation ⇔ ``m = 0``. ``g = 0``
 a.s. is always sufficient; it is necessary only under signal realizability; with label
@@ -161,8 +160,10 @@ def _engine_instance(rng: np.random.Generator, i: int) -> bool:
 
 @check("T6", "thm-realizability", "t6-symbolic-engine", "symbolic")
 def symbolic_engine(ctx: Context) -> Outcome:
-    """The exact engine (``depthsat_theory.engines.symbolic.saturation``) agrees: ``m ∈ T ⇒ s = r, ρ = 0``;
-    otherwise ``r² = s² + ρ²r²``."""
+    """The exact engine (``depthsat_theory.engines.symbolic.saturation``) agrees with T6.
+
+    ``m ∈ T ⇒ s = r, ρ = 0``; otherwise ``r² = s² + ρ²r²``.
+    """
     rng = ctx.rng("t6-symbolic-engine")
     n = ctx.count(3, 1)
     bad = sum(not _engine_instance(rng, i) for i in range(n))
@@ -208,9 +209,12 @@ def _population(rng: np.random.Generator, gen: torch.Generator, spec: str, noise
 
 
 def _affine_target_task(seed: int) -> tuple[Task, str]:
-    """A random MLP on a finite population (12 inputs, repeated) with squared error against
-    targets ``y = M z + c`` affine in the readout input ``z`` (site ``ln_f``): ``g = Wᵀ((W − M) z)``
-    is a function of the unit in the linear family's ``T``."""
+    """A random MLP on a finite population with targets affine in the readout input.
+
+    The population is 12 inputs, repeated; the loss is squared error against targets ``y = M z + c``
+    affine in the readout input ``z`` (site ``ln_f``), so ``g = Wᵀ((W − M) z)`` is a function of the
+    unit in the linear family's ``T``.
+    """
     base = random_task("mlp", seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = base.inputs[:12]
@@ -342,8 +346,11 @@ def _site_probe(task, site):
 
 
 def _label_noise_task(seed: int) -> Task:
-    """Each input twice with targets ``f(x) ± δ e``: the model is at the optimum of the probe
-    (``m = 0`` at every site) while every per-example gradient is nonzero."""
+    """A random MLP with each input twice, with targets ``f(x) ± δ e``.
+
+    The model is at the optimum of the probe (``m = 0`` at every site) while every per-example
+    gradient is nonzero.
+    """
     base = random_task("mlp", seed)
     gen = torch.Generator().manual_seed(seed + 7)
     x = base.inputs[:16]

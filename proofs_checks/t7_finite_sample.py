@@ -119,6 +119,7 @@ class Population:
 
     @property
     def N(self) -> int:
+        """Population size: the number of examples (rows of ``phi`` and ``g``)."""
         return self.phi.shape[0]
 
     def design(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -159,6 +160,11 @@ class Population:
         ]
 
     def draw(self, rng: np.random.Generator, n: int, reps: int) -> np.ndarray:
+        """``reps`` i.i.d. probes of ``n`` examples drawn uniformly with replacement from the population.
+
+        Returns:
+            Multinomial counts, an int array of shape ``(reps, N)`` whose rows sum to ``n``.
+        """
         return rng.multinomial(n, np.full(self.N, 1.0 / self.N), size=reps)
 
 

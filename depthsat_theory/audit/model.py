@@ -71,7 +71,8 @@ def audit_model(
         family: the family (or a :class:`~depthsat_theory.audit.LoadedFamily`).
         model: the reference model (float64, eval mode recommended).
         site: module name of the site.
-        inputs, targets: the probe (first dimension = examples).
+        inputs: the probe's inputs, a tensor with the examples along the first dimension.
+        targets: the probe's targets, one per example (first dimension = examples).
         loss: per-example loss ``loss(model(x), y) -> (B,)``.
         layout: site layout (default: ``model.layout`` or from the tensor rank).
         probe: description for the report.

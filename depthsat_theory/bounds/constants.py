@@ -353,8 +353,14 @@ def resolve_constants(
     integer ``⌊L⌋``: ``rank Σ`` is an integer ``≤ L`` (``thm-finite-sample``).
 
     Args:
-        ridge, grad_max, leverage_max, feature_norm_max, eig_floor, variance, dim: the
-            caller's constants (``None``: not given; ``ridge`` ``None`` means ``0``).
+        ridge: ``λ ≥ 0``, the ridge added to ``Σ`` (the interval is then for ``s_λ ≤ s``); ``None`` means ``0``.
+        grad_max: ``γ``, an almost-sure bound ``γ ≥ ‖g(x)‖_F`` (``None``: not given).
+        leverage_max: ``L``, an almost-sure bound ``L ≥ ℓ_λ(x) = tr(Σ_λ⁺ Σ_x)`` (``None``: not given).
+        feature_norm_max: ``B``, an almost-sure bound on ``(Σ_t ‖φ̃_t‖²)^{1/2}``, giving
+            ``L = B²/(μ + λ)`` with ``μ`` and/or ``λ`` (``None``: not given).
+        eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ`` (``None``: not given).
+        variance: ``V``, a bound on ``E‖G_x Σ_λ^{+1/2}‖_F²`` (``None``: not given).
+        dim: ``D ≥ rank Σ`` (``None``: not given).
         probe: the probe's maxima and rank, or ``None``.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Symbolic derivation (sympy) of the finite-sample half-width and the sample-size formula.
+r"""Symbolic derivation (sympy) of the finite-sample half-width and the sample-size formula.
 
 The confidence interval of :func:`depthsat_theory.bounds.interval.interval_from_moments`
 (theory label ``thm-finite-sample``) is built from two deviation terms of a probe of
@@ -6,8 +6,8 @@ The confidence interval of :func:`depthsat_theory.bounds.interval.interval_from_
 
 .. math::
 
-    ε_n = \\sqrt{2 V u_1 / n} + 2 R u_1 / n, \\qquad
-    Δ_n = \\sqrt{2 L_1 u_2 / n} + \\tfrac{2}{3} L_1 u_2 / n,
+    ε_n = \sqrt{2 V u_1 / n} + 2 R u_1 / n, \qquad
+    Δ_n = \sqrt{2 L_1 u_2 / n} + \tfrac{2}{3} L_1 u_2 / n,
 
 (``V`` a bound on ``E‖ξ‖²``, ``R = γ √L`` an almost-sure bound on ``‖ξ‖``,
 ``L_1 = max(L, 1)``, ``u_1 = ln(2/δ_1)``, ``u_2 = ln(2D/δ_2)``), and the deviation
@@ -15,7 +15,7 @@ bound for a score ``s ≤ S``
 
 .. math::
 
-    h_n = \\frac{ε_n + S Δ_n}{\\sqrt{1 - Δ_n}} \\quad (Δ_n < 1).
+    h_n = \frac{ε_n + S Δ_n}{\sqrt{1 - Δ_n}} \quad (Δ_n < 1).
 
 With ``x = √n``, ``x² ε_n = a x + b`` and ``x² Δ_n = c x + e`` with positive ``a, b,
 c, e``, so ``ε_n = E`` and ``Δ_n = D`` are quadratics in ``x`` with one positive root
@@ -143,7 +143,12 @@ def combined_required_n(E: float, V: float, R: float, u1: float, L1: float, u2: 
 
     Args:
         E: target half-width (> 0, loss units per unit function-space step).
-        V, R, u1, L1, u2, S: the constants of :class:`Formulas`.
+        V: the bound ``V`` on ``E‖ξ‖²``.
+        R: the almost-sure bound ``R = γ √L`` on ``‖ξ‖``.
+        u1: ``u_1 = ln(2/δ_1)``.
+        L1: ``L_1 = max(L, 1)``.
+        u2: ``u_2 = ln(2D/δ_2)``.
+        S: the bound ``S`` on the score: ``h_n`` holds for every ``s ≤ S``.
 
     Returns:
         ``n`` as a float (round up for a probe size); ``h`` is decreasing in ``n`` on

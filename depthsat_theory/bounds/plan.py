@@ -114,9 +114,15 @@ def plan_bound(
         delta: ``δ ∈ (0, 1)``.
         n: probe size ``≥ 1``.
         epsilon: target half-width ``> 0`` (loss units per unit step).
-        grad_max, leverage_max, feature_norm_max, eig_floor, ridge, variance, dim:
-            the constants (see the module docstring); ``γ`` and ``L`` (or ``B`` with
-            ``μ``/``λ``) are required.
+        grad_max: ``γ``, an almost-sure bound ``γ ≥ ‖g(x)‖_F`` (required).
+        leverage_max: ``L``, an almost-sure bound ``L ≥ ℓ_λ(x) = tr(Σ_λ⁺ Σ_x)``; required unless
+            ``B`` is given with ``μ``/``λ``.
+        feature_norm_max: ``B``, an almost-sure bound on ``(Σ_t ‖φ̃_t‖²)^{1/2}``, giving
+            ``L = B²/(μ + λ)`` with ``μ`` and/or ``λ``.
+        eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ``.
+        ridge: ``λ ≥ 0``, the ridge added to ``Σ`` (the half-width is then for ``s_λ``).
+        variance: ``V``, a bound on ``E‖G_x Σ_λ^{+1/2}‖_F²`` (default: the worst case ``R² = γ² L``).
+        dim: ``D ≥ rank Σ``; when not given, ``⌊L⌋`` for ``λ = 0`` (required when ``λ > 0``).
         score_max: ``S ≥ 0``: the half-width holds for every ``s_λ ≤ S``.
         candidates: union-bound count ``m ≥ 1``.
 

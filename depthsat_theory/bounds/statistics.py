@@ -63,8 +63,10 @@ class BoundStatistics(FeatureStatistics):
         return float(self.states["feat_sq_max"])
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
-        """Add a batch ``z``, ``g`` of shape ``(B, *shape)``, optionally with a padding ``mask``
-        ``(B, T)`` (see :meth:`FeatureStatistics.update`): padded rows enter no moment."""
+        """Add a batch ``z``, ``g`` of shape ``(B, *shape)``, optionally with a padding ``mask``.
+
+        The mask has shape ``(B, T)`` (see :meth:`FeatureStatistics.update`): padded rows enter no moment.
+        """
         super().update(z, g, mask)
         with torch.no_grad():
             feats = self._features(z)

@@ -51,8 +51,11 @@ def deviation_halfwidth(n: int, var: float, r: float, u1: float, l1: float, u2: 
 
     Args:
         n: probe size.
-        var, r, u1: ``V``, ``R``, ``u_1`` of ``ε_n``.
-        l1, u2: ``L_1 = max(L, 1)`` and ``u_2`` of ``Δ_n``.
+        var: ``V`` of ``ε_n``, a bound on ``E‖G_x Σ_λ^{+1/2}‖_F²``.
+        r: ``R = γ √L`` of ``ε_n``.
+        u1: ``u_1 = ln(2/δ_1)`` of ``ε_n``.
+        l1: ``L_1 = max(L, 1)`` of ``Δ_n``.
+        u2: ``u_2 = ln(2D/δ_2)`` of ``Δ_n``.
         smax: ``S``.
     """
     dev = relative_deviation(n, l1, u2)

@@ -68,6 +68,15 @@ class ResidualInsertion(nn.Module):
         self.calls = 0
 
     def forward(self, *args, **kwargs):
+        """Run the site module, then add the block's output to the site tensor (on the selected call only).
+
+        Returns:
+            The site module's output, with the site tensor ``t`` replaced by ``t + block(t)`` (same
+            container type); unchanged on calls other than the ``occurrence``-th.
+
+        Raises:
+            SiteError: if ``output_key`` does not select a tensor in the site module's output.
+        """
         out = self.site(*args, **kwargs)
         k = self.calls
         self.calls += 1

@@ -169,7 +169,8 @@ def update_statistics(acc, z: Tensor, g: Tensor, mask: Tensor | None, key: str) 
 
     Args:
         acc: a statistics accumulator (``update(z, g[, mask])``).
-        z, g: the site's ``(B, *shape)`` activations and per-example activation gradients.
+        z: the site's ``(B, *shape)`` activations.
+        g: the per-example activation gradients at the site, same shape as ``z``.
         mask: optional ``(B, T)`` bool padding mask (ignored at vector sites).
         key: the site name, for error messages.
 
@@ -285,7 +286,12 @@ def probe_batches(
         loss_fn: ``loss_fn(outputs, targets)``, reduced as ``reduction`` says.
         reduction: one of :data:`REDUCTIONS` (see :func:`accumulate`).
         mask_fn: optional ``mask_fn(inputs, targets) -> (B, T)`` bool padding mask.
-        calls, output_key, batchnorm: as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
+        calls: ``"error"`` or ``"each"``: how bare site names treat a module that runs several
+            times per forward, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
+        output_key: where the site tensor is in a structured output, as in
+            :class:`~depthsat_theory.capture.sites.SiteRecorder`.
+        batchnorm: ``"error"``, ``"warn"`` or ``"ignore"`` when a BatchNorm normalizes with batch
+            statistics, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
         select: optional ``select(index) -> bool``; batches it rejects are skipped
             without a forward pass (resuming, sharding).
 

@@ -100,6 +100,11 @@ def parse_site(site: str) -> tuple[str, int | None]:
 
 
 def resolve_module(model: nn.Module, name: str) -> nn.Module:
+    """The submodule of ``model`` called ``name`` (a name of ``model.named_modules()``).
+
+    Raises:
+        SiteError: if ``model`` has no module of that name (the message lists up to five similar names).
+    """
     mods = dict(model.named_modules())
     if name not in mods:
         close = [n for n in mods if n and name.split(".")[-1] in n][:5]
@@ -109,8 +114,22 @@ def resolve_module(model: nn.Module, name: str) -> nn.Module:
 
 
 def split_output(output, key, where: str):
-    """``(site_tensor, rebuild)``: the site tensor in a module output and a function
-    returning the output with the site tensor replaced (same container type)."""
+    """Split a module output into ``(site_tensor, rebuild)``.
+
+    ``site_tensor`` is the site tensor in the output and ``rebuild(t)`` returns the output with
+    the site tensor replaced by ``t`` (same container type).
+
+    Args:
+        output: the module output: a tensor, a mapping, a tuple or list, or an object with a
+            tensor attribute named ``key``.
+        key: which part of the output is the site tensor: a mapping key, a sequence index or an
+            attribute name; ``None`` takes the tensor itself, the first key or index 0.
+        where: how error messages name the module.
+
+    Raises:
+        SiteError: if ``key`` does not select a part of ``output``, or the output is of none of
+            these kinds.
+    """
     if isinstance(output, Tensor):
         if key not in (None, 0):
             raise SiteError(f"{where} returned a tensor; output_key {key!r} does not apply")

@@ -121,8 +121,10 @@ FAMILY_POOLS: dict[str, tuple[str, ...]] = {
 
 
 def pool_family(spec: str) -> ResidualFamily:
-    """A family of :data:`FAMILY_POOLS`: a built-in spec (:func:`~depthsat_theory.families.parse_family`)
-    or ``diag-general``, the general family ``h(θ, u) = θ₁ ⊙ tanh(u) + θ₂ ⊙ u²`` (``p = 2d``).
+    """A family of :data:`FAMILY_POOLS` from its spec.
+
+    ``spec`` is a built-in spec (:func:`~depthsat_theory.families.parse_family`) or ``diag-general``,
+    the general family ``h(θ, u) = θ₁ ⊙ tanh(u) + θ₂ ⊙ u²`` (``p = 2d``).
 
     Raises:
         FamilyError: on a spec that is neither.

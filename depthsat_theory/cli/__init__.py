@@ -1,5 +1,6 @@
-"""Command-line interface ``depthsat``: parsing (:mod:`.app`), flags (:mod:`.flags`),
-inputs (:mod:`.inputs`) and rendering (:mod:`.render`); no computation.
+"""Command-line interface ``depthsat``: parsing, flags, inputs and rendering; no computation.
+
+Parsing is in :mod:`.app`, flags in :mod:`.flags`, inputs in :mod:`.inputs` and rendering in :mod:`.render`.
 
 Errors in user input end with a one-line ``error: …`` on stderr and exit status 2
 (no traceback); ``check`` exits 1 when it finds a counterexample.

@@ -29,8 +29,9 @@ _RESNET_BLOCKS = ("BasicBlock", "Bottleneck")
 
 
 def infer_layout(shape: Sequence[int]) -> Layout:
-    """Layout of a site from its per-example shape: ``(d,)`` vector, ``(T, d)`` sequence,
-    ``(C, H, W)`` image.
+    """Layout of a site from its per-example shape.
+
+    ``(d,)`` is a vector, ``(T, d)`` a sequence and ``(C, H, W)`` an image.
 
     Raises:
         DiagnoseError: for other ranks.

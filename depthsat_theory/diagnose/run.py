@@ -164,7 +164,10 @@ def diagnose(
             ``(inputs, targets, mask)``.  Padded rows are dropped from the statistics of
             sequence sites and must have ``g = 0``.  Default for dict (Hugging Face)
             inputs: their ``attention_mask``.
-        output_key, batchnorm: as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
+        output_key: where the site tensor is in a structured output (``None``, an index, a key, or
+            ``{site: key}``), as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
+        batchnorm: ``"error"``, ``"warn"`` or ``"ignore"`` when a BatchNorm normalizes with batch
+            statistics, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
         loss_units: units of the per-example loss, for the outputs (scores are in
             these units per unit function-space step).
 

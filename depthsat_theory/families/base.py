@@ -1,4 +1,4 @@
-"""Residual families: parameterized blocks ``h_θ`` with ``h_0 ≡ 0``.
+r"""Residual families: parameterized blocks ``h_θ`` with ``h_0 ≡ 0``.
 
 A *residual family* at an *insertion site* is a map ``(θ, z) ↦ h_θ(z)`` with
 ``θ ∈ R^p`` and the function-preservation property ``h_0(z) = 0`` for every site
@@ -20,7 +20,7 @@ Most practical blocks are *zero-output feature families* (theory/definitions.md)
 
 .. math::
 
-    h_{W,c,ψ}(z)_r = W\\,φ_ψ(z)_r + c, \\qquad W = 0,\\ c = 0 \\text{ at the origin},
+    h_{W,c,ψ}(z)_r = W\,φ_ψ(z)_r + c, \qquad W = 0,\ c = 0 \text{ at the origin},
 
 whose zero factor is the block's final linear map.  Their tangent space is
 ``{V φ̃}`` with ``φ̃ = (φ, 1)`` when the block has an output bias, and the feature
@@ -244,6 +244,7 @@ class FeatureFamily(ResidualFamily):
         return self.feature_dim(shape, layout) + int(self.bias)
 
     def param_dim(self, shape: Sequence[int]) -> int:
+        """``p = d (k + bias)``: the number of entries of ``θ = (vec_row(W), c)`` at a site of this shape."""
         layout = _layout_of(shape)
         return self.site_dim(shape, layout) * self.augmented_dim(shape, layout)
 
@@ -270,6 +271,21 @@ class FeatureFamily(ResidualFamily):
         return w, (theta[d * k :] if self.bias else None)
 
     def functional(self, theta: Tensor, z: Tensor, layout: str) -> Tensor:
+        """Evaluate ``h_θ(z)_r = W φ(z)_r + c`` as a pure function of ``θ`` (for ``torch.func``).
+
+        The feature map is the frozen one (:meth:`frozen_feature_map`, in ``z``'s dtype and device).
+
+        Args:
+            theta: ``(p,)`` tangent coordinates ``(vec_row(W), c)``, same dtype as ``z``.
+            z: site tensors ``(B, *shape)``.
+            layout: the site's layout.
+
+        Returns:
+            ``(B, *shape)``: the block's output (zero when ``theta`` is zero).
+
+        Raises:
+            FamilyError: if ``theta`` does not have ``p = d (k + bias)`` entries.
+        """
         shape = tuple(z.shape[1:])
         d = self.site_dim(shape, layout)
         k = self.feature_dim(shape, layout)
@@ -283,6 +299,15 @@ class FeatureFamily(ResidualFamily):
         return from_rows(out, layout, z.shape)
 
     def block(self, shape, layout, *, dtype=None, device=None) -> nn.Module:
+        """Build the insertable block at the origin: the feature map followed by a zero linear map ``out``.
+
+        The parameters of ``out`` (``W`` of shape ``(d, k)``, then ``c`` of shape ``(d,)`` when
+        ``bias``) are the tangent coordinates; the feature weights ``ψ`` follow.  The block is in
+        ``dtype`` (default float64) on ``device``.
+
+        Raises:
+            FamilyError: if the family does not fit the site (:meth:`check_site`).
+        """
         self.check_site(shape, layout)
         fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
         k = self.feature_dim(shape, layout)
@@ -291,6 +316,7 @@ class FeatureFamily(ResidualFamily):
         return blk.to(dtype=dtype or torch.float64, device=device)
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
+        """The weight ``W`` and (when ``bias``) the bias ``c`` of the block's final linear map ``out``."""
         out = block.get_submodule("out")
         return [out.get_parameter("weight")] + ([out.get_parameter("bias")] if self.bias else [])
 
@@ -346,6 +372,11 @@ class GeneralFamily(ResidualFamily):
         self.layouts = layouts
 
     def param_dim(self, shape: Sequence[int]) -> int:
+        """Dimension ``p`` of ``θ`` at a site of this shape (``param_dim`` of the row dimension ``d``).
+
+        Raises:
+            FamilyError: if ``p < 1``.
+        """
         layout = _layout_of(shape)
         d = int(shape[0] if layout == Layout.IMAGE else shape[-1])
         p = self._p(d) if callable(self._p) else self._p
@@ -354,6 +385,22 @@ class GeneralFamily(ResidualFamily):
         return int(p)
 
     def functional(self, theta: Tensor, z: Tensor, layout: str) -> Tensor:
+        """Evaluate ``h(θ, u)`` on the site tensors ``z`` as a pure function (for ``torch.func``).
+
+        For ``unit="row"`` the function is applied to the ``(N, d)`` rows of ``z`` and the result
+        reshaped back; for ``unit="tensor"`` it is applied to ``z`` itself.
+
+        Args:
+            theta: ``(p,)`` tangent coordinates, same dtype as ``z``.
+            z: site tensors ``(B, *shape)``.
+            layout: the site's layout.
+
+        Returns:
+            ``(B, *shape)``: the block's output.
+
+        Raises:
+            FamilyError: if a row-wise function does not return rows of the input's shape.
+        """
         if self.unit == "tensor":
             return self.fn(theta, z)
         rows = to_rows(z, layout)
@@ -367,5 +414,10 @@ class GeneralFamily(ResidualFamily):
         return from_rows(out.reshape(rows.shape), layout, z.shape)
 
     def block(self, shape, layout, *, dtype=None, device=None) -> nn.Module:
+        """Build the insertable block: one parameter ``θ`` of shape ``(p,)``, zero, in ``dtype`` (default float64).
+
+        Raises:
+            FamilyError: if the family does not fit the site (:meth:`check_site`) or ``p < 1``.
+        """
         self.check_site(shape, layout)
         return _GeneralBlock(self, self.param_dim(shape), layout).to(dtype=dtype or torch.float64, device=device)

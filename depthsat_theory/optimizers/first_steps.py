@@ -70,6 +70,7 @@ class SGDUpdate(ZeroStateUpdate):
         return b.clone()
 
     def make_optimizer(self, params, lr):
+        """``torch.optim.SGD`` (no momentum) with this weight decay; see :meth:`ZeroStateUpdate.make_optimizer`."""
         return torch.optim.SGD(params, lr=check_lr(lr), weight_decay=self.weight_decay)
 
 
@@ -93,6 +94,7 @@ class MomentumUpdate(ZeroStateUpdate):
         return b.clone()
 
     def make_optimizer(self, params, lr):
+        """``torch.optim.SGD`` with this momentum and dampening; see :meth:`ZeroStateUpdate.make_optimizer`."""
         return torch.optim.SGD(params, lr=check_lr(lr), momentum=self.momentum, dampening=self.dampening)
 
 
@@ -117,6 +119,7 @@ class NesterovUpdate(ZeroStateUpdate):
         return b + self.momentum * b
 
     def make_optimizer(self, params, lr):
+        """``torch.optim.SGD`` with this momentum and ``nesterov=True``; see :meth:`ZeroStateUpdate.make_optimizer`."""
         return torch.optim.SGD(params, lr=check_lr(lr), momentum=self.momentum, nesterov=True)
 
 
@@ -148,6 +151,10 @@ class AdamUpdate(ZeroStateUpdate):
         return b / (b.abs() + self.eps)
 
     def make_optimizer(self, params, lr):
+        """``torch.optim.Adam`` (``torch.optim.AdamW`` for ``adamw``) with these betas, eps and weight decay.
+
+        See :meth:`ZeroStateUpdate.make_optimizer`.
+        """
         cls = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
         return cls(
             params,
@@ -199,6 +206,10 @@ class RMSpropUpdate(ZeroStateUpdate):
         return b / (torch.sqrt((1.0 - self.alpha) * (b * b)) + self.eps)
 
     def make_optimizer(self, params, lr):
+        """``torch.optim.RMSprop`` (not centered) with this alpha and eps.
+
+        See :meth:`ZeroStateUpdate.make_optimizer`.
+        """
         return torch.optim.RMSprop(params, lr=check_lr(lr), alpha=self.alpha, eps=self.eps)
 
 
@@ -229,6 +240,10 @@ class AdagradUpdate(ZeroStateUpdate):
         return b / (torch.sqrt(self.initial_accumulator_value + b * b) + self.eps)
 
     def make_optimizer(self, params, lr):
+        """``torch.optim.Adagrad`` with this initial accumulator value and eps.
+
+        See :meth:`ZeroStateUpdate.make_optimizer`.
+        """
         return torch.optim.Adagrad(
             params,
             lr=check_lr(lr),
@@ -251,6 +266,7 @@ class SignSGDUpdate(ZeroStateUpdate):
         return torch.sign(b)
 
     def make_optimizer(self, params, lr):
+        """:class:`~depthsat_theory.optimizers.torch_optim.SignSGD`; see :meth:`ZeroStateUpdate.make_optimizer`."""
         return SignSGD(params, lr=check_lr(lr))
 
 
@@ -277,6 +293,10 @@ class LionUpdate(ZeroStateUpdate):
         return torch.sign(b)
 
     def make_optimizer(self, params, lr):
+        """:class:`~depthsat_theory.optimizers.torch_optim.Lion` with these betas and weight decay.
+
+        See :meth:`ZeroStateUpdate.make_optimizer`.
+        """
         return Lion(params, lr=check_lr(lr), betas=self.betas, weight_decay=self.weight_decay)
 
 
@@ -296,4 +316,8 @@ class RotationUpdate(ZeroStateUpdate):
         return rotate(b)
 
     def make_optimizer(self, params, lr):
+        """:class:`~depthsat_theory.optimizers.torch_optim.RotationOptimizer`.
+
+        See :meth:`ZeroStateUpdate.make_optimizer`.
+        """
         return RotationOptimizer(params, lr=check_lr(lr))

@@ -25,8 +25,7 @@ def _closure_loss(closure: Callable[[], Any] | None) -> Any:
 
 
 class SignSGD(torch.optim.Optimizer):
-    r"""signSGD (Bernstein et al., 2018, "signSGD: Compressed Optimisation for
-    Non-Convex Problems", Alg. 1).
+    r"""signSGD (Bernstein et al., 2018, "signSGD: Compressed Optimisation for Non-Convex Problems", Alg. 1).
 
     .. math::
 
@@ -62,8 +61,7 @@ class SignSGD(torch.optim.Optimizer):
 
 
 class Lion(torch.optim.Optimizer):
-    r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization
-    Algorithms", Alg. 2).
+    r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms", Alg. 2).
 
     .. math::
 

@@ -209,7 +209,7 @@ class FeatureStatistics(TangentStatistics):
 
 
 class TangentProjector:
-    """Orthogonal projector ``Π`` onto the tangent space of a feature family on a probe.
+    r"""Orthogonal projector ``Π`` onto the tangent space of a feature family on a probe.
 
     Acts on functions sampled at the probe's rows: an array ``m`` of shape
     ``(N, d)`` (one row per unit row ``u_i`` of the probe, ``N`` = number of rows, in
@@ -217,7 +217,7 @@ class TangentProjector:
 
     .. math::
 
-        (Π m)(u_i) = M Σ^+ φ̃(u_i), \\qquad M = \\tfrac1n \\textstyle\\sum_j m(u_j) φ̃(u_j)^T,
+        (Π m)(u_i) = M Σ^+ φ̃(u_i), \qquad M = \tfrac1n \textstyle\sum_j m(u_j) φ̃(u_j)^T,
 
     the least-squares fit of ``m`` by ``V φ̃`` in ``⟨·,·⟩`` (self-adjoint and
     idempotent in that inner product, and in the Euclidean one on ``R^{N d}``).

@@ -1,4 +1,4 @@
-"""Tangent statistics, the projector onto the tangent space, and saturation scores.
+r"""Tangent statistics, the projector onto the tangent space, and saturation scores.
 
 Everything here is computed on the *empirical measure* of a probe of ``n`` examples:
 for functions of the site tensor, ``⟨u, v⟩ = (1/n) Σ_x Σ_{units of x} u·v``
@@ -8,8 +8,8 @@ per-example loss (nats per example):
 
 .. math::
 
-    K = E[A^T A], \\quad b = E[A^T g], \\quad s = \\lVert Π g \\rVert
-      = \\sqrt{b^T K^+ b} = \\sup_{Av \\neq 0} \\frac{b^T v}{\\lVert A v \\rVert}.
+    K = E[A^T A], \quad b = E[A^T g], \quad s = \lVert Π g \rVert
+      = \sqrt{b^T K^+ b} = \sup_{Av \neq 0} \frac{b^T v}{\lVert A v \rVert}.
 
 For zero-output feature families ``K = I_d ⊗ Σ`` and ``b = vec(G)`` with the
 cross-gradient ``G = E[Σ_r g_r φ̃_rᵀ]`` and ``Σ = E[Σ_r φ̃_r φ̃_rᵀ]``, so
@@ -40,6 +40,12 @@ TANGENT_GRAM_MAX_ELEMENTS = 1 << 24
 
 
 def check_pair(z: Tensor, g: Tensor) -> None:
+    """Validate a batch of activations ``z`` and activation gradients ``g`` before it is streamed.
+
+    Raises:
+        StatisticsError: if ``z`` and ``g`` differ in shape, the batch is empty, or either is not
+            a floating tensor or contains NaN or Inf.
+    """
     if z.shape != g.shape:
         raise StatisticsError(
             f"activations z {tuple(z.shape)} and activation gradients g {tuple(g.shape)} must have the same shape"

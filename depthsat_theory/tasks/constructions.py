@@ -126,6 +126,7 @@ class OddMLP(nn.Module):
         return ["embed"] + [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, x: Tensor) -> Tensor:
+        """Outputs ``(B, out_dim)`` of inputs ``(B, in_dim)``; ``f(−x) = −f(x)``."""
         h = self.embed(x)
         for blk in self.blocks:
             h = blk(h)

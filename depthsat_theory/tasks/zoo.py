@@ -344,6 +344,11 @@ class SentenceEncoder(nn.Module):
         self.bert = bert
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Unit-norm sentence embeddings ``(B, d)`` of token ids and attention mask, both ``(B, T)``.
+
+        The BERT hidden states are averaged over the example's own tokens (``attention_mask == 1``)
+        and L2-normalized.
+        """
         h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         m = attention_mask.to(h.dtype).unsqueeze(-1)
         pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)

@@ -1,4 +1,4 @@
-"""Exact tangent objects and saturation quantities (theory/definitions.md, T1, T2, T4, T6).
+r"""Exact tangent objects and saturation quantities (theory/definitions.md, T1, T2, T4, T6).
 
 For a :class:`~depthsat_theory.engines.symbolic.family.SymbolicFamily` ``h(θ, u)``, a unit
 measure ``μ`` (:mod:`~depthsat_theory.engines.symbolic.measures`) and a conditional activation
@@ -6,11 +6,11 @@ gradient ``m(u)`` (a ``d``-vector of expressions in the unit symbols):
 
 .. math::
 
-    A(u) = ∂_θ h(θ, u)\\big|_{θ=0}, \\quad K = E_μ[A^T A], \\quad b = E_μ[A^T m],
+    A(u) = ∂_θ h(θ, u)\big|_{θ=0}, \quad K = E_μ[A^T A], \quad b = E_μ[A^T m],
 
-    v^* = K^+ b, \\quad Π m = A v^*, \\quad s^2 = b^T K^+ b = \\lVert Π m \\rVert^2,
+    v^* = K^+ b, \quad Π m = A v^*, \quad s^2 = b^T K^+ b = \lVert Π m \rVert^2,
 
-    r = \\lVert m \\rVert, \\quad ρ = \\lVert m - Π m \\rVert / \\lVert m \\rVert .
+    r = \lVert m \rVert, \quad ρ = \lVert m - Π m \rVert / \lVert m \rVert .
 
 Everything is exact sympy arithmetic.  Zero tests (ranks, ``s = 0``) are exact for
 rational/algebraic quantities (polynomial families under finite, normal or uniform
@@ -179,11 +179,11 @@ def _min_norm_solve(k: sp.Matrix, b: sp.Matrix) -> sp.Matrix:
 
 
 def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
-    """The orthogonal projection of ``m`` onto ``T = {A v}`` in ``L²(μ)`` (theory/definitions.md).
+    r"""The orthogonal projection of ``m`` onto ``T = {A v}`` in ``L²(μ)`` (theory/definitions.md).
 
     .. math::
 
-        v^* = K^+ b, \\qquad Π m = A v^* .
+        v^* = K^+ b, \qquad Π m = A v^* .
 
     ``v*`` is the minimum-norm coefficient vector (computed exactly: a particular
     solution of ``K v = b`` made orthogonal to ``null K``); ``Π m`` does not depend on

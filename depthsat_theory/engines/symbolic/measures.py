@@ -1,4 +1,4 @@
-"""Exact unit measures ``μ`` for the symbolic engine (theory/definitions.md, def-setting, intensity measure).
+r"""Exact unit measures ``μ`` for the symbolic engine (theory/definitions.md, def-setting, intensity measure).
 
 Two kinds of measure on unit vectors ``u ∈ R^d``:
 
@@ -14,7 +14,7 @@ Two kinds of measure on unit vectors ``u ∈ R^d``:
 
 .. math::
 
-    E_μ[f] = \\mathrm{total\\_mass} \\cdot \\int f \\, dπ .
+    E_μ[f] = \mathrm{total\_mass} \cdot \int f \, dπ .
 
 With ``total_mass = 1`` (one unit per example, a ``vector`` site) this is what the
 numeric engine's row average computes.
