@@ -23,9 +23,9 @@ from depthsat_theory.check import (
     insert_on_probe,
     pool_family,
     predicted_verdict,
-    probe_batches,
     probe_statistics,
     site_shapes,
+    task_batches,
 )
 from depthsat_theory.families import GeneralFamily, parse_family
 from depthsat_theory.optimizers import get_update
@@ -121,7 +121,7 @@ def test_checker_helpers(task):
     assert isinstance(diag, GeneralFamily) and diag.param_dim((4,)) == 8
     assert pool_family("poly:2").spec == "poly:2"
     assert site_shapes(task, ["0", "1", "2"]) == {"0": (4,), "1": (4,), "2": (2,)}
-    sizes = [xb.shape[0] for xb, _ in probe_batches(task, size=3)]
+    sizes = [xb.shape[0] for xb, _ in task_batches(task, size=3)]
     assert sizes == [3, 3, 1]
     (lin, relu), loss = probe_statistics(task, [("1", parse_family("linear")), ("1", parse_family("relu:5"))])
     assert loss == pytest.approx(_mean_loss(task), rel=1e-12)

@@ -13,11 +13,11 @@ from depthsat_theory.check.checker import (
     insert_on_probe,
     pool_family,
     predicted_verdict,
-    probe_batches,
     probe_statistics,
     run_check,
     site_shapes,
     summarize,
+    task_batches,
     write_report_atomic,
 )
 
@@ -34,10 +34,10 @@ __all__ = [
     "insert_on_probe",
     "pool_family",
     "predicted_verdict",
-    "probe_batches",
     "probe_statistics",
     "run_check",
     "site_shapes",
     "summarize",
+    "task_batches",
     "write_report_atomic",
 ]

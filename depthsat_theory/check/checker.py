@@ -77,11 +77,11 @@ __all__ = [
     "insert_on_probe",
     "pool_family",
     "predicted_verdict",
-    "probe_batches",
     "probe_statistics",
     "run_check",
     "site_shapes",
     "summarize",
+    "task_batches",
     "write_report_atomic",
 ]
 
@@ -526,7 +526,7 @@ def probe_statistics(
     per_site: dict[str, list] = defaultdict(list)
     for (site, _fam), acc in zip(pairs, stats, strict=True):
         per_site[site].append(acc)
-    loss = accumulate(task.model, list(per_site), probe_batches(task), task.loss, per_site)
+    loss = accumulate(task.model, list(per_site), task_batches(task), task.loss, per_site)
     return stats, loss
 
 
@@ -583,7 +583,7 @@ def site_shapes(task: Task, sites: list[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def probe_batches(task: Task, size: int = 256) -> Iterator[tuple[Tensor, Tensor]]:
+def task_batches(task: Task, size: int = 256) -> Iterator[tuple[Tensor, Tensor]]:
     """The probe as consecutive ``(inputs, targets)`` batches of ``size`` examples."""
     n = task.inputs.shape[0]
     for i in range(0, n, size):
