@@ -1125,3 +1125,35 @@ def test_bound_statistics_merge_into_feature_statistics_adds_the_base_state():
     _assert_same_result(feat.merge(bound).result(), ref.result())
     with pytest.raises(StatisticsError, match="cannot merge"):
         bound.merge(statistics_for(linear(), (3,), "vector"))
+
+
+def test_merge_refuses_other_configurations_and_unpooled_shards():
+    """Merging shards is exact only for one configuration; tie pooling included (r̂ by hand)."""
+    units = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    z = units[[0, 1, 2, 0, 1, 0]]
+    g = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 0.0], [-1.0, 0.0], [1.5, 1.0], [0.0, 4.0]], dtype=torch.float64)
+    # r̂² = (1/n) Σ_classes count · |mean g|²: classes {0,3,5}, {1,4}, {2}
+    means = [g[[0, 3, 5]].mean(0), g[[1, 4]].mean(0), g[[2]].mean(0)]
+    r_true = math.sqrt(sum(c * float(m @ m) for c, m in zip((3, 2, 1), means, strict=True)) / 6)
+
+    def stats(pool: bool, spec: str = "linear"):
+        return statistics_for(parse_family(spec), (2,), "vector", pool_ties=pool)
+
+    a, b = stats(True), stats(True)
+    a.update(z[:3], g[:3])
+    b.update(z[3:], g[3:])
+    assert a.merge(b).result().raw_score == pytest.approx(r_true, rel=1e-14)
+
+    pooled, unpooled = stats(True), stats(False)
+    pooled.update(z[:3], g[:3])
+    unpooled.update(z[3:], g[3:])
+    with pytest.raises(StatisticsError, match="pool_ties False != True"):
+        pooled.merge(unpooled)
+    with pytest.raises(StatisticsError, match="family 'poly:2' != 'linear'"):
+        pooled.merge(stats(True, "poly:2"))
+    with pytest.raises(StatisticsError, match="cannot merge a int"):
+        pooled.merge(3)
+    fresh = stats(True)
+    fresh.load_state_dict(unpooled.state_dict())
+    with pytest.raises(StatisticsError, match="tie pool holds 0 of the 3 units"):
+        fresh.result()

@@ -121,17 +121,28 @@ class TangentStatistics(StreamingStatistic):
         return _EPS_DTYPES.get(float(self.states["forward_eps"]))
 
     def check_compatible(self, other: StreamingStatistic) -> None:
-        """Raise :class:`StatisticsError` unless ``other`` has the same family, site shape and layout."""
-        if not isinstance(other, TangentStatistics) or (other.family.spec, other.shape, other.layout) != (
-            self.family.spec,
-            self.shape,
-            self.layout,
-        ):
-            raise StatisticsError("cannot merge statistics of different sites or families")
+        """Raise unless ``other`` has the same family, site shape, layout and tie pooling.
+
+        Raises:
+            StatisticsError: naming what differs (merging shards of different configurations
+                would silently give wrong numbers: e.g. a tie pool holding part of the probe).
+        """
+        if not isinstance(other, TangentStatistics):
+            raise StatisticsError(f"cannot merge a {type(other).__name__} into {type(self).__name__}")
+        mine = {"family": self.family.spec, "shape": self.shape, "layout": self.layout, "pool_ties": self.pool_ties}
+        theirs = {
+            "family": other.family.spec,
+            "shape": other.shape,
+            "layout": other.layout,
+            "pool_ties": other.pool_ties,
+        }
+        diff = [f"{k} {theirs[k]!r} != {mine[k]!r}" for k in mine if theirs[k] != mine[k]]
+        if diff:
+            raise StatisticsError(f"cannot merge statistics of another configuration: {'; '.join(diff)}")
         try:
             super().check_compatible(other)
         except (TypeError, ValueError) as exc:
-            raise StatisticsError(f"cannot merge statistics of different sites or families: {exc}") from None
+            raise StatisticsError(f"cannot merge statistics of another configuration: {exc}") from None
 
     def _row_mask(self, z: Tensor, g: Tensor, mask: Tensor | None) -> Tensor | None:
         """Validate a padding mask; ``None`` when there is nothing to drop."""
@@ -198,6 +209,13 @@ class TangentStatistics(StreamingStatistic):
     def _pooled_quantities(self) -> tuple[float, float]:
         """``(r̂², ‖m̂ − Π m̂‖²)`` from the pooled units (``Π m̂ = Π g``, theory/definitions.md)."""
         units, means, counts = self.ties.result()
+        pooled = round(float(counts.sum()))
+        seen = self.n if self.family.unit == "tensor" else self.units  # a tensor unit is a whole example
+        if pooled != seen:
+            raise StatisticsError(
+                f"the tie pool holds {pooled} of the {seen} units seen: it was merged with or loaded "
+                f"from a statistic without pool_ties=True, so r̂ and ρ̂ cannot be computed"
+            )
         r2 = float((counts * means.pow(2).sum(1)).sum()) / self.n
         resid = means - self._project_units(units).to(torch.float64).cpu().reshape(means.shape)
         defect2 = float((counts * resid.pow(2).sum(1)).sum()) / self.n
@@ -225,7 +243,7 @@ class TangentStatistics(StreamingStatistic):
         score = math.sqrt(max(score2, 0.0))
         tol = default_tol(dtype, ag_rms) if tol is None else float(tol)
         raw = rho = float("nan")
-        if self.pool_ties and len(self.ties):
+        if self.pool_ties:
             r2, defect2 = self._pooled_quantities()
             # r̂ ≤ AG_rms holds exactly on the probe (Jensen on each tie class); the two are
             # summed in different orders, so clamp a rounding-level excess (|Δ| ≤ 1e-12 r̂)
