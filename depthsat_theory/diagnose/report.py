@@ -79,8 +79,9 @@ class SiteDiagnosis:
             "depth": self.depth,
             "layout": self.layout,
             "shape": list(self.shape),
-            "verdict": self.verdict,
             **self.result.to_dict(),
+            "verdict": self.verdict_kind.value,
+            "verdict_detail": self.verdict,
             "interval": None if self.interval is None else self.interval.to_dict(),
         }
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from depthsat_theory.vocabulary import Verdict
+
 __all__ = ["SaturationResult", "StatisticsError"]
 
 
@@ -69,9 +71,23 @@ class SaturationResult:
     dtype: str
     gradient: np.ndarray = field(repr=False)
 
+    @property
+    def verdict(self) -> Verdict:
+        """The verdict on the probe (:class:`~depthsat_theory.vocabulary.Verdict`).
+
+        ``DEGENERATE`` when ``T = {0}`` (never "saturated", T4), ``SATURATED`` when
+        ``s ≤ tol``, else ``IMPROVABLE`` (theory label ``thm-iff``).  A statement about the
+        probe's empirical measure; the population needs the interval of
+        :mod:`depthsat_theory.bounds`.
+        """
+        if self.degenerate:
+            return Verdict.DEGENERATE
+        return Verdict.SATURATED if self.saturated else Verdict.IMPROVABLE
+
     def to_dict(self, *, with_gradient: bool = False) -> dict:
-        """JSON-ready dictionary (``nan`` becomes ``None``)."""
+        """JSON-ready dictionary (``nan`` becomes ``None``), with the ``verdict`` as its string."""
         d = asdict(self)
+        d["verdict"] = self.verdict.value
         grad = d.pop("gradient")
         if with_gradient:
             d["gradient"] = grad.tolist()
