@@ -99,10 +99,10 @@ def variational(ctx: Context) -> Outcome:
 
 # ============================================================================ numeric
 def _summarize(records: list[dict]) -> str:
-    imp = [r for r in records if r["verdict"] == "agree" and r["predicted_improvable"]]
-    sat = [r for r in records if r["verdict"] == "agree" and not r["predicted_improvable"]]
-    deg = sum(r["verdict"] == "degenerate" for r in records)
-    und = sum(r["verdict"] == "undecided" for r in records)
+    imp = [r for r in records if r["agreement"] == "agree" and r["predicted_improvable"]]
+    sat = [r for r in records if r["agreement"] == "agree" and not r["predicted_improvable"]]
+    deg = sum(r["agreement"] == "degenerate" for r in records)
+    und = sum(r["agreement"] == "undecided" for r in records)
     slope = max((abs(r["observed_slope"] - r["predicted_slope"]) / abs(r["predicted_slope"]) for r in imp), default=0.0)
     ratios = [r["ratio"] for r in sat if r["ratio"] == r["ratio"]]
     rtxt = f", ΔJ(η)/ΔJ(η/2) at saturated {min(ratios):.3g}–{max(ratios):.3g}" if ratios else ""
@@ -145,7 +145,7 @@ def iff_random_models(ctx: Context) -> Outcome:
         ev = evaluate(ins, get_update(name), cfg)
         rec = dict(ev, predicted_improvable=bool(ins.result.score > ins.result.tol and not ins.result.degenerate))
         recs.append(rec)
-        bad += ev["verdict"] == "counterexample"
+        bad += ev["agreement"] == "counterexample"
     return Outcome(len(draws), bad, detail=_summarize(recs))
 
 
@@ -171,7 +171,7 @@ def saturated_no_first_order(ctx: Context) -> Outcome:
         bmax_rel = max(bmax_rel, bmax / max(ins.tau, 1e-300))
         for name in updates:
             ev = evaluate(ins, get_update(name), cfg)
-            ok &= ev["verdict"] == "agree"
+            ok &= ev["agreement"] == "agree"
             if ev["ratio"] == ev["ratio"]:
                 ratios.append(ev["ratio"])
             scale = max(res.ag_rms * ins.a_norm, 1e-300)

@@ -350,7 +350,7 @@ def same_improvable_set(ctx: Context) -> Outcome:
         decreased, verdicts = set(), []
         for upd in updates:
             ev = evaluate(ins, upd, cfg)
-            verdicts.append(ev["verdict"])
+            verdicts.append(ev["agreement"])
             if ev["observed_decrease"]:
                 decreased.add(upd.name)
         undecided += verdicts.count("undecided")

@@ -296,7 +296,7 @@ def degenerate(ctx: Context) -> Outcome:
             ok = r0.score > r0.tol and res.degenerate and res.tangent_rank == 0 and not res.saturated
             ins = insertion(task, site, fam)
             for name in ("sgd", "adam"):
-                ok &= evaluate(ins, get_update(name), cfg)["verdict"] == "degenerate"
+                ok &= evaluate(ins, get_update(name), cfg)["agreement"] == "degenerate"
             bad += not ok
     return Outcome(
         total + 1,

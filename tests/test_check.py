@@ -29,7 +29,7 @@ REQUIRED = (
     "tol",
     "predicted_improvable",
     "observed_decrease",
-    "verdict",
+    "agreement",
 )
 
 
@@ -64,7 +64,7 @@ def test_constructions_are_predicted_saturated_and_agree(report):
             assert rec["score"] <= rec["tol"]
             assert rec["predicted_improvable"] is False
             assert rec["observed_decrease"] is False
-            assert rec["verdict"] == "agree"
+            assert rec["agreement"] == "agree"
             # ... while the activation gradient does not vanish (T6 converse)
             assert rec["ag_max"] > 1e3 * rec["tol"]
 
@@ -74,13 +74,13 @@ def test_degenerate_family_is_never_saturated(report):
     assert deg, "the draw should contain the degenerate product family"
     for rec in deg:
         assert rec["tangent_rank"] == 0
-        assert rec["verdict"] == "degenerate"
+        assert rec["agreement"] == "degenerate"
         assert rec["predicted_improvable"] is False
         assert rec["delta_j"] == [0.0] * len(rec["delta_j"])  # b = 0 and T = {0}: J never moves
 
 
 def test_improvable_records_decrease_at_the_predicted_rate(report):
-    imp = [r for r in report["records"] if r["predicted_improvable"] and r["verdict"] == "agree"]
+    imp = [r for r in report["records"] if r["predicted_improvable"] and r["agreement"] == "agree"]
     assert len(imp) >= 20
     for rec in imp:
         assert rec["observed_decrease"] is True
@@ -103,7 +103,7 @@ def test_planted_rotation_is_flagged(model_cache):
     assert rep["summary"]["reasons"] == {}
     for rec in rep["records"]:
         assert rec["descent_compatible"] is False
-        if rec["verdict"] == "counterexample":
+        if rec["agreement"] == "counterexample":
             assert rec["predicted_improvable"] is True
             assert rec["observed_decrease"] is False
             assert rec["predicted_slope"] == 0.0  # ⟨b, R b⟩ = 0 exactly

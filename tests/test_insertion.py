@@ -22,7 +22,6 @@ from depthsat_theory.check import (
     evaluate,
     insert_on_probe,
     pool_family,
-    predicted_verdict,
     probe_statistics,
     site_shapes,
     task_batches,
@@ -95,15 +94,15 @@ def test_first_step_slope_of_sgd_is_minus_the_squared_gradient(task):
     assert m.direction_norm == pytest.approx(math.sqrt(b2), rel=1e-9)  # SGD: P(b) = b
     assert len(m.etas) == 6 and all(a == pytest.approx(4 * b) for a, b in zip(m.etas, m.etas[1:], strict=False))
     ev = evaluate(ins, get_update("sgd"), CheckConfig())
-    assert ev["verdict"] == Agreement.AGREE == "agree"
-    assert predicted_verdict(ins.result) == Verdict.IMPROVABLE
+    assert ev["agreement"] == Agreement.AGREE == "agree"
+    assert ins.result.verdict == Verdict.IMPROVABLE
 
 
 def test_degenerate_family_is_reported_apart(task):
     ins = insert_on_probe(task, "1", parse_family("product:2"))
-    assert predicted_verdict(ins.result) == Verdict.DEGENERATE
+    assert ins.result.verdict == Verdict.DEGENERATE
     assert float(ins.b.abs().max()) == 0.0  # both factors zero: b = 0
-    assert evaluate(ins, get_update("adam"), CheckConfig())["verdict"] == Agreement.DEGENERATE == "degenerate"
+    assert evaluate(ins, get_update("adam"), CheckConfig())["agreement"] == Agreement.DEGENERATE == "degenerate"
 
 
 def test_a_block_with_nonzero_output_at_the_origin(task):

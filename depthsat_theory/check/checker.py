@@ -76,7 +76,6 @@ __all__ = [
     "evaluate",
     "insert_on_probe",
     "pool_family",
-    "predicted_verdict",
     "probe_statistics",
     "run_check",
     "site_shapes",
@@ -280,13 +279,6 @@ class Agreement(str, Enum):
         return self.value
 
 
-def predicted_verdict(res: SaturationResult) -> Verdict:
-    """The statistics' verdict: degenerate (``rank K = 0``), improvable (``s > tol``) or saturated."""
-    if res.degenerate:
-        return Verdict.DEGENERATE
-    return Verdict.IMPROVABLE if res.score > res.tol else Verdict.SATURATED
-
-
 def evaluate(ins: Insertion, update: ZeroStateUpdate, cfg: CheckConfig) -> dict:
     """Measure one zero-state update on an insertion and compare with the prediction.
 
@@ -299,12 +291,12 @@ def evaluate(ins: Insertion, update: ZeroStateUpdate, cfg: CheckConfig) -> dict:
     Returns:
         A dict with ``predicted_slope``, ``observed_slope``, ``slope_error``, ``ratio``,
         ``etas``, ``delta_j``, ``delta_j_half``, ``observed_decrease`` (see
-        :class:`~depthsat_theory.capture.FirstStepSlope`), ``verdict`` (an
+        :class:`~depthsat_theory.capture.FirstStepSlope`), ``agreement`` (an
         :class:`Agreement`), ``reason`` (a short category) and ``detail`` (the numbers).
     """
     res = ins.result
     m = ins.first_step_slope(update, step_scale=cfg.step_scale, steps=cfg.steps)
-    verdict, reason, detail = _verdict(ins, res, m)
+    agreement, reason, detail = _agreement(ins, res, m)
     return {
         "predicted_slope": m.predicted_slope,
         "observed_slope": m.observed_slope,
@@ -314,7 +306,7 @@ def evaluate(ins: Insertion, update: ZeroStateUpdate, cfg: CheckConfig) -> dict:
         "delta_j": m.delta_j,
         "delta_j_half": m.delta_j_half,
         "observed_decrease": m.observed_decrease,
-        "verdict": verdict,
+        "agreement": agreement,
         "reason": reason,
         "detail": detail,
     }
@@ -339,7 +331,7 @@ def _insertion_failure(ins: Insertion) -> tuple[Agreement, str, str] | None:
     return None
 
 
-def _improvable_verdict(res: SaturationResult, m: FirstStepSlope, max_rate: float) -> tuple[Agreement, str, str]:
+def _improvable_agreement(res: SaturationResult, m: FirstStepSlope, max_rate: float) -> tuple[Agreement, str, str]:
     err3 = 3 * m.slope_error
     if err3 > 1e-2 * max_rate:
         return (
@@ -362,8 +354,8 @@ def _improvable_verdict(res: SaturationResult, m: FirstStepSlope, max_rate: floa
     return Agreement.AGREE, "first-order decrease with the predicted slope", ""
 
 
-def _verdict(ins: Insertion, res: SaturationResult, m: FirstStepSlope) -> tuple[Agreement, str, str]:
-    """``(verdict, reason, detail)``: ``reason`` is a short category, ``detail`` the numbers."""
+def _agreement(ins: Insertion, res: SaturationResult, m: FirstStepSlope) -> tuple[Agreement, str, str]:
+    """``(agreement, reason, detail)``: ``reason`` is a short category, ``detail`` the numbers."""
     failure = _insertion_failure(ins)
     if failure is not None:
         return failure
@@ -374,7 +366,7 @@ def _verdict(ins: Insertion, res: SaturationResult, m: FirstStepSlope) -> tuple[
         return Agreement.COUNTEREXAMPLE, "degenerate family moved J at first order", f"slope {a_obs:.3g}"
     if res.score > res.tol:
         # |⟨b, v⟩| ≤ s ‖A v‖ ≤ s ‖A‖ ‖v‖ along the real optimizer's direction v
-        return _improvable_verdict(res, m, res.score * ins.a_norm * m.direction_norm)
+        return _improvable_agreement(res, m, res.score * ins.a_norm * m.direction_norm)
     if abs(a_obs) <= 3 * err + res.tol * ins.a_norm * m.direction_norm:
         return Agreement.AGREE, "no first-order term (Richardson slope consistent with 0)", ""
     return (
@@ -411,7 +403,7 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
         for rec in _run_context(ctxs[cname], items, cfg, progress):
             records[rec["index"]] = rec
     recs = [r for r in records if r is not None]
-    counts = Counter(r["verdict"] for r in recs)
+    counts = Counter(r["agreement"] for r in recs)
     return {
         "instances": len(recs),
         "agree": counts.get(Agreement.AGREE, 0),
@@ -497,7 +489,7 @@ def _record(ctx: CheckContext, it: _Instance, ins: Insertion, cfg: CheckConfig) 
         "tangent_rank": res.tangent_rank,
         "tangent_dim": res.tangent_dim,
         "degenerate": res.degenerate,
-        "predicted_improvable": predicted_verdict(res) == Verdict.IMPROVABLE,
+        "predicted_improvable": res.verdict == Verdict.IMPROVABLE,
         "gradient_error": ins.gradient_error,
         "function_deviation": ins.deviation,
         **ev,
@@ -604,19 +596,19 @@ def summarize(records: list[dict]) -> dict:
         table: dict[str, Counter] = defaultdict(Counter)
         for r in records:
             row = table[str(r[key])]
-            row[r["verdict"]] += 1
+            row[r["agreement"]] += 1
             if not r["degenerate"]:
                 row["predicted_improvable" if r["predicted_improvable"] else "predicted_saturated"] += 1
         out[key] = {k: dict(v) for k, v in sorted(table.items())}
-    bad = [r for r in records if r["verdict"] in (Agreement.UNDECIDED, Agreement.COUNTEREXAMPLE)]
+    bad = [r for r in records if r["agreement"] in (Agreement.UNDECIDED, Agreement.COUNTEREXAMPLE)]
     out["reasons"] = dict(
-        Counter(f"{r['verdict']}: {r['reason']}" for r in bad if r["descent_compatible"]).most_common()
+        Counter(f"{r['agreement']}: {r['reason']}" for r in bad if r["descent_compatible"]).most_common()
     )
     out["planted_reasons"] = dict(
-        Counter(f"{r['verdict']}: {r['reason']}" for r in bad if not r["descent_compatible"]).most_common()
+        Counter(f"{r['agreement']}: {r['reason']}" for r in bad if not r["descent_compatible"]).most_common()
     )
     out["planted_counterexamples"] = sum(
-        1 for r in bad if r["verdict"] == Agreement.COUNTEREXAMPLE and not r["descent_compatible"]
+        1 for r in bad if r["agreement"] == Agreement.COUNTEREXAMPLE and not r["descent_compatible"]
     )
     return out
 
