@@ -517,6 +517,7 @@ def test_cli_checkpoint_mismatch_exit_2(tmp_path, cache_env):
     assert again.exit_code == 0 and "resumed from checkpoint after 2 batches" in again.output
     bad = runner.invoke(app, ["diagnose", "--model", "mlp", "--batch-size", "32", "--checkpoint", str(ck), "-q"])
     assert bad.exit_code == 2 and "another configuration" in bad.output
+    assert "differs in: --batch-size" in bad.output  # the CLI names its flag, not the key "user"
 
 
 def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
@@ -676,3 +677,35 @@ def test_verdict_kind_uses_the_shared_vocabulary():
     expect = {"certified improvable": Verdict.IMPROVABLE, "not certified": Verdict.UNDETERMINED}
     for s in bounded.sites:
         assert s.verdict_kind == expect.get(s.verdict, Verdict.SATURATED)
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        ("{oops", "header is not valid JSON"),
+        ("[1, 2]", "malformed header"),
+        (json.dumps({"config": {"version": 2}, "shapes": {}}), "malformed header"),
+    ],
+)
+def test_malformed_checkpoint_header_is_one_clear_line(tmp_path, header, match):
+    from safetensors.torch import save
+
+    model, _, _, batches = _mlp_problem(n=12, batch=6)
+    ck = tmp_path / "bad.safetensors"
+    ck.write_bytes(save({"loss": torch.zeros(2, dtype=torch.float64)}, metadata={"depthsat_diagnose": header}))
+    with pytest.raises(CheckpointError, match=match) as info:
+        diagnose(model, classification_loss, batches, checkpoint=ck)
+    assert "\n" not in str(info.value)
+
+
+def test_diagnose_errors_name_arguments_and_the_cli_names_flags():
+    from depthsat_theory.cli.flags import user_message
+    from depthsat_theory.diagnose.checkpoint import config_diff
+
+    model, _, _, batches = _mlp_problem(n=12, batch=6)
+    with pytest.raises(DiagnoseError, match=r"^checkpoint_every must be >= 1$") as info:
+        diagnose(model, classification_loss, batches, checkpoint_every=0)
+    assert user_message(info.value) == "--checkpoint-every must be >= 1"
+    old = {"version": 2, "user": {"model": "mlp", "batch_size": 64, "seed": 0}}
+    new = {"version": 2, "user": {"model": "mlp", "batch_size": 32, "seed": 1}}
+    assert config_diff(old, new) == ["user.batch_size", "user.seed"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 
 from depthsat_theory.bounds import BoundError
+from depthsat_theory.diagnose import DiagnoseError
 
-__all__ = ["BOUND_OPTION_DEFAULTS", "CHECK_FLAGS", "FLAGS", "respell", "user_message"]
+__all__ = ["BOUND_OPTION_DEFAULTS", "CHECK_FLAGS", "DIAGNOSE_FLAGS", "FLAGS", "respell", "user_message"]
 
 #: CLI flag of each Python argument of the bounds (``depthsat score``/``bound``/``diagnose``)
 FLAGS: dict[str, str] = {
@@ -38,6 +39,17 @@ CHECK_FLAGS: dict[str, str] = {
     "seed": "--seed",
 }
 
+#: CLI flag of the arguments :func:`~depthsat_theory.diagnose.diagnose` names in its errors, and of the
+#: configuration keys a checkpoint must match (``user.*``: what the CLI stores)
+DIAGNOSE_FLAGS: dict[str, str] = {
+    "delta": "--delta",
+    "checkpoint_every": "--checkpoint-every",
+    "realizability": "--rho",
+    "user.model": "--model",
+    "user.seed": "--seed",
+    "user.batch_size": "--batch-size",
+}
+
 #: the options of ``depthsat score`` that act only on the interval, with their defaults
 BOUND_OPTION_DEFAULTS: dict[str, object] = {
     "epsilon": None,
@@ -57,10 +69,13 @@ def user_message(exc: Exception) -> str:
 
     Args:
         exc: the error (a :class:`~depthsat_theory.bounds.BoundError` is respelled with
-            :data:`FLAGS`; any other error keeps its message).
+            :data:`FLAGS`, a :class:`~depthsat_theory.diagnose.DiagnoseError` with
+            :data:`DIAGNOSE_FLAGS`; any other error keeps its message).
     """
     if isinstance(exc, BoundError):
         return exc.render(FLAGS)
+    if isinstance(exc, DiagnoseError):  # CheckpointError included
+        return respell(str(exc), DIAGNOSE_FLAGS)
     return str(exc)
 
 

@@ -77,7 +77,21 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor]]:
         raise CheckpointError(f"checkpoint {path}: not a readable safetensors file ({exc})") from None
     if "depthsat_diagnose" not in meta:
         raise CheckpointError(f"checkpoint {path}: not a depthsat diagnose checkpoint")
-    return json.loads(meta["depthsat_diagnose"]), tensors
+    try:
+        header = json.loads(meta["depthsat_diagnose"])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint {path}: its header is not valid JSON ({exc})") from None
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("config"), dict)
+        or not isinstance(header.get("batches"), int)
+        or not isinstance(header.get("shapes", {}), dict)
+    ):
+        raise CheckpointError(
+            f"checkpoint {path}: malformed header (needs a 'config' object, an integer 'batches' "
+            f"and a 'shapes' object); delete it or pass another checkpoint path"
+        )
+    return header, tensors
 
 
 def check_version(path: str | os.PathLike, header: dict) -> None:
@@ -114,5 +128,14 @@ def restore_statistics(stats: Mapping[str, StreamingStatistic], tensors: Mapping
 
 
 def config_diff(a: dict, b: dict) -> list[str]:
-    """The keys on which two configurations differ, sorted."""
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    """The keys on which two configurations differ, sorted; nested objects as ``key.subkey``."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if va == vb:
+            continue
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += [f"{k}.{sub}" for sub in config_diff(va, vb)]
+        else:
+            out.append(k)
+    return out
