@@ -1108,6 +1108,10 @@ def test_tie_pool_pools_exact_ties_only():
     assert len(copy_) == 3
     copy_.reset()
     assert len(copy_) == 0 and copy_.state_dict() == {}
+    wide = TiePool()
+    wide.update(torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"widths \(3, 1\) into one of \(2, 1\)"):
+        pool.merge(wide)
 
 
 def test_bound_statistics_merge_into_feature_statistics_adds_the_base_state():

@@ -9,8 +9,27 @@ from depthsat_theory.statistics.general import GeneralStatistics
 __all__ = ["statistics_for"]
 
 
-def statistics_for(family: ResidualFamily, shape, layout: str, *, pool_ties: bool = False):
-    """The right streaming accumulator for a family at a site.
+def statistics_for(
+    family: ResidualFamily, shape: tuple[int, ...], layout: str, *, pool_ties: bool = False
+) -> FeatureStatistics | GeneralStatistics:
+    """The streaming statistics that fit a residual family at an insertion site.
+
+    Feed them with ``update(z, g)`` (``z``, ``g``: ``(B, *shape)`` float32/float64 site
+    tensors and activation gradients of the per-example loss) and read ``result()``, a
+    :class:`~depthsat_theory.statistics.SaturationResult` (scores in loss units per unit
+    function-space step, e.g. nats per example; theory/definitions.md, ``def-score``).
+
+    Args:
+        family: the residual family (a :class:`~depthsat_theory.families.FeatureFamily`
+            or a :class:`~depthsat_theory.families.GeneralFamily`).
+        shape: the per-example site shape, ``(d,)``, ``(T, d)`` or ``(C, H, W)``.
+        layout: ``"vector"``, ``"sequence"`` or ``"image"``
+            (:class:`~depthsat_theory.vocabulary.Layout`).
+        pool_ties: also pool exactly equal units for ``r̂`` and ``ρ̂`` (memory grows with
+            the number of distinct units).
+
+    Raises:
+        FamilyError: if the family does not fit the site (shape or layout) or has no statistics.
 
     Returns:
         :class:`FeatureStatistics` for feature families (cross-gradient path),

@@ -241,6 +241,9 @@ class TiePool(StreamingStatistic):
         """Add another pool's units (equal units pool); returns ``self``."""
         if not isinstance(other, TiePool):
             raise TypeError(f"cannot merge {type(other).__name__} into TiePool")
+        mine, theirs = self._widths(), other._widths()
+        if mine and theirs and mine != theirs:
+            raise ValueError(f"cannot merge a tie pool of (unit, value) widths {theirs} into one of {mine}")
         for s, c, u in other._table.values():
             self._add(u, s, c)
         return self
@@ -248,6 +251,12 @@ class TiePool(StreamingStatistic):
     def reset(self) -> None:
         """Forget every pooled unit."""
         self._table = {}
+
+    def _widths(self) -> tuple[int, int] | None:
+        """``(unit width, value width)`` of the pooled rows; ``None`` when empty."""
+        for total, _, unit in self._table.values():
+            return int(unit.numel()), int(total.numel())
+        return None
 
     def result(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(units (M, a), means (M, b), counts (M,))`` float64 (``M = 0``: empty tensors).
