@@ -95,7 +95,7 @@ def test_first_step_slope_of_sgd_is_minus_the_squared_gradient(task):
     assert len(m.etas) == 6 and all(a == pytest.approx(4 * b) for a, b in zip(m.etas, m.etas[1:], strict=False))
     ev = evaluate(ins, get_update("sgd"), CheckConfig())
     assert ev["agreement"] == Agreement.AGREE == "agree"
-    assert ins.result.verdict == Verdict.IMPROVABLE
+    assert ins.result.probe_verdict == Verdict.IMPROVABLE
 
 
 def test_degenerate_family_is_reported_apart(task):

@@ -1029,8 +1029,9 @@ def test_state_fields_are_declared_with_their_reductions():
         "forward_eps": Reduction.MAX,
         "sigma": Reduction.SUM,
         "cross": Reduction.SUM,
+        "q_sum": Reduction.SUM,
     }
-    assert list(feat.variable_size_children()) == ["ties"]
+    assert sorted(feat.variable_size_children()) == ["factor", "ties"]
     gen = statistics_for(general_tanh_sq(), (3,), "vector")
     assert {k for k, v in gen.reductions().items() if v == "sum"} >= {"k_mat", "b"}
     bound = BoundStatistics(linear(), (3,), "vector")

@@ -17,9 +17,10 @@ __all__ = ["BoundStatistics"]
 class BoundStatistics(FeatureStatistics):
     """:class:`~depthsat_theory.statistics.FeatureStatistics` plus what the bound needs.
 
-    Streams, besides ``Σ̂`` and ``Ĝ``, the ``k × k`` sum of ``G_xᵀ G_x`` and the maxima
-    ``max ‖g(x)‖_F`` and ``max Σ_t ‖φ̃_t‖²`` (memory ``O(dk + k²)``), declared as the
-    state fields ``q_sum`` (sum) and ``feat_sq_max`` (maximum) of the statistics protocol
+    Streams, besides ``Σ̂``, ``Ĝ`` and the ``k × k`` sum ``q_sum`` of ``G_xᵀ G_x`` (all three
+    from :class:`~depthsat_theory.statistics.FeatureStatistics`), the maxima
+    ``max ‖g(x)‖_F`` and ``max Σ_t ‖φ̃_t‖²`` (memory ``O(dk + k²)``), the latter declared as the
+    state field ``feat_sq_max`` (maximum) of the statistics protocol
     (:class:`~depthsat_theory.statistics.StreamingStatistic`).  With
     ``keep_probe=True`` it also keeps every example's ``φ̃`` and ``g`` rows (memory
     ``O(n · units · (d + k))``), needed by the bootstrap and for the exact probe maximum
@@ -48,7 +49,6 @@ class BoundStatistics(FeatureStatistics):
     ):
         super().__init__(family, shape, layout, pool_ties=pool_ties, device=device)
         self.keep_probe = keep_probe
-        self.add_state("q_sum", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
         self.add_state("feat_sq_max", torch.zeros((), dtype=torch.float64), Reduction.MAX)
         self._rows: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -73,17 +73,10 @@ class BoundStatistics(FeatureStatistics):
             if mask is not None:  # validated by the parent; zero rows drop out of every moment
                 feats = feats * torch.as_tensor(mask, device=feats.device)[..., None].to(feats.dtype)
             phi = feats.reshape(z.shape[0], -1, self.k).cpu().numpy()
-        rows_g = to_rows(g.detach().to(torch.float64), self.layout).reshape(z.shape[0], -1, self.d).cpu().numpy()
-        if phi.shape[1] == 1:
-            gsq = (rows_g[:, 0] ** 2).sum(1)
-            q_batch = (phi[:, 0] * gsq[:, None]).T @ phi[:, 0]
-        else:
-            gx = np.einsum("ird,irk->idk", rows_g, phi, optimize=True)
-            q_batch = np.einsum("idk,idl->kl", gx, gx, optimize=True)
-        self.states["q_sum"] += torch.from_numpy(np.ascontiguousarray(q_batch))
         self.states["feat_sq_max"] = torch.clamp_min(self.states["feat_sq_max"], float((phi**2).sum((1, 2)).max()))
         if self.keep_probe:
-            self._rows.append((phi, rows_g))
+            rows_g = to_rows(g.detach().to(torch.float64), self.layout).reshape(z.shape[0], -1, self.d)
+            self._rows.append((phi, rows_g.cpu().numpy()))
 
     def merge(self, other: BoundStatistics) -> BoundStatistics:
         """Add another shard's sums (and kept rows); returns self."""
@@ -109,7 +102,7 @@ class BoundStatistics(FeatureStatistics):
             n=self.n,
             sigma=self.feature_gram(),
             cross=self.cross_gradient(),
-            q=(self.states["q_sum"] / self.n).numpy(),
+            q=self.noise_moment(),
             g_sq=self.g_sq / self.n,
             g_max=self.g_max,
             feat_sq_max=float(self.states["feat_sq_max"]),

@@ -32,7 +32,8 @@ from depthsat_theory.capture.sites import (
 )
 from depthsat_theory.families import ResidualFamily
 from depthsat_theory.optimizers import ZeroStateUpdate, threshold
-from depthsat_theory.statistics import TOL_FACTOR, FeatureStatistics, GeneralStatistics
+from depthsat_theory.statistics import FeatureStatistics, GeneralStatistics, default_tol, unit_roundoff
+from depthsat_theory.statistics.linalg import ACCUMULATION_FACTOR
 
 __all__ = [
     "FirstStepSlope",
@@ -355,8 +356,12 @@ class Insertion:
 
     @property
     def tau(self) -> float:
-        """Rounding bound of ``b``: ``TOL_FACTOR · eps64 · AG_rms · sqrt(max K_ii)``."""
-        return TOL_FACTOR * torch.finfo(torch.float64).eps * self.result.ag_rms * self.a_diag
+        """Rounding bound of ``b``: ``(C_g + C_acc sqrt(N)) · u64 · AG_rms · sqrt(max K_ii)`` (thm-score-error).
+
+        The gradient's own rounding plus the float64 accumulation over the probe's ``N`` units.
+        """
+        acc = ACCUMULATION_FACTOR * math.sqrt(max(self.result.units, 1)) * unit_roundoff(torch.float64)
+        return (default_tol(torch.float64, self.result.ag_rms) + acc * self.result.ag_rms) * self.a_diag
 
     @functools.cached_property
     def _b_statistics(self) -> Tensor:

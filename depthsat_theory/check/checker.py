@@ -51,7 +51,7 @@ from depthsat_theory.capture import FirstStepSlope, Insertion, accumulate
 from depthsat_theory.families import GeneralFamily, ResidualFamily, parse_family
 from depthsat_theory.io import atomic_write
 from depthsat_theory.optimizers import DESCENT_COMPATIBLE, ZeroStateUpdate, get_update
-from depthsat_theory.statistics import TOL_FACTOR, SaturationResult, statistics_for
+from depthsat_theory.statistics import SaturationResult, statistics_for
 from depthsat_theory.tasks import (
     KINDS,
     LSQ_FAMILIES,
@@ -364,6 +364,8 @@ def _agreement(ins: Insertion, res: SaturationResult, m: FirstStepSlope) -> tupl
         if abs(a_obs) <= 3 * err and not m.observed_decrease:
             return Agreement.DEGENERATE, "rank K = 0: T = {0}, no first-order change (not 'saturated')", ""
         return Agreement.COUNTEREXAMPLE, "degenerate family moved J at first order", f"slope {a_obs:.3g}"
+    if res.probe_verdict is Verdict.UNDETERMINED:
+        return Agreement.UNDECIDED, "the probe verdict is undetermined (theory/numerics.md)", res.verdict_reason
     if res.score > res.tol:
         # |⟨b, v⟩| ≤ s ‖A v‖ ≤ s ‖A‖ ‖v‖ along the real optimizer's direction v
         return _improvable_agreement(res, m, res.score * ins.a_norm * m.direction_norm)
@@ -418,7 +420,7 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
             "optimizers": list(cfg.optimizers),
             "steps": cfg.steps,
             "step_scale": cfg.step_scale,
-            "tol_rule": f"tol = {TOL_FACTOR:g} * eps(float64) * AG_rms",
+            "tol_rule": "tol = score_error, the rounding bound of theory/numerics.md (thm-score-error)",
             "dtype": "float64",
         },
         "models": {
@@ -489,7 +491,8 @@ def _record(ctx: CheckContext, it: _Instance, ins: Insertion, cfg: CheckConfig) 
         "tangent_rank": res.tangent_rank,
         "tangent_dim": res.tangent_dim,
         "degenerate": res.degenerate,
-        "predicted_improvable": res.verdict == Verdict.IMPROVABLE,
+        "predicted_improvable": res.probe_verdict == Verdict.IMPROVABLE,
+        "score_error": res.score_error,
         "gradient_error": ins.gradient_error,
         "function_deviation": ins.deviation,
         **ev,

@@ -91,6 +91,11 @@ class DenseSaturation:
     jacobian: np.ndarray = field(repr=False)
 
     @property
+    def probe_verdict(self) -> Verdict:
+        """The verdict on this measure itself: equal to :attr:`verdict` (no sampling to test)."""
+        return self.verdict
+
+    @property
     def verdict(self) -> Verdict:
         """:attr:`Verdict.DEGENERATE`, :attr:`Verdict.SATURATED` or :attr:`Verdict.IMPROVABLE`."""
         if self.degenerate:

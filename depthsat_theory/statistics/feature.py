@@ -8,12 +8,78 @@ import torch
 from torch import Tensor, nn
 
 from depthsat_theory.families import FamilyError, FeatureFamily, from_rows, to_rows
-from depthsat_theory.statistics.linalg import default_rtol, pinv_quadratic
-from depthsat_theory.statistics.protocol import Reduction
+from depthsat_theory.statistics.linalg import NOISE_ALPHA, resolve_spectrum
+from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
 
-__all__ = ["FeatureStatistics", "TangentProjector"]
+__all__ = ["TRIANGULAR_FACTOR_MAX_K", "FeatureStatistics", "TangentProjector", "TriangularFactor"]
+
+#: Largest ``k̃`` for which float64 forward passes also stream the triangular factor of ``Φ̃``.
+TRIANGULAR_FACTOR_MAX_K = 1024
+
+
+class TriangularFactor(StreamingStatistic):
+    """A streamed triangular factor ``R`` with ``Rᵀ R = Σ_x Σ_r φ̃_r φ̃_rᵀ`` (TSQR).
+
+    Each batch updates ``R ← qr([R; Φ̃_batch]).R`` (Householder, backward stable), so the
+    singular values of ``R`` resolve feature amplitudes down to ``≈ k̃ u64`` of the largest,
+    where a float64 Gram resolves only ``≈ sqrt(k̃ u64)`` (theory/numerics.md,
+    ``def-resolution``).  Two shards merge by one more QR; ``fixed_size = False``, so it is
+    reduced across processes by gathering and merging.  State: ``r`` ``(k̃, k̃)`` and ``rows``.
+    """
+
+    fixed_size = False
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = int(k)
+        self.r = torch.zeros(self.k, self.k, dtype=torch.float64)
+        self.rows = 0
+
+    def update(self, rows: Tensor) -> None:
+        """Add feature rows ``(N, k̃)`` float64."""
+        stacked = torch.cat([self.r.to(rows.device), rows.to(torch.float64)])
+        self.r = torch.linalg.qr(stacked, mode="r").R[: self.k].cpu()
+        self.rows += int(rows.shape[0])
+
+    def merge(self, other: TriangularFactor) -> TriangularFactor:
+        """Combine with another shard's factor; returns ``self``."""
+        if not isinstance(other, TriangularFactor) or other.k != self.k:
+            raise ValueError(f"cannot merge a {type(other).__name__} into a TriangularFactor of width {self.k}")
+        self.r = torch.linalg.qr(torch.cat([self.r, other.r]), mode="r").R[: self.k]
+        self.rows += other.rows
+        return self
+
+    def reset(self) -> None:
+        """Forget every row."""
+        self.r = torch.zeros(self.k, self.k, dtype=torch.float64)
+        self.rows = 0
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{"r", "rows"}``."""
+        return {"r": self.r.clone(), "rows": torch.tensor(self.rows, dtype=torch.int64)}
+
+    def load_state_dict(self, state, *, strict: bool = True) -> None:
+        """Replace the factor (missing keys: an empty factor)."""
+        self.reset()
+        if "r" in state:
+            self.r = state["r"].detach().to(torch.float64).reshape(self.k, self.k).clone()
+            self.rows = int(state["rows"])
+
+
+def _noise_moment(phi: Tensor, rows_g: Tensor) -> Tensor:
+    """``Σ_x X_xᵀ X_x`` with ``X_x = Σ_r g_r φ̃_rᵀ`` for ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)``."""
+    b, r, k = phi.shape
+    d = rows_g.shape[2]
+    if r == 1:
+        gsq = rows_g[:, 0].pow(2).sum(1)
+        return (phi[:, 0] * gsq[:, None]).T @ phi[:, 0]
+    if r * r * (d + k) + r * k * k <= r * d * k + d * k * k:
+        y = torch.bmm(torch.bmm(rows_g, rows_g.transpose(1, 2)), phi)  # (g gᵀ) Φ̃ per example
+        return phi.reshape(-1, k).T @ y.reshape(-1, k)
+    x = torch.bmm(rows_g.transpose(1, 2), phi)  # (B, d, k̃)
+    return torch.einsum("bdk,bdl->kl", x, x)
 
 
 def _rows_as_site(rows: Tensor, layout: str) -> Tensor:
@@ -54,6 +120,9 @@ class FeatureStatistics(TangentStatistics):
         self.k = family.augmented_dim(self.shape, layout)
         self.add_state("sigma", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
         self.add_state("cross", torch.zeros(self.d, self.k, dtype=torch.float64), Reduction.SUM)
+        self.add_state("q_sum", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
+        self.factor = TriangularFactor(self.k)
+        self.add_child("factor", self.factor)
         self._fmap: nn.Module | None = None
         self._device = device
 
@@ -61,7 +130,7 @@ class FeatureStatistics(TangentStatistics):
         if self._fmap is None:
             dev = self._device if self._device is not None else z.device
             self._fmap = self.family.frozen_feature_map(self.shape, self.layout, dtype=torch.float64, device=dev)
-            for name in ("sigma", "cross"):
+            for name in ("sigma", "cross", "q_sum"):
                 self.states[name] = self.states[name].to(dev)
         fmap = self._fmap
         with torch.no_grad():
@@ -85,12 +154,18 @@ class FeatureStatistics(TangentStatistics):
         self._common(z, g, mask)
         phi = self._features(z)
         rows_g = to_rows(g.detach().to(torch.float64), self.layout)
+        per_example = (phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d))
         if mask is not None:
-            phi, rows_g = phi[mask], rows_g[mask]
+            keep = mask.to(phi.device)
+            per_example = tuple(t * keep.reshape(z.shape[0], -1, 1).to(t.dtype) for t in per_example)
+            phi, rows_g = phi[keep], rows_g[keep]
         phi2 = phi.reshape(-1, self.k)
         self.states["sigma"] += phi2.T @ phi2
         self.states["cross"] += rows_g.reshape(-1, self.d).T @ phi2
+        self.states["q_sum"] += _noise_moment(*per_example)
         self.states["units"] += phi2.shape[0]
+        if z.dtype == torch.float64 and g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
+            self.factor.update(phi2)
 
     @property
     def sigma(self) -> Tensor:
@@ -166,24 +241,61 @@ class FeatureStatistics(TangentStatistics):
         order = self.theta_vector(np.arange(p).reshape(self.d, self.k))
         return kron[np.ix_(order, order)]
 
-    def result(self, *, rtol: float | None = None, tol: float | None = None) -> SaturationResult:
-        """Compute ``s² = tr(G Σ⁺ Gᵀ)`` and the other quantities.
+    def noise_moment(self) -> np.ndarray:
+        """``E[Xᵀ X]`` with ``X = Σ_r g_r φ̃_rᵀ`` an example's cross-gradient ``(k̃, k̃)`` float64.
 
-        Args:
-            rtol: relative eigenvalue cutoff for ``Σ`` (default :func:`default_rtol`).
-            tol: saturation threshold (default :func:`default_tol`).
+        ``v̂ = tr(Σ⁻ E[XᵀX])`` is the plug-in bias ``n E[ŝ²] − n s²`` of the score and the
+        scale of the noise test (theory/numerics.md, ``thm-noise-test``; MATH T7's ``v``).
 
         Raises:
             StatisticsError: if no examples were accumulated.
         """
-        if self.n == 0:
-            raise StatisticsError("no examples were accumulated: the probe is empty")
-        rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else float(rtol)
+        self._require_examples()
+        return (self.states["q_sum"] / self.n).cpu().numpy()
+
+    def spectrum(self, *, rtol: float | None = None):
+        """The resolved spectrum of ``Σ`` (:func:`~depthsat_theory.statistics.resolve_spectrum`).
+
+        Uses the streamed triangular factor when every batch was float64 (amplitudes resolved
+        to ``≈ k̃ u64``), else the float64 Gram (``def-resolution``).
+        """
+        factor = None
+        if self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64:
+            factor = self.factor.r.numpy() / np.sqrt(self.n)
+        return resolve_spectrum(self.feature_gram(), dtype=self.dtype or torch.float64, rtol=rtol, factor=factor)
+
+    def result(
+        self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
+    ) -> SaturationResult:
+        """Compute ``s² = tr(G Σ⁺ Gᵀ)``, its rounding bound, the noise test and the other quantities.
+
+        Args:
+            rtol: an explicit relative eigenvalue cutoff for the unit-diagonal ``Σ̃`` (default:
+                the resolution cutoffs of theory/numerics.md, ``def-resolution``).
+            tol: an explicit saturation threshold (default: the rounding bound
+                :func:`~depthsat_theory.statistics.score_error`).
+            alpha: level of the noise test (``thm-noise-test``), in ``(0, 0.215]``.
+
+        Raises:
+            StatisticsError: if no examples were accumulated or the sums overflowed.
+        """
+        self._require_examples()
         sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
-        s2, rank_sigma, cutoff, inv = pinv_quadratic(sig, big_g, rtol)
+        spec = self.spectrum(rtol=rtol)
+        inv = spec.pinv()
         self._coef = big_g @ inv  # Π g (u) = G Σ⁻ φ̃(u)
-        return self._finish(s2, self.theta_vector(big_g), self.d * rank_sigma, self.d * self.k, cutoff, rtol, tol)
+        q_trace = float(np.sum(inv * self.noise_moment()))
+        return self._finish(
+            spec,
+            spec.quadratic(big_g),
+            self.theta_vector(big_g),
+            self.d * self.k,
+            tol,
+            rank=self.d * spec.rank,
+            q_trace=q_trace,
+            alpha=alpha,
+        )
 
     def _project_units(self, units: Tensor) -> Tensor:
         coef = torch.from_numpy(self._coef)
@@ -203,9 +315,8 @@ class FeatureStatistics(TangentStatistics):
 
     def projector(self, *, rtol: float | None = None) -> TangentProjector:
         """The orthogonal projector onto ``T`` on this probe's units (see :class:`TangentProjector`)."""
-        rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else rtol
-        _, rank, _cutoff, inv = pinv_quadratic(self.feature_gram(), np.zeros((0, self.k)), rtol)
-        return TangentProjector(self, inv, rank)
+        spec = self.spectrum(rtol=rtol)
+        return TangentProjector(self, spec.pinv(), spec.rank)
 
 
 class TangentProjector:

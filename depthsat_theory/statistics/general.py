@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.families import GeneralFamily, to_rows
-from depthsat_theory.statistics.linalg import default_rtol, pinv_quadratic
+from depthsat_theory.statistics.linalg import NOISE_ALPHA, resolve_spectrum
 from depthsat_theory.statistics.protocol import Reduction
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TangentStatistics
@@ -37,6 +37,7 @@ class GeneralStatistics(TangentStatistics):
         self.p = family.param_dim(self.shape)
         self.add_state("k_mat", torch.zeros(self.p, self.p, dtype=torch.float64), Reduction.SUM)
         self.add_state("b", torch.zeros(self.p, dtype=torch.float64), Reduction.SUM)
+        self.add_state("q_sum", torch.zeros(self.p, self.p, dtype=torch.float64), Reduction.SUM)
 
     @property
     def k_mat(self) -> Tensor:
@@ -79,11 +80,40 @@ class GeneralStatistics(TangentStatistics):
             )
         self.states["b"] = b_sum
         self.states["k_mat"] = self.states["k_mat"].to(z.device) + 0.5 * (cols + cols.T)
+        per_ex = self._per_example_gradients(z, g, mask)
+        self.states["q_sum"] = self.states["q_sum"].to(z.device) + per_ex.T @ per_ex
         if mask is not None:
             self.states["units"] += int(mask.sum())
         else:
             rows = to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1
             self.states["units"] += int(z.shape[0]) * rows
+
+    def _per_example_gradients(self, z: Tensor, g: Tensor, mask: Tensor | None) -> Tensor:
+        """``b_x = Σ_u A(u)ᵀ g(u)`` for every example ``(B, p)`` (padded rows left out)."""
+        z64, g64 = z.detach().to(torch.float64), g.detach().to(torch.float64)
+        theta0 = torch.zeros(self.p, dtype=torch.float64, device=z.device)
+        if mask is not None:  # row-wise family: one vector per kept row, summed per example
+            owner = torch.arange(z.shape[0], device=z.device)[:, None].expand(mask.shape)[mask]
+            zr, gr, layout = z64[mask], g64[mask], Layout.VECTOR
+        else:
+            owner, zr, gr, layout = None, z64, g64, self.layout
+
+        def one(zi: Tensor, gi: Tensor) -> Tensor:
+            return torch.func.vjp(lambda th: self.family.functional(th, zi[None], layout), theta0)[1](gi[None])[0]
+
+        rows = torch.func.vmap(one)(zr, gr)
+        if owner is None:
+            return rows
+        return torch.zeros(z.shape[0], self.p, dtype=torch.float64, device=z.device).index_add_(0, owner, rows)
+
+    def noise_moment(self) -> np.ndarray:
+        """``E[b_x b_xᵀ]`` over examples ``(p, p)`` float64 (the noise test's ``v̂ = tr(K⁻ E[b_x b_xᵀ])``).
+
+        Raises:
+            StatisticsError: if no examples were accumulated.
+        """
+        self._require_examples()
+        return (self.states["q_sum"] / self.n).cpu().numpy()
 
     def tangent_gram(self) -> np.ndarray:
         """``K = E[Σ_u A(u)ᵀ A(u)]``, the per-example mean tangent Gram (def-score).
@@ -109,16 +139,18 @@ class GeneralStatistics(TangentStatistics):
         self._require_examples()
         return (self.b / self.n).cpu().numpy()
 
-    def result(self, *, rtol: float | None = None, tol: float | None = None) -> SaturationResult:
-        """Compute ``s² = bᵀ K⁺ b`` (eigh with a relative cutoff) and the other quantities."""
-        if self.n == 0:
-            raise StatisticsError("no examples were accumulated: the probe is empty")
-        rtol = default_rtol(self.dtype or torch.float64, self.p) if rtol is None else float(rtol)
+    def result(
+        self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
+    ) -> SaturationResult:
+        """Compute ``s² = bᵀ K⁺ b``, its rounding bound and the noise test (see :meth:`FeatureStatistics.result`)."""
+        self._require_examples()
         kmat, b = self.tangent_gram(), self.gradient()
         self._check_finite(kmat, b)
-        s2, rank, cutoff, inv = pinv_quadratic(kmat, b[None, :], rtol)
+        spec = resolve_spectrum(kmat, dtype=self.dtype or torch.float64, rtol=rtol)
+        inv = spec.pinv()
         self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
-        return self._finish(s2, b, rank, self.p, cutoff, rtol, tol)
+        q_trace = float(np.sum(inv * self.noise_moment()))
+        return self._finish(spec, spec.quadratic(b[None, :]), b, self.p, tol, q_trace=q_trace, alpha=alpha)
 
     def _project_units(self, units: Tensor) -> Tensor:
         theta0 = torch.zeros(self.p, dtype=torch.float64)

@@ -1,80 +1,287 @@
-"""Rank cutoffs, saturation tolerances and the pseudo-inverse quadratic form behind ``s² = bᵀK⁺b``."""
+r"""The numerical error model: resolution cutoffs, the score's rounding bound, the noise test.
+
+Everything here implements ``theory/numerics.md`` (labels ``def-resolution``,
+``thm-score-error``, ``thm-noise-test``).  Conventions: ``u`` is the unit roundoff of a
+dtype (``eps / 2``: ``2⁻⁵³`` for float64, ``2⁻²⁴`` float32, ``2⁻¹¹`` float16, ``2⁻⁸``
+bfloat16); the Gram ``Σ`` (or ``K``) is first scaled to unit diagonal,
+``Σ̃ = D^{-1/2} Σ D^{-1/2}`` (``T``, ``Π`` and ``s`` do not change, T4), and ``k̃`` is its
+size.  Cutoffs are stated on *amplitudes* (singular values of the data, ``σ = sqrt(λ)``):
+
+- the **data resolution** ``σ ≤ C_RES · sqrt(k̃) · u_in · σ_max``: rounding the site tensor
+  in the forward dtype moves every feature by a relative ``u_in``, so a direction of
+  smaller amplitude can be created or removed by the forward pass's own rounding; it is
+  not part of the resolvable tangent space (``def-resolution``);
+- the **factorization resolution**: a float64 Gram resolves amplitudes only down to
+  ``sqrt(C_RES · k̃ · u64) · σ_max`` (eigenvalues move by ``≈ k̃ u64 λ_max``); the streamed
+  triangular factor of :class:`~depthsat_theory.statistics.FeatureStatistics` (float64
+  forward passes) down to ``C_RES · sqrt(k̃) · u64 · σ_max``.
+
+A direction above the data resolution but below the factorization resolution is dropped
+and counted as **unresolved**: ``ŝ`` is then a lower bound of the score and can never
+ground a "saturated" verdict.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["GRAM_FACTOR", "TOL_FACTOR", "default_rtol", "default_tol", "pinv_quadratic"]
+__all__ = [
+    "ACCUMULATION_FACTOR",
+    "FEATURE_ROUNDING_FACTOR",
+    "GRADIENT_ROUNDING_FACTOR",
+    "NOISE_ALPHA",
+    "RESOLUTION_FACTOR",
+    "Spectrum",
+    "default_rtol",
+    "default_tol",
+    "noise_threshold",
+    "pinv_quadratic",
+    "resolve_spectrum",
+    "score_error",
+    "unit_roundoff",
+]
+
+#: ``C_RES``: safety factor of both resolution cutoffs (def-resolution).
+RESOLUTION_FACTOR = 8.0
+#: ``C_g``: relative rounding of the activation gradient, in units of ``u_in`` (the forward and
+#: backward passes in the model's dtype; thm-score-error).
+GRADIENT_ROUNDING_FACTOR = 64.0
+#: ``C_φ``: relative rounding of the features, in units of ``u_in`` (exact for the linear
+#: family, whose features are the site tensor itself; thm-score-error).
+FEATURE_ROUNDING_FACTOR = 4.0
+#: ``C_acc``: float64 accumulation of ``N`` products loses ``C_acc · sqrt(N) · u64`` (thm-score-error).
+ACCUMULATION_FACTOR = 4.0
+#: Default level of the noise test (thm-noise-test).
+NOISE_ALPHA = 0.05
 
 
-#: Safety factor of the saturation threshold ``tol = TOL_FACTOR · eps(dtype) · AG_rms``.
-TOL_FACTOR = 1.0e3
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff ``u = eps / 2`` of a floating dtype (float16 and bfloat16 included).
+
+    Raises:
+        TypeError: for a non-floating dtype.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"unit roundoff of a non-floating dtype {dtype}")
+    return float(torch.finfo(dtype).eps) / 2.0
 
 
-#: Float64 Gram arithmetic loses ``~ k · eps64 / λ_rel`` of a direction's relative accuracy;
-#: directions are kept while that loss stays below ``1 / GRAM_FACTOR``.
-GRAM_FACTOR = 1.0e3
+def _data_rtol(dtype: torch.dtype, k: int) -> float:
+    """Data resolution as a cutoff on eigenvalues relative to ``λ_max`` (``(C_RES sqrt(k̃) u_in)²``)."""
+    return (RESOLUTION_FACTOR * math.sqrt(max(int(k), 1)) * unit_roundoff(dtype)) ** 2
+
+
+def _gram_rtol(k: int) -> float:
+    """What a float64 Gram resolves, on eigenvalues relative to ``λ_max`` (``C_RES k̃ u64``)."""
+    return RESOLUTION_FACTOR * max(int(k), 1) * unit_roundoff(torch.float64)
 
 
 def default_rtol(dtype: torch.dtype, k: int) -> float:
-    r"""Relative eigenvalue cutoff for the *scaled* Gram ``D^{-1/2} Σ D^{-1/2}`` (or ``K``).
+    r"""Relative eigenvalue cutoff of a float64 *Gram* of ``k`` features from a ``dtype`` forward pass.
 
     .. math::
 
-        \mathrm{rtol} = k \cdot \max(\varepsilon_{\text{forward}},\;
-                          \mathrm{GRAM\_FACTOR} \cdot \varepsilon_{64}).
+        \mathrm{rtol} = \max\bigl((C_{res}\sqrt{k}\,u_{in})^2,\; C_{res}\,k\,u_{64}\bigr),
 
-    Two rounding sources bound what a Gram matrix can resolve: the features were
-    computed in the forward pass's dtype (relative error ``ε_forward``; the numpy
-    ``matrix_rank`` convention ``k · ε``), and the float64 eigensolve of a
-    Gram matrix (which squares condition numbers) determines an eigendirection of
-    relative eigenvalue ``λ_rel`` only to ``~ k ε64 / λ_rel``.  For float32 inputs at
-    ``k = 65`` this gives ``≈ 8e-6``, for float64 ``≈ 1.4e-11``.  The Gram is first
-    scaled to unit diagonal (``D = diag Σ``), so the cutoff does not depend on the
-    units of individual features and ``T`` is unchanged (T4).  Eigenvalues
-    ``λ ≤ rtol · λ_max`` are treated as zero.
-
-    The cutoff stays at rounding level on purpose: dropping a real direction can only
-    *lower* ``s`` and so could turn an improvable site into a false "saturated".
+    the larger of the data resolution and what a float64 Gram resolves
+    (theory/numerics.md, ``def-resolution``): about ``2e-12`` for float32 at ``k = 65``
+    (amplitudes ``≈ 1.5e-6`` of the largest), ``4e-14`` for float64.  Eigenvalues
+    ``λ ≤ rtol · λ_max`` of the unit-diagonal Gram are dropped.
     """
-    eps = max(torch.finfo(dtype).eps, GRAM_FACTOR * torch.finfo(torch.float64).eps)
-    return max(int(k), 1) * eps
+    return max(_data_rtol(dtype, k), _gram_rtol(k))
 
 
-def default_tol(dtype: torch.dtype, ag_rms: float) -> float:
-    """Saturation threshold ``tol = TOL_FACTOR · eps(dtype) · AG_rms`` (nats per example per unit step).
+@dataclass(frozen=True)
+class Spectrum:
+    """The resolved spectrum of a unit-diagonal PSD Gram (theory/numerics.md, ``def-resolution``).
 
-    Rounding analysis: the orthogonal projector is a contraction, so a perturbation
-    ``δg`` of the activation gradient changes ``s`` by at most ``‖δg‖``.  Forward and
-    backward passes in ``dtype`` perturb ``g`` by a relative ``O(L κ eps)`` (``L`` the
-    depth, ``κ`` a conditioning factor); ``TOL_FACTOR = 1e3`` covers ``L κ`` up to
-    ``10³``.  ``s ≤ tol`` is reported as *saturated within rounding*.
+    Attributes:
+        scale: ``D^{-1/2}`` ``(k,)`` float64 (``0`` for zero-diagonal coordinates, dropped exactly).
+        values: kept eigenvalues ``λ̃`` of ``Σ̃`` ``(r,)`` (descending).
+        vectors: their eigenvectors in the scaled coordinates ``(k, r)``.
+        lam_max: ``λ̃_max`` (``0`` for a zero matrix).
+        cutoff: absolute eigenvalue cutoff on ``Σ̃`` (``rtol · λ̃_max``).
+        rtol: the relative cutoff used.
+        unresolved: dropped directions above the data resolution (``ŝ`` is then a lower bound).
     """
-    return TOL_FACTOR * torch.finfo(dtype).eps * float(ag_rms)
+
+    scale: np.ndarray
+    values: np.ndarray
+    vectors: np.ndarray
+    lam_max: float
+    cutoff: float
+    rtol: float
+    unresolved: int
+
+    @property
+    def rank(self) -> int:
+        """The numerical rank (kept directions)."""
+        return int(self.values.size)
+
+    @property
+    def lam_min(self) -> float:
+        """Smallest kept eigenvalue of ``Σ̃`` (``inf`` when nothing is kept)."""
+        return float(self.values.min()) if self.values.size else math.inf
+
+    def pinv(self) -> np.ndarray:
+        """``Σ⁻ = D^{-1/2} Q Λ⁻¹ Qᵀ D^{-1/2}`` over the kept directions ``(k, k)``."""
+        qk = self.vectors * self.scale[:, None]
+        return (qk / self.values) @ qk.T
+
+    def quadratic(self, vecs: np.ndarray) -> float:
+        """``tr(vecs Σ⁻ vecsᵀ)`` for rows ``vecs`` ``(m, k)``."""
+        if not self.values.size:
+            return 0.0
+        proj = vecs @ (self.vectors * self.scale[:, None])
+        return float(np.sum(proj * proj / self.values))
+
+
+def _scaling(diag: np.ndarray) -> np.ndarray:
+    diag = np.clip(diag, 0.0, None)
+    scale = np.zeros_like(diag)
+    live = diag > 0
+    scale[live] = 1.0 / np.sqrt(diag[live])
+    return scale
+
+
+def resolve_spectrum(
+    mat: np.ndarray,
+    *,
+    dtype: torch.dtype = torch.float64,
+    rtol: float | None = None,
+    factor: np.ndarray | None = None,
+) -> Spectrum:
+    """Scale a PSD Gram to unit diagonal, eigendecompose it and apply the resolution cutoffs.
+
+    Args:
+        mat: the Gram ``Σ`` (or ``K``), float64 ``(k, k)``.
+        dtype: the forward pass's dtype (sets the data resolution).
+        rtol: an explicit relative eigenvalue cutoff (then nothing is counted unresolved).
+        factor: optionally a triangular factor ``R`` with ``Σ = Rᵀ R`` (``(k, k)``): its
+            singular values resolve amplitudes down to ``u64`` instead of ``sqrt(u64)``.
+
+    Returns:
+        The :class:`Spectrum`.
+    """
+    k = mat.shape[0]
+    mat = 0.5 * (mat + mat.T)
+    scale = _scaling(np.diag(mat).copy())
+    if factor is not None:
+        sv, vt = np.linalg.svd(factor * scale[None, :], full_matrices=False)[1:]
+        lam, q = sv**2, vt.T
+        resolution = (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
+    else:
+        lam, q = np.linalg.eigh(mat * np.outer(scale, scale))
+        resolution = _gram_rtol(k)
+    lmax = float(lam.max()) if lam.size else 0.0
+    data = _data_rtol(dtype, k)
+    chosen = max(data, resolution) if rtol is None else float(rtol)
+    cutoff = chosen * lmax if lmax > 0 else 0.0
+    keep = lam > cutoff if lmax > 0 else np.zeros(lam.shape, dtype=bool)
+    unresolved = 0
+    if rtol is None and lmax > 0 and resolution > data:
+        unresolved = int(((lam > data * lmax) & ~keep).sum())
+    order = np.argsort(-lam[keep])
+    return Spectrum(
+        scale=scale,
+        values=lam[keep][order],
+        vectors=q[:, keep][:, order],
+        lam_max=lmax,
+        cutoff=cutoff,
+        rtol=chosen,
+        unresolved=unresolved,
+    )
 
 
 def pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[float, int, float, np.ndarray]:
     """``tr(vecs · mat⁻ · vecsᵀ)`` with a truncated, diagonally scaled generalized inverse.
 
     ``mat`` (PSD) is scaled to unit diagonal, eigendecomposed, and eigenvalues
-    ``≤ rtol · λ_max`` are dropped; ``mat⁻ = D^{-1/2} Q Λ⁻¹ Qᵀ D^{-1/2}`` over the kept
-    ones.  For rows of ``vecs`` in the range of ``mat`` this equals the Moore–Penrose
-    quadratic form up to the dropped directions.  Returns the value, the rank, the
-    absolute cutoff (on the scaled matrix) and ``mat⁻``.
+    ``≤ rtol · λ_max`` are dropped (:func:`resolve_spectrum` with an explicit ``rtol``).
+    Returns the value, the rank, the absolute cutoff (on the scaled matrix) and ``mat⁻``.
     """
-    mat = 0.5 * (mat + mat.T)
-    diag = np.clip(np.diag(mat).copy(), 0.0, None)
-    live = diag > 0
-    scale = np.zeros_like(diag)
-    scale[live] = 1.0 / np.sqrt(diag[live])
-    scaled = mat * np.outer(scale, scale)
-    lam, q = np.linalg.eigh(scaled)
-    lmax = float(lam.max()) if lam.size else 0.0
-    cutoff = rtol * lmax if lmax > 0 else 0.0
-    keep = lam > cutoff if lmax > 0 else np.zeros_like(lam, dtype=bool)
-    qk = q[:, keep] * scale[:, None]
-    inv = (qk / lam[keep]) @ qk.T
-    proj = vecs @ qk
-    val = float(np.sum(proj * proj / lam[keep])) if keep.any() else 0.0
-    return val, int(keep.sum()), cutoff, inv
+    spec = resolve_spectrum(mat, rtol=rtol)
+    return spec.quadratic(vecs), spec.rank, spec.cutoff, spec.pinv()
+
+
+def score_error(
+    spec: Spectrum, *, score: float, ag_rms: float, dtype: torch.dtype, units: int, k: int | None = None
+) -> float:
+    r"""Rounding bound on ``|ŝ − s|`` (theory/numerics.md, ``thm-score-error``).
+
+    .. math::
+
+        e = C_g u_{in} A + \frac{A\,ε_M}{σ_{min} − ε_M} + \frac{A\,γ_{acc}\sqrt{k̃}}{σ_{min}}
+            + \hat s\,\frac{η}{σ_{min}^2},
+        \qquad ε_M = C_φ u_{in} \sqrt{k̃},\; γ_{acc} = C_{acc}\sqrt{N}\,u_{64},\;
+        η = k̃\,(γ_{acc} + C_{res} u_{64}),
+
+    with ``A = AG_rms``, ``N`` the number of units and ``σ_min = sqrt(λ̃_min)`` the smallest kept
+    amplitude of the unit-diagonal Gram.  The terms: the gradient's own rounding (``Π`` is a
+    contraction); the input rounding of the features, a perturbation of the scaled data
+    matrix of norm ``≤ ε_M`` that tilts the projector by ``≤ ε_M/(σ_min − ε_M)`` (Wedin);
+    the float64 accumulation of the cross-gradient, amplified by ``Σ̃^{-1/2}``; the
+    accumulation and eigensolve of ``Σ̃``, first order in ``η/λ̃_min``.  ``inf`` when
+    ``ε_M ≥ σ_min/2`` or ``η ≥ λ̃_min/2`` (first order no longer holds).
+
+    Args:
+        spec: the resolved spectrum.
+        score: ``ŝ``.
+        ag_rms: ``AG_rms``.
+        dtype: the forward dtype (coarsest of the site tensors and gradients).
+        units: number of units ``N`` accumulated.
+        k: the Gram's size ``k̃`` (default: that of ``spec``).
+
+    Returns:
+        The bound, in the units of ``s`` (e.g. nats per example per unit step); ``0`` for an
+        empty tangent space (nothing to round).
+    """
+    if spec.rank == 0:
+        return 0.0
+    kk = int(k if k is not None else spec.scale.size)
+    u_in, u64 = unit_roundoff(dtype), unit_roundoff(torch.float64)
+    eps_m = FEATURE_ROUNDING_FACTOR * u_in * math.sqrt(kk)
+    gamma_acc = ACCUMULATION_FACTOR * math.sqrt(max(units, 1)) * u64
+    eta = kk * (gamma_acc + RESOLUTION_FACTOR * u64)
+    lam_min = spec.lam_min
+    sigma_min = math.sqrt(lam_min)
+    if eps_m >= 0.5 * sigma_min or eta >= 0.5 * lam_min:
+        return math.inf
+    return (
+        GRADIENT_ROUNDING_FACTOR * u_in * ag_rms
+        + ag_rms * eps_m / (sigma_min - eps_m)
+        + ag_rms * gamma_acc * math.sqrt(kk) / sigma_min
+        + score * eta / lam_min
+    )
+
+
+def default_tol(dtype: torch.dtype, ag_rms: float) -> float:
+    """Rounding of the activation gradient alone: ``C_g · u(dtype) · AG_rms`` (thm-score-error, first term).
+
+    The part of :func:`score_error` that does not depend on the conditioning of the Gram: a
+    perturbation ``δg`` moves ``s`` by at most ``‖δg‖`` (``Π`` is a contraction).  Used where the
+    projection is computed without a streamed Gram (the dense reference engine) and as the
+    rounding level of ``b`` (:class:`~depthsat_theory.capture.Insertion`).
+    """
+    return GRADIENT_ROUNDING_FACTOR * unit_roundoff(dtype) * float(ag_rms)
+
+
+def noise_threshold(alpha: float) -> float:
+    """``χ²₁`` upper ``α`` quantile: the noise test calls ``n ŝ² / v̂`` above it significant.
+
+    By Székely and Bakirov (2003), a Gaussian quadratic form ``Σ λ_j Z_j²`` exceeds
+    ``χ²_{1,1−α} · Σ λ_j`` with probability at most ``α`` for every ``α ≤ 0.215``
+    (theory/numerics.md, ``thm-noise-test``).
+
+    Raises:
+        ValueError: for ``α`` outside ``(0, 0.215]``.
+    """
+    if not 0.0 < alpha <= 0.215:
+        raise ValueError(f"alpha = {alpha!r}: the noise test is valid for 0 < alpha <= 0.215")
+    from scipy.stats import chi2
+
+    return float(chi2.isf(alpha, 1))

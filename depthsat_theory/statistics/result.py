@@ -39,15 +39,29 @@ class SaturationResult:
         tangent_rank: numerical rank of ``K`` (``d · rank Σ`` for feature families).
         tangent_dim: ``p``, the number of tangent coordinates.
         degenerate: ``tangent_rank == 0`` (``T = {0}``): never "saturated".
-        saturated: ``score <= tol`` and not degenerate.
-        tol: the saturation threshold used.
-        cutoff: absolute eigenvalue cutoff used for ``Σ`` / ``K``.
-        rtol: relative cutoff (``cutoff / λ_max``).
+        saturated: :attr:`verdict` is ``SATURATED``: ``score <= tol``, not degenerate and no
+            unresolved direction.
+        tol: the saturation threshold used: the rounding bound :attr:`score_error` unless given.
+        cutoff: absolute eigenvalue cutoff used for the unit-diagonal ``Σ̃`` / ``K̃``.
+        rtol: relative cutoff (``cutoff / λ̃_max``).
         n: number of probe examples; ``units``: number of units (rows) seen.
         family: family spec; ``unit``: ``"row"`` or ``"tensor"``.
         dtype: dtype of the forward pass the statistics came from.
         gradient: ``b`` as a float64 numpy vector (``vec_row(G)`` for feature
             families, in the order of the block's tangent parameters).
+        score_error: first-order rounding bound on ``|ŝ − s|`` (theory/numerics.md,
+            ``thm-score-error``; ``inf`` when the Gram is too ill-conditioned for first order).
+        unresolved: dropped directions above the data resolution (``def-resolution``): when
+            nonzero, ``score`` is a lower bound and never grounds "saturated".
+        noise_variance: ``v̂ = tr(Σ⁻ E[Xᵀ X])`` with ``X`` an example's cross-gradient (the
+            plug-in bias of ``ŝ²`` is ``v̂ / n``; ``nan`` when not streamed).
+        noise_ratio: ``n ŝ² / v̂``; the noise test calls the signal significant above
+            ``χ²_{1,1−α}`` (``thm-noise-test``).
+        score_squared_unbiased: the U-statistic ``(n ŝ² − v̂)/(n − 1)`` of ``s²`` (can be negative).
+        score_squared_se: an upper bound of its standard error,
+            ``sqrt(4 v̂ max(ŝ²_U, 0)/n + 2 v̂²/(n(n−1)))``.
+        alpha: level of the noise test.
+        noise_threshold: ``χ²_{1,1−α}``.
     """
 
     score: float
@@ -70,25 +84,98 @@ class SaturationResult:
     unit: str
     dtype: str
     gradient: np.ndarray = field(repr=False)
+    score_error: float = 0.0
+    unresolved: int = 0
+    noise_variance: float = float("nan")
+    noise_ratio: float = float("nan")
+    score_squared_unbiased: float = float("nan")
+    score_squared_se: float = float("nan")
+    alpha: float = 0.05
+    noise_threshold: float = float("nan")
 
     @property
-    def verdict(self) -> Verdict:
-        """The verdict on the probe (:class:`~depthsat_theory.vocabulary.Verdict`).
+    def probe_verdict(self) -> Verdict:
+        """The verdict on the probe's own empirical measure, numerical error only.
 
-        ``DEGENERATE`` when ``T = {0}`` (never "saturated", T4), ``SATURATED`` when
-        ``s ≤ tol``, else ``IMPROVABLE`` (theory label ``thm-iff``).  A statement about the
-        probe's empirical measure; the population needs the interval of
-        :mod:`depthsat_theory.bounds`.
+        ``DEGENERATE`` when ``T = {0}`` (never "saturated", T4); ``UNDETERMINED`` when
+        ``ŝ ≤ tol`` but a direction was unresolved (``ŝ`` is only a lower bound) or the
+        rounding bound is infinite; ``SATURATED`` when ``ŝ ≤ tol``; else ``IMPROVABLE``: the
+        probe's loss decreases to first order (theory labels ``thm-iff``, ``thm-score-error``).
+        This is what the theorem checker tests on the probe.
         """
         if self.degenerate:
             return Verdict.DEGENERATE
-        return Verdict.SATURATED if self.saturated else Verdict.IMPROVABLE
+        if not math.isfinite(self.tol):
+            return Verdict.UNDETERMINED
+        if self.score <= self.tol:
+            return Verdict.UNDETERMINED if self.unresolved else Verdict.SATURATED
+        return Verdict.IMPROVABLE
+
+    @property
+    def significant(self) -> bool | None:
+        """Whether the noise test rejects ``s = 0`` at level ``alpha`` (``None``: not streamed)."""
+        if math.isnan(self.noise_ratio):
+            return None
+        return self.noise_ratio > self.noise_threshold
+
+    @property
+    def verdict(self) -> Verdict:
+        """The verdict (:class:`~depthsat_theory.vocabulary.Verdict`): four honest outcomes.
+
+        :attr:`probe_verdict`, except that ``IMPROVABLE`` also needs the noise test
+        (``thm-noise-test``): when ``n ŝ² / v̂ ≤ χ²_{1,1−α}`` the probe's score is within what
+        an activation gradient independent of the features would give, so the verdict is
+        ``UNDETERMINED`` (the reason says how many examples would decide).  On probes with
+        population score ``0`` the rate of ``IMPROVABLE`` is then at most ``alpha``
+        (asymptotically).  ``SATURATED`` states saturation of the probe's measure within
+        :attr:`tol`; the population needs the interval of :mod:`depthsat_theory.bounds`.
+        """
+        pv = self.probe_verdict
+        if pv is Verdict.IMPROVABLE and self.significant is False:
+            return Verdict.UNDETERMINED
+        return pv
+
+    @property
+    def examples_needed(self) -> int | None:
+        """Probe size at which the noise test would reject ``s = 0`` if ``s² = ŝ²_U`` (``None``: no signal)."""
+        if not (self.score_squared_unbiased > 0 and self.noise_variance > 0):
+            return None
+        return math.ceil(self.noise_threshold * self.noise_variance / self.score_squared_unbiased)
+
+    @property
+    def verdict_reason(self) -> str:
+        """One line saying why :attr:`verdict` is what it is (what would decide an undetermined one)."""
+        v = self.verdict
+        if v is Verdict.DEGENERATE:
+            return "the tangent space is {0} (rank K = 0): the family cannot move the output at first order"
+        if v is Verdict.SATURATED:
+            return f"s = {self.score:.3g} is within the rounding bound {self.tol:.3g}"
+        if v is Verdict.IMPROVABLE:
+            return f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} and the noise test"
+        if not math.isfinite(self.tol):
+            return "the Gram is too ill-conditioned for the first-order rounding bound; rescale or drop features"
+        if self.probe_verdict is Verdict.UNDETERMINED:
+            return (
+                f"{self.unresolved} direction(s) of the Gram lie below what float64 resolves: s = "
+                f"{self.score:.3g} is only a lower bound (use fewer or better-conditioned features)"
+            )
+        need = self.examples_needed
+        more = f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}" if need else (
+            "the unbiased estimate of s² is not positive: no evidence of signal"
+        )
+        return (
+            f"n ŝ²/v̂ = {self.noise_ratio:.3g} ≤ {self.noise_threshold:.3g} (noise test, α = {self.alpha:g}): "
+            f"the score is within sampling noise on {self.n} examples; {more}"
+        )
 
     def to_dict(self, *, with_gradient: bool = False) -> dict:
         """JSON-ready dictionary (``nan`` becomes ``None``), with the ``verdict`` as its string."""
         d = asdict(self)
         d["verdict"] = self.verdict.value
+        d["probe_verdict"] = self.probe_verdict.value
+        d["verdict_reason"] = self.verdict_reason
+        d["examples_needed"] = self.examples_needed
         grad = d.pop("gradient")
         if with_gradient:
             d["gradient"] = grad.tolist()
-        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}

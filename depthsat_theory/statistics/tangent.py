@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.families import ResidualFamily, to_rows
-from depthsat_theory.statistics.linalg import default_tol
+from depthsat_theory.statistics.linalg import NOISE_ALPHA, Spectrum, noise_threshold, score_error
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
-from depthsat_theory.vocabulary import Layout
+from depthsat_theory.vocabulary import Layout, Verdict
 
 __all__ = ["TANGENT_GRAM_MAX_ELEMENTS", "TangentStatistics", "check_pair"]
 
@@ -60,7 +60,7 @@ def check_pair(z: Tensor, g: Tensor) -> None:
 
 
 #: ``forward_eps`` state value → the dtype of the forward passes seen (``0``: none yet).
-_EPS_DTYPES = {float(torch.finfo(t).eps): t for t in (torch.float32, torch.float64)}
+_EPS_DTYPES = {float(torch.finfo(t).eps): t for t in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 
 
 class TangentStatistics(StreamingStatistic):
@@ -68,7 +68,8 @@ class TangentStatistics(StreamingStatistic):
 
     State fields (:class:`~depthsat_theory.statistics.protocol.StreamingStatistic`):
     ``n``, ``units``, ``g_sq``, ``z_sq`` (sums), ``g_max`` and ``forward_eps`` (maxima:
-    the machine epsilon of the coarsest forward dtype seen, so float32 wins over float64),
+    the machine epsilon of the coarsest dtype of the site tensors seen, so float16 wins over
+    float32 and float32 over float64; bfloat16 is coarsest),
     and the child ``ties`` (:class:`~depthsat_theory.statistics.protocol.TiePool`).
     """
 
@@ -174,9 +175,9 @@ class TangentStatistics(StreamingStatistic):
             raise StatisticsError(
                 f"site tensors have per-example shape {tuple(z.shape[1:])}, the statistics were set up for {self.shape}"
             )
-        dt = z.dtype if z.dtype in (torch.float32, torch.float64) else torch.float32
         st = self.states
-        st["forward_eps"] = torch.clamp_min(st["forward_eps"], torch.finfo(dt).eps)
+        coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
+        st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
         g64 = g.detach().to(torch.float64)
         per_ex = g64.flatten(1).pow(2).sum(1)
         if bool((per_ex == 0).any()) and bool((g64.flatten(1)[per_ex == 0] != 0).any()):
@@ -234,14 +235,35 @@ class TangentStatistics(StreamingStatistic):
             )
 
     def _finish(
-        self, score2: float, b: np.ndarray, rank: int, p: int, cutoff: float, rtol: float, tol: float | None
+        self,
+        spec: Spectrum,
+        score2: float,
+        b: np.ndarray,
+        p: int,
+        tol: float | None,
+        *,
+        rank: int | None = None,
+        q_trace: float = math.nan,
+        alpha: float = NOISE_ALPHA,
     ) -> SaturationResult:
-        if self.n == 0:
-            raise StatisticsError("no examples were accumulated: the probe is empty")
+        """Assemble the :class:`SaturationResult` (theory/numerics.md: error bound and noise test).
+
+        Args:
+            spec: the resolved spectrum of the unit-diagonal Gram.
+            score2: ``ŝ² = tr(G Σ⁻ Gᵀ)`` (or ``bᵀ K⁻ b``).
+            b: the gradient ``b``.
+            p: number of tangent coordinates.
+            tol: an explicit saturation threshold (default: the rounding bound).
+            rank: the tangent rank (default ``spec.rank``).
+            q_trace: ``v̂ = tr(Σ⁻ E[XᵀX])`` of the noise test (``nan``: not streamed).
+            alpha: level of the noise test.
+        """
+        self._require_examples()
         dtype = self.dtype or torch.float64
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
-        tol = default_tol(dtype, ag_rms) if tol is None else float(tol)
+        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, units=self.units)
+        tol = err if tol is None else float(tol)
         raw = rho = float("nan")
         if self.pool_ties:
             r2, defect2 = self._pooled_quantities()
@@ -252,26 +274,45 @@ class TangentStatistics(StreamingStatistic):
                 raw = ag_rms
             if raw > 0:
                 rho = math.sqrt(defect2) / raw
-        degenerate = rank == 0
-        return SaturationResult(
+        # s ≤ r̂ ≤ AG_rms holds exactly on the probe (Π is a contraction; Jensen on tie classes):
+        # rounding past these bounds moves ŝ away from the truth, so it is clipped back
+        score = min(score, ag_rms, raw) if raw == raw else min(score, ag_rms)
+        rank = spec.rank if rank is None else int(rank)
+        n = self.n
+        noise = dict(noise_variance=q_trace, alpha=float(alpha), noise_threshold=noise_threshold(alpha))
+        if math.isfinite(q_trace) and q_trace > 0 and n >= 2:
+            s2u = (n * score * score - q_trace) / (n - 1)
+            noise.update(
+                noise_ratio=n * score * score / q_trace,
+                score_squared_unbiased=s2u,
+                score_squared_se=math.sqrt(4 * q_trace * max(s2u, 0.0) / n + 2 * q_trace**2 / (n * (n - 1))),
+            )
+        elif q_trace == 0 or n < 2:  # g = 0 on every example, or one example: no noise to test
+            noise.update(noise_ratio=math.inf if score > 0 and n >= 2 else 0.0)
+        res = SaturationResult(
             score=score,
             raw_score=raw,
             ag_rms=ag_rms,
             ag_max=self.g_max,
             realizability_defect=rho,
             relative_score=score / ag_rms if ag_rms > 0 else float("nan"),
-            activation_scaled_score=score * math.sqrt(self.z_sq / self.n),
-            tangent_rank=int(rank),
+            activation_scaled_score=score * math.sqrt(self.z_sq / n),
+            tangent_rank=rank,
             tangent_dim=int(p),
-            degenerate=degenerate,
-            saturated=(not degenerate) and score <= tol,
+            degenerate=rank == 0,
+            saturated=False,
             tol=tol,
-            cutoff=float(cutoff),
-            rtol=float(rtol),
-            n=self.n,
+            cutoff=float(spec.cutoff),
+            rtol=float(spec.rtol),
+            n=n,
             units=self.units,
             family=self.family.spec,
             unit=self.family.unit,
             dtype=str(dtype).replace("torch.", ""),
             gradient=b,
+            score_error=err,
+            unresolved=spec.unresolved,
+            **noise,
         )
+        res.saturated = res.verdict is Verdict.SATURATED
+        return res

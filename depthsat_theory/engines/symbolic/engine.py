@@ -478,6 +478,11 @@ class SymbolicSaturation:
         return np.array(self.tangent_gram.evalf(17).tolist(), dtype=np.float64).reshape(self.tangent_gram.shape)
 
     @property
+    def probe_verdict(self) -> Verdict:
+        """The verdict on this measure itself: equal to :attr:`verdict` (no sampling to test)."""
+        return self.verdict
+
+    @property
     def verdict(self) -> Verdict:
         """:attr:`Verdict.DEGENERATE`, :attr:`Verdict.SATURATED` (``s = 0`` exactly) or :attr:`Verdict.IMPROVABLE`."""
         if self.degenerate:
