@@ -1,4 +1,4 @@
-"""Machine checks of every labelled claim in ``theory/`` (T1–T7).
+"""Machine checks of every labelled claim in ``theory/`` (T1–T7 and the numerics page).
 
 One module per claim; each registers checks with :func:`proofs_checks._registry.check`.
 Run them with ``python -m proofs_checks`` or ``depthsat proofs`` (both call :func:`run_and_report`
@@ -17,6 +17,7 @@ MODULES = (
     "t5_zero_output",
     "t6_realizability",
     "t7_finite_sample",
+    "t8_numerics",
 )
 
 __all__ = [

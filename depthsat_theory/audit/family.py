@@ -309,9 +309,7 @@ def _notes(fam: ResidualFamily, res: SaturationResult, rank_check: int | None, c
 
 
 def _verdict(res: SaturationResult) -> Verdict:
-    if res.tangent_rank == 0:
-        return Verdict.DEGENERATE
-    return Verdict.SATURATED if res.saturated else Verdict.IMPROVABLE
+    return res.verdict  # the four outcomes of theory/numerics.md
 
 
 def _zero_columns(stats: Any, counted: int) -> int:

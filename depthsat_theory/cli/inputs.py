@@ -69,8 +69,8 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _native_float(name: str, arr: np.ndarray) -> np.ndarray:
-    if arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
-        raise UserError(f"array {name} has dtype {arr.dtype}; expected float32 or float64")
+    if arr.dtype.kind != "f" or arr.dtype.itemsize not in (2, 4, 8):
+        raise UserError(f"array {name} has dtype {arr.dtype}; expected float16, float32 or float64")
     return arr.astype(arr.dtype.newbyteorder("="), copy=False)
 
 
@@ -78,7 +78,7 @@ def load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Read a probe: an ``.npz`` archive with float arrays ``z`` and ``g``, each ``(n, d)``.
 
     Returns:
-        ``(z, g)`` in native byte order, float32 or float64 as stored.
+        ``(z, g)`` in native byte order, float16, float32 or float64 as stored (the rounding bound uses that dtype).
 
     Raises:
         UserError: a missing/unreadable file, missing arrays, a non-float dtype,

@@ -47,29 +47,30 @@ class SiteDiagnosis:
 
     @property
     def verdict(self) -> str:
-        """``degenerate``, ``saturated (rounding)``, the interval's certificate, or ``improvable``."""
-        if self.result.degenerate:
+        """``degenerate``, ``saturated (rounding)``, ``undetermined: …``, the interval's certificate, or ``improvable``."""
+        v = self.result.verdict
+        if v is Verdict.DEGENERATE:
             return "degenerate (T = {0})"
-        if self.result.saturated:
+        if v is Verdict.SATURATED:
             return "saturated (within rounding)"
         if self.interval is not None:
             return self.interval.certificate
-        return "s > 0 (improvable on the probe)"
+        if v is Verdict.UNDETERMINED:
+            return f"undetermined: {self.result.verdict_reason}"
+        return "improvable"
 
     @property
     def verdict_kind(self) -> Verdict:
         """:attr:`verdict` in the shared vocabulary (:class:`~depthsat_theory.vocabulary.Verdict`).
 
-        ``DEGENERATE`` for ``T = {0}``; ``SATURATED`` within rounding or when certified
-        ε-saturated; ``IMPROVABLE`` when ``s > tol`` without an interval or when certified
-        improvable; ``UNDETERMINED`` when an interval certifies neither.
+        The result's four-outcome verdict (theory/numerics.md) without an interval; with one,
+        ``DEGENERATE``/``SATURATED`` as the result says, else the certificate: ``IMPROVABLE``
+        when certified improvable, ``SATURATED`` when certified ε-saturated, ``UNDETERMINED``
+        when it certifies neither.
         """
-        if self.result.degenerate:
-            return Verdict.DEGENERATE
-        if self.result.saturated:
-            return Verdict.SATURATED
-        if self.interval is None:
-            return Verdict.IMPROVABLE
+        v = self.result.verdict
+        if v in (Verdict.DEGENERATE, Verdict.SATURATED) or self.interval is None:
+            return v
         return _CERTIFICATES.get(self.interval.certificate, Verdict.UNDETERMINED)
 
     def to_dict(self) -> dict:
@@ -157,7 +158,7 @@ class Diagnosis:
             title=f"depthsat diagnose: {self.description or 'model'}, family {self.family}, "
             f"n = {self.n}, J = {self.loss:.4g} ({self.loss_units})"
         )
-        cols = ["#", "site", "shape", "s", "s/AG_rms", "AG_rms", "AG_max", "rank/p"]
+        cols = ["#", "site", "shape", "s", "± rounding", "s/AG_rms", "AG_rms", "AG_max", "rank/p"]
         if self.realizability:
             cols += ["r̂", "ρ̂"]
         if self.delta is not None:
@@ -172,6 +173,7 @@ class Diagnosis:
                 sd.site,
                 "×".join(map(str, sd.shape)),
                 _g(r.score),
+                _g(r.score_error),
                 _g(r.relative_score),
                 _g(r.ag_rms),
                 _g(r.ag_max),
@@ -182,7 +184,7 @@ class Diagnosis:
             if self.delta is not None:
                 iv = sd.interval
                 row += ["—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"]
-            row += [_SHORT.get(sd.verdict, sd.verdict)]
+            row += [_SHORT.get(sd.verdict, "undetermined" if sd.verdict.startswith("undetermined") else sd.verdict)]
             t.add_row(*row)
         return t
 
@@ -250,7 +252,7 @@ _SHORT = {
     "not certified": "not certified",
     "degenerate (T = {0})": "degenerate",
     "saturated (within rounding)": "saturated",
-    "s > 0 (improvable on the probe)": "s > 0",
+    "improvable": "improvable",
 }
 
 
