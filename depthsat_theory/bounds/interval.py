@@ -276,7 +276,6 @@ def interval_from_moments(
         dim=dim,
         probe=probe,
     )
-    big_l = const["leverage_max"].value
     r = const["whitened_max"].value
     s_hat = math.sqrt(est.s2)
     notes: list[str] = []

@@ -85,7 +85,7 @@ def bernstein_mean_upper(mean: float, bound_sq: float, n: int, u: float) -> floa
     return min(root * root, bound_sq)
 
 
-# ----------------------------------------------------------------------------- empirical Bernstein (thm-empirical-bernstein)
+# ------------------------------------------------ empirical Bernstein (thm-empirical-bernstein)
 def matrix_deviations(n: int, sigma2: float, big_l: float, u2: float) -> tuple[float, float]:
     """``(Δ_n^−, Δ_n^+)`` of ``thm-empirical-bernstein`` for a matrix variance bound ``σ²``.
 
