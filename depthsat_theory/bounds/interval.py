@@ -388,9 +388,7 @@ def _variance(const: dict[str, Constant], est: Estimate, devs: tuple[float, floa
     return r * r
 
 
-def _ends(
-    s_hat: float, devs: tuple[float, float], eps_n: float, const: dict[str, Constant], n: int, notes: list[str]
-):
+def _ends(s_hat: float, devs: tuple[float, float], eps_n: float, const: dict[str, Constant], n: int, notes: list[str]):
     """``(lower, upper)`` for ``s_λ``: ``[0, γ]`` when vacuous, capped at a non-probe ``γ``."""
     gam = const["grad_max"].value
     dev_lo, dev_hi = devs
