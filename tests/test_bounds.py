@@ -10,11 +10,11 @@ exact score.
 from __future__ import annotations
 
 import itertools
-from fractions import Fraction
 import json
 import math
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -836,7 +836,9 @@ def test_psi_sq_matches_direct_numpy():
     assert math.isnan(estimate(ProbeMoments.from_arrays(phi, g, w, keep=False), 0.0).psi_sq)
 
 
-@pytest.mark.parametrize("sig_hat2,big_l,n", [(2.0, 8.0, 500), (5.0, 40.0, 100000), (1.0, 3.0, 10**6), (30.0, 40.0, 60)])
+@pytest.mark.parametrize(
+    "sig_hat2,big_l,n", [(2.0, 8.0, 500), (5.0, 40.0, 100000), (1.0, 3.0, 10**6), (30.0, 40.0, 60)]
+)
 def test_matrix_variance_upper_is_the_largest_consistent_value(sig_hat2, big_l, n):
     """σ̄² is the sup of {x ≤ L : √x ≤ c/2 + √(c²/4 + e_0 + σ̂²(1 + Δ^+(x))²)}, found by a dense scan."""
     from depthsat_theory.bounds.terms import matrix_variance_upper
