@@ -811,8 +811,8 @@ def empirical_bernstein(ctx: Context) -> Outcome:
     for pop in populations(ctx):
         dim = float(pop.phi.shape[1]) if pop.ridge > 0 else float(min(pop.phi.shape[1], max(1, math.floor(pop.lev))))
         u_wc, u_eb = math.log(2 * dim / (DELTA / 3)), math.log(2 * dim / (DELTA / 4))
-        n_wc = _nonvacuous_n(lambda n: relative_deviation(n, pop.lev, u_wc))
-        n_eb = _nonvacuous_n(lambda n: matrix_deviations(n, pop.lev, pop.lev, u_eb)[0])  # σ̄² ≤ L
+        n_wc = _nonvacuous_n(lambda n, lev=pop.lev, u=u_wc: relative_deviation(n, lev, u))
+        n_eb = _nonvacuous_n(lambda n, lev=pop.lev, u=u_eb: matrix_deviations(n, lev, lev, u)[0])  # σ̄² ≤ L
         first = True
         for n in _sizes(ctx, pop):
             counts = pop.draw(rng, n, reps)
