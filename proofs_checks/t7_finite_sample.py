@@ -58,6 +58,7 @@ import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -819,7 +820,7 @@ def empirical_bernstein(ctx: Context) -> Outcome:
             cover, d_wc, d_eb, sig = 0, [], [], []
             for r in range(reps):
                 m = ProbeMoments.from_arrays(pop.phi, pop.g, counts[r])
-                kw = dict(ridge=pop.ridge, grad_max=pop.gamma, leverage_max=pop.lev)
+                kw: dict[str, Any] = dict(ridge=pop.ridge, grad_max=pop.gamma, leverage_max=pop.lev)
                 eb = interval_from_moments(m, DELTA, matrix_bound="empirical-bernstein", **kw)
                 d_wc.append(interval_from_moments(m, DELTA, **kw).relative_deviation)
                 d_eb.append(eb.relative_deviation)
