@@ -56,13 +56,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from scipy.optimize import brentq
 
 from depthsat_theory.bounds import (
+    BoundError,
     ProbeMoments,
     SequentialCertifier,
     ag_rms_upper,
@@ -105,13 +108,18 @@ class Population:
     eps_sat: float = 0.0
     whitening: np.ndarray | None = field(default=None, repr=False)
 
+    library_gap: float = 0.0
+
     def __post_init__(self):
+        # the exact constants come from an independent dense computation (no library code)
+        self.s, self.gamma, self.lev, self.v = exact_population(self.phi, self.g, self.ridge)
         full = ProbeMoments.from_arrays(self.phi, self.g)
-        est = estimate(full, self.ridge)  # rows kept: exact population maximum of the leverage
-        self.s = math.sqrt(est.s2)
-        self.gamma = full.g_max
-        self.lev = est.lev_max
-        self.v = est.v_hat  # E‖G_x Σ_λ^{+1/2}‖² with the population whitening
+        est = estimate(full, self.ridge)  # the library's view, kept only as a cross-check
+        self.library_gap = max(
+            abs(math.sqrt(est.s2) - self.s) / max(math.sqrt(full.g_sq), 1e-300),  # s ≤ AG_rms
+            abs(est.lev_max - self.lev) / self.lev,
+            abs(est.v_hat - self.v) / max(self.v, 1e-300),
+        )
         self.ag_rms = math.sqrt(full.g_sq)
         self.whitening = est.inv
         # saturation target: a "certified ε-saturated" verdict is wrong exactly when s > ε
@@ -166,6 +174,30 @@ class Population:
             Multinomial counts, an int array of shape ``(reps, N)`` whose rows sum to ``n``.
         """
         return rng.multinomial(n, np.full(self.N, 1.0 / self.N), size=reps)
+
+
+def exact_population(phi: np.ndarray, g: np.ndarray, ridge: float) -> tuple[float, float, float, float]:
+    """``(s_λ, γ, L, v)`` of the uniform law on the rows, by dense numpy (shares no library code).
+
+    ``λ = 0``: ``s² = ‖P g‖²/N`` with the least-squares projection ``P`` onto the columns of
+    ``φ̃`` (``numpy.linalg.lstsq``) and the leverages ``ℓ_i = N ‖U_i‖²`` from the SVD of
+    ``φ̃``; ``λ > 0``: ``s_λ² = tr(G (Σ + λI)⁻¹ Gᵀ)`` and ``ℓ_i = φ̃_iᵀ (Σ + λI)⁻¹ φ̃_i`` with
+    ``numpy.linalg.solve``.  ``v = mean ‖g_i‖² ℓ_i`` (one unit per example).
+    """
+    n_pop = phi.shape[0]
+    if ridge == 0:
+        coef = np.linalg.lstsq(phi, g, rcond=None)[0]
+        s2 = float(np.sum((phi @ coef) ** 2)) / n_pop
+        u, sv, _ = np.linalg.svd(phi, full_matrices=False)
+        keep = sv > sv.max() * max(phi.shape) * np.finfo(np.float64).eps
+        lev = n_pop * np.sum(u[:, keep] ** 2, axis=1)
+    else:
+        a = phi.T @ phi / n_pop + ridge * np.eye(phi.shape[1])
+        big_g = g.T @ phi / n_pop
+        s2 = float(np.trace(big_g @ np.linalg.solve(a, big_g.T)))
+        lev = np.sum(phi * np.linalg.solve(a, phi.T).T, axis=1)
+    gsq = np.sum(g * g, axis=1)
+    return math.sqrt(max(s2, 0.0)), float(np.sqrt(gsq.max())), float(lev.max()), float(np.mean(gsq * lev))
 
 
 _CACHE: dict = {}
@@ -246,6 +278,7 @@ def coverage(ctx: Context) -> Outcome:
     floor = _allowed(reps)
     slopes = []
     for pop in populations(ctx):
+        bad += pop.library_gap > 1e-6  # the library's population estimate against the dense one
         design = pop.design()
         qerr, sizes, first = [], _sizes(ctx, pop), True
         pop_rows = []
@@ -617,4 +650,217 @@ def assumptions_converse(ctx: Context) -> Outcome:
         counterexamples=len(results) - failed_as_expected + (0 if covered_with_truth else 1),
         converse=conv,
         detail=f"n = {n} probes from populations of {n_pop} with {rare} rare examples",
+    )
+
+
+# ============================================================================ event level
+def _two_point(p: Fraction, amp: Fraction, c: Fraction, b: Fraction) -> dict:
+    """Exact (Fraction) constants of the law φ = 1, g = c w.p. 1 − p; φ = A, g = b w.p. p (k = d = 1)."""
+    sig = (1 - p) + p * amp * amp
+    big_g = (1 - p) * c + p * amp * b
+    return {
+        "sigma": sig,
+        "s2": big_g * big_g / sig,
+        "lev": max(Fraction(1), amp * amp) / sig,
+        "v": ((1 - p) * c * c + p * amp * amp * b * b) / sig,
+        "psi2": ((1 - p) + p * amp**4) / (sig * sig),  # σ² = E Ψ² (Ψ_x = φ²/Σ is a scalar)
+        "gamma": max(abs(c), abs(b)),
+    }
+
+
+def _event_law(law: tuple, n: int, method: str) -> tuple[dict, int]:
+    """Exact failure probabilities of each event and violations of each deterministic step.
+
+    A probe from the two-point law is summarized by ``K ~ Bin(n, p)`` rare draws, so every
+    probability is a finite sum; ``K`` with ``P(K) < 1e-16`` are charged to every event
+    (their total mass is added to each failure probability).
+    """
+    from scipy.stats import binom
+
+    p, amp, c, b = law
+    ex = _two_point(p, amp, c, b)
+    big_l, v, sig2 = float(ex["lev"]), float(ex["v"]), float(ex["psi2"])
+    s = math.sqrt(float(ex["s2"]))
+    root = math.sqrt(float(ex["sigma"]))
+    r_w = float(ex["gamma"]) * math.sqrt(big_l)
+    parts = 3 if method == "worst-case" else 4
+    u1, u2, u4 = math.log(2 * parts / DELTA), math.log(2 * parts / DELTA), math.log(parts / DELTA)
+    if method == "worst-case":
+        dlo = dhi = math.sqrt(2 * max(big_l, 1) * u2 / n) + 2 * max(big_l, 1) * u2 / (3 * n)
+    else:  # the one-sided deviations at the true σ² (the events are stated with it)
+        dlo = math.sqrt(2 * sig2 * u2 / n) + 2 * u2 / (3 * n)
+        dhi = math.sqrt(2 * sig2 * u2 / n) + 2 * big_l * u2 / (3 * n)
+    e1_half = math.sqrt(2 * v * u1 / n) + 2 * r_w * u1 / n
+    ks = np.arange(n + 1)
+    pmf = binom.pmf(ks, n, float(p))
+    live = pmf >= 1e-16
+    tail = float(pmf[~live].sum())
+    fail = {"E1": tail, "E2": tail, "E4": tail, "miss": tail}
+    viol = 0
+    a, gb = float(amp), float(b)
+    mu = ((1 - float(p)) * float(c) + float(p) * a * gb) / root
+    for k in ks[live]:
+        pk = float(pmf[k])
+        xi = ((n - k) * float(c) + k * a * gb) / (n * root)
+        psi = ((n - k) + k * a * a) / (n * float(ex["sigma"]))
+        zbar = ((n - k) + k * a**4) / (n * float(ex["sigma"]) ** 2)
+        e1 = abs(xi - mu) <= e1_half
+        e2 = -dlo <= psi - 1 <= dhi
+        e4 = sig2 - zbar <= big_l * math.sqrt(2 * sig2 * u4 / n) + 2 * big_l**2 * u4 / (3 * n)
+        fail["E1"] += pk * (not e1)
+        fail["E2"] += pk * (not e2)
+        fail["E4"] += pk * (not e4) * (method != "worst-case")
+        m = ProbeMoments.from_arrays(np.array([[1.0], [a]]), np.array([[float(c)], [gb]]), np.array([n - k, k], float))
+        try:
+            it = interval_from_moments(
+                m, DELTA, grad_max=float(ex["gamma"]), leverage_max=big_l, dim=1, matrix_bound=method
+            )
+        except BoundError:  # the probe's leverage contradicts L: allowed only off the matrix event
+            viol += e2
+            fail["miss"] += pk
+            continue
+        fail["miss"] += pk * (not it.score_lower <= s <= it.score_upper)
+        if not (e1 and e2 and (e4 or method == "worst-case")):
+            continue
+        # the deterministic steps, given the events (with the interval's own ε_n, Δ)
+        s_hat = abs(xi) / math.sqrt(psi)
+        dev, eps = it.relative_deviation, it.epsilon_n
+        slack = 1e-9 * max(1.0, s)
+        viol += not (abs(abs(xi) - s) <= eps + slack)  # step 2 with V̄ ≥ v (step 5)
+        viol += not (abs(s_hat - it.score) <= 1e-9 * max(1.0, s_hat))  # (1): ŝ = |ξ̄|/√Ψ̄
+        viol += not (it.score_lower - slack <= s <= it.score_upper + slack)
+        if dev < 1:
+            viol += not (abs(s_hat - s) <= (eps + dev * s) / math.sqrt(1 - dev) + slack)
+        if method != "worst-case":
+            viol += not (sig2 <= it.constants["matrix_variance"].value * (1 + 1e-9))  # step D
+            viol += not (zbar <= (1 + dhi) ** 2 * m_psi(m) * (1 + 1e-9))  # step C
+    return fail, viol
+
+
+def m_psi(m: ProbeMoments) -> float:
+    """The probe's σ̂² (library) for step C."""
+    return estimate(m, 0.0).psi_sq
+
+
+@check("T7", ["thm-finite-sample", "thm-empirical-bernstein"], "t7-events", "numeric")
+def events(ctx: Context) -> Outcome:
+    """Each event of the proofs, and each deterministic step given them, on two-point laws (exact sums)."""
+    laws = [
+        (Fraction(1, 2), Fraction(3), Fraction(1), Fraction(-1)),
+        (Fraction(1, 20), Fraction(4), Fraction(1), Fraction(0)),
+        (Fraction(1, 200), Fraction(12), Fraction(1, 2), Fraction(-3)),
+        (Fraction(1, 1000), Fraction(30), Fraction(1), Fraction(0)),  # the rare large feature
+    ]
+    sizes = (60, 400, 3000) if ctx.quick else (60, 400, 3000, 20000)
+    rows, bad, inst = [], 0, 0
+    share = {"worst-case": DELTA / 3, "empirical-bernstein": DELTA / 4}
+    for law in laws:
+        for n in sizes:
+            for method in ("worst-case", "empirical-bernstein"):
+                fail, viol = _event_law(law, n, method)
+                inst += 1
+                over = [e for e in ("E1", "E2", "E4") if fail[e] > share[method] * (1 + 1e-9)]
+                bad += viol + len(over) + (fail["miss"] > DELTA)
+                rows.append(
+                    [
+                        f"p={law[0]}, A={law[1]}, c={law[2]}, b={law[3]}",
+                        n,
+                        method,
+                        f"{fail['E1'] / share[method]:.3f}",
+                        f"{fail['E2'] / share[method]:.3f}",
+                        f"{fail['E4'] / share[method]:.3f}" if method != "worst-case" else "-",
+                        f"{fail['miss']:.2g}",
+                        viol,
+                    ]
+                )
+    cols = ["law", "n", "matrix step", "P(not E1)/δ_i", "P(not E2)/δ_i", "P(not E4)/δ_i", "P(miss)", "step violations"]
+    title = (
+        "event-level check on two-point laws (probes summarized by K ~ Bin(n, p); exact sums): each "
+        f"event fails with probability ≤ its share δ_i of δ = {DELTA}, and given the events every "
+        "deterministic step holds"
+    )
+    return Outcome(
+        instances=inst,
+        counterexamples=int(bad),
+        detail=f"{inst} (law, n, step) cells; exact population constants in Fraction arithmetic",
+        table=(title, cols, rows),
+    )
+
+
+# ============================================================================ empirical Bernstein vs worst case
+def _nonvacuous_n(dev_of_n) -> int:
+    """Smallest n with ``dev_of_n(n) < 1`` (the deviation decreases in n)."""
+    hi = 1
+    while dev_of_n(hi) >= 1:
+        hi *= 2
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if dev_of_n(mid) < 1 else (mid, hi)
+    return hi
+
+
+@check("T7", ["thm-empirical-bernstein"], "t7-empirical-bernstein", "coverage")
+def empirical_bernstein(ctx: Context) -> Outcome:
+    """Δ and the smallest non-vacuous n, worst-case vs empirical-Bernstein step; coverage of the latter."""
+    from depthsat_theory.bounds.terms import matrix_deviations, relative_deviation
+
+    reps = ctx.count(60, 12)
+    rng = ctx.rng("t7-eb")
+    floor = _allowed(reps)
+    rows, bad, cells = [], 0, 0
+    for pop in populations(ctx):
+        dim = float(pop.phi.shape[1]) if pop.ridge > 0 else float(min(pop.phi.shape[1], max(1, math.floor(pop.lev))))
+        u_wc, u_eb = math.log(2 * dim / (DELTA / 3)), math.log(2 * dim / (DELTA / 4))
+        n_wc = _nonvacuous_n(lambda n, lev=pop.lev, u=u_wc: relative_deviation(n, lev, u))
+        n_eb = _nonvacuous_n(lambda n, lev=pop.lev, u=u_eb: matrix_deviations(n, lev, lev, u)[0])  # σ̄² ≤ L
+        first = True
+        for n in _sizes(ctx, pop):
+            counts = pop.draw(rng, n, reps)
+            cover, d_wc, d_eb, sig = 0, [], [], []
+            for r in range(reps):
+                m = ProbeMoments.from_arrays(pop.phi, pop.g, counts[r])
+                kw: dict[str, Any] = dict(ridge=pop.ridge, grad_max=pop.gamma, leverage_max=pop.lev)
+                eb = interval_from_moments(m, DELTA, matrix_bound="empirical-bernstein", **kw)
+                d_wc.append(interval_from_moments(m, DELTA, **kw).relative_deviation)
+                d_eb.append(eb.relative_deviation)
+                sig.append(eb.constants["matrix_variance"].value)
+                cover += eb.score_lower <= pop.s <= eb.score_upper
+            cov = cover / reps
+            cells += 1
+            bad += cov < floor
+            rows.append(
+                [
+                    pop.name if first else "",
+                    _fmt(pop.lev) if first else "",
+                    f"{n_wc} / {n_eb}" if first else "",
+                    n,
+                    _fmt(float(np.median(sig))),
+                    _fmt(float(np.median(d_wc))),
+                    _fmt(float(np.median(d_eb))),
+                    _fmt(float(np.median(d_wc)) / float(np.median(d_eb))),
+                    _fmt(cov),
+                ]
+            )
+            first = False
+    cols = [
+        "population",
+        "L",
+        "non-vacuous n: worst-case / EB",
+        "n",
+        "median σ̄²",
+        "median Δ worst-case",
+        "median Δ EB (max of ∓)",
+        "ratio",
+        "EB coverage",
+    ]
+    title = (
+        f"empirical-Bernstein matrix step (thm-empirical-bernstein) vs worst case, δ = {DELTA}; a cell "
+        f"fails only if the EB coverage < {floor:.3f}; the EB non-vacuous n is for σ̄² = L (its largest value)"
+    )
+    return Outcome(
+        instances=cells,
+        counterexamples=int(bad),
+        detail=f"{cells} cells × {reps} probes (rows kept: σ̂² needs them)",
+        table=(title, cols, rows),
     )

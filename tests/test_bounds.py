@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -745,3 +746,141 @@ def test_degenerate_family_gets_the_degenerate_verdict():
     it = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=1.0, dim=1)
     assert it.certificate is Verdict.DEGENERATE
     assert it.to_dict()["certificate"] == "degenerate"
+
+
+# ----------------------------------------------------------------------------- pinned constants (issue 10)
+def _uniform_probe(phi, g, n, seed):
+    w = np.random.default_rng(seed).multinomial(n, np.full(phi.shape[0], 1 / phi.shape[0]))
+    return ProbeMoments.from_arrays(phi, g, w)
+
+
+def test_worst_case_delta_uses_max_of_l_and_1():
+    """With a ridge, L < 1 is allowed, but Δ_n's range term is L_1 = max(L, 1) (‖Y_i‖ ≤ max(L, 1))."""
+    phi, g = _population(signal=0.5)
+    phi = 0.1 * phi
+    m = _uniform_probe(phi, g, 4000, 1)
+    assert estimate(m, 0.5).lev_max < 0.35  # below L = 0.4 < 1
+    gam = float(np.linalg.norm(g, axis=1).max())
+    n, delta = 4000, Fraction(1, 10)
+    it = interval_from_moments(m, float(delta), ridge=0.5, grad_max=gam, leverage_max=0.4, dim=3)
+    u2 = math.log(2 * 3 / float(delta / 3))  # δ split in three (V from the probe)
+    expected = math.sqrt(2 * 1 * u2 / n) + 2 * 1 * u2 / (3 * n)  # L_1 = 1, not L = 0.4
+    assert it.relative_deviation == pytest.approx(expected, rel=1e-12)
+    assert it.relative_deviation > math.sqrt(2 * 0.4 * u2 / n) + 2 * 0.4 * u2 / (3 * n) + 1e-6
+    assert it.matrix_bound == "worst-case"
+    plan = plan_bound(delta=0.1, n=n, ridge=0.5, grad_max=gam, leverage_max=0.4, dim=3, variance=1.0)
+    u2p = math.log(2 * 3 / 0.05)
+    assert plan.relative_deviation == pytest.approx(math.sqrt(2 * u2p / n) + 2 * u2p / (3 * n), rel=1e-12)
+
+
+def _vbar(v_hat, dev, r, n, u3):
+    """V̄ = min(R², ((c + √(c² + 4e))/2)²), c = √(2R²u_3/n), e = (1 + Δ) v̂ + 2R²u_3/(3n)."""
+    c = math.sqrt(2 * r * r * u3 / n)
+    e = (1 + dev) * v_hat + 2 * r * r * u3 / (3 * n)
+    return min(r * r, (0.5 * (c + math.sqrt(c * c + 4 * e))) ** 2)
+
+
+@pytest.mark.parametrize("method", ["worst-case", "empirical-bernstein"])
+def test_variance_plugin_carries_its_one_plus_delta_factor(method):
+    """ε_n with V̄ from the probe: the plug-in v̂ is inflated by (1 + Δ^+) (step 5)."""
+    phi, g = _population(signal=0.5)
+    n, delta = 20000, 0.1
+    m = _uniform_probe(phi, g, n, 2)
+    _, gam, big_l, _, _ = _exact(phi, g)
+    it = interval_from_moments(m, delta, grad_max=gam, leverage_max=big_l, matrix_bound=method)
+    # v̂ by direct numpy: mean over the probe of ‖g‖² φ̃ᵀ Σ̂⁺ φ̃
+    w = np.random.default_rng(2).multinomial(n, np.full(phi.shape[0], 1 / phi.shape[0]))
+    sp = np.linalg.pinv((phi * w[:, None]).T @ phi / n)
+    v_hat = float(np.sum(w * (g**2).sum(1) * np.einsum("ik,kl,il->i", phi, sp, phi)) / n)
+    r = gam * math.sqrt(big_l)
+    parts = 3 if method == "worst-case" else 4
+    u1, u3 = math.log(2 * parts / delta), math.log(parts / delta)
+    var = _vbar(v_hat, it.relative_deviation_upper, r, n, u3)
+    assert var < r * r  # not capped: the (1 + Δ) factor matters
+    assert it.constants["variance"].value == pytest.approx(var, rel=1e-9)
+    assert it.epsilon_n == pytest.approx(math.sqrt(2 * var * u1 / n) + 2 * r * u1 / n, rel=1e-9)
+    assert _vbar(v_hat, 0.0, r, n, u3) < var * (1 - 1e-4)  # dropping the factor would be visible
+
+
+def test_plug_in_upper_end_is_not_capped_at_the_probe_gamma():
+    """A probe's AG_max is only a lower bound of γ: the plug-in upper end may exceed it."""
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(200, 2))
+    phi = np.hstack([z, np.ones((200, 1))])
+    g = np.ones((200, 1)) + 0.01 * rng.normal(size=(200, 1))  # s ≈ ‖g‖ ≈ AG_max
+    m = _uniform_probe(phi, g, 800, 3)
+    it = interval_from_moments(m, 0.1)  # γ and L from the probe (plug-in)
+    assert not it.vacuous and it.constants["grad_max"].source == "probe"
+    raw = it.score * math.sqrt(1 + it.relative_deviation) + it.epsilon_n
+    assert raw > m.g_max * 1.01
+    assert it.score_upper == pytest.approx(raw, rel=1e-12)
+    # with the same γ given by the user the cap applies (s_λ ≤ AG_rms ≤ γ surely)
+    user = interval_from_moments(m, 0.1, grad_max=m.g_max, leverage_max=it.constants["leverage_max"].value)
+    assert user.score_upper == pytest.approx(m.g_max, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- empirical Bernstein
+def test_psi_sq_matches_direct_numpy():
+    """σ̂² = ‖(1/n) Σ_i Ψ̂_i²‖; for one unit per example Ψ̂_i² = ℓ̂_i â_i â_iᵀ, â_i = Σ̂^{+1/2} φ̃_i."""
+    phi, g = _population(signal=0.5)
+    w = np.random.default_rng(4).multinomial(700, np.full(phi.shape[0], 1 / phi.shape[0]))
+    est = estimate(ProbeMoments.from_arrays(phi, g, w), 0.0)
+    sig = (phi * w[:, None]).T @ phi / 700
+    lam, vec = np.linalg.eigh(sig)
+    half = vec @ np.diag(lam**-0.5) @ vec.T
+    a = phi @ half
+    lev = (a * a).sum(1)
+    top = np.linalg.eigvalsh((a * (w * lev)[:, None]).T @ a / 700).max()
+    assert est.psi_sq == pytest.approx(top, rel=1e-10)
+    assert 1.0 <= est.psi_sq <= lev[w > 0].max() * (1 + 1e-12)  # ‖E Ψ²‖ ≥ ‖E Ψ‖² = 1 and ≤ L
+    assert math.isnan(estimate(ProbeMoments.from_arrays(phi, g, w, keep=False), 0.0).psi_sq)
+
+
+@pytest.mark.parametrize(
+    "sig_hat2,big_l,n", [(2.0, 8.0, 500), (5.0, 40.0, 100000), (1.0, 3.0, 10**6), (30.0, 40.0, 60)]
+)
+def test_matrix_variance_upper_is_the_largest_consistent_value(sig_hat2, big_l, n):
+    """σ̄² is the sup of {x ≤ L : √x ≤ c/2 + √(c²/4 + e_0 + σ̂²(1 + Δ^+(x))²)}, found by a dense scan."""
+    from depthsat_theory.bounds.terms import matrix_variance_upper
+
+    u2, u4 = math.log(2 * 5 / 0.025), math.log(1 / 0.025)
+    c, e0 = big_l * math.sqrt(2 * u4 / n), 2 * big_l**2 * u4 / (3 * n)
+
+    def consistent(x):
+        dplus = math.sqrt(2 * x * u2 / n) + 2 * big_l * u2 / (3 * n)
+        return math.sqrt(x) <= c / 2 + math.sqrt(c * c / 4 + e0 + sig_hat2 * (1 + dplus) ** 2) + 1e-12
+
+    grid = np.linspace(0, big_l, 200001)
+    ok = [x for x in grid if consistent(x)]
+    got = matrix_variance_upper(sig_hat2, big_l, n, u2, u4)
+    assert got == pytest.approx(max(ok), abs=big_l * 1e-5)
+    assert consistent(got) and (got == big_l or not consistent(got * (1 + 1e-6)))
+
+
+def test_empirical_bernstein_interval_is_labelled_narrower_and_covers():
+    """On a population with a long leverage tail: Δ narrower at large n, coverage ≥ 1 − δ − 3SE."""
+    rng = np.random.default_rng(7)
+    n_pop = 300
+    z = rng.standard_t(3, size=(n_pop, 2))
+    phi = np.hstack([z, np.ones((n_pop, 1))])
+    g = np.clip(0.4 * np.tanh(z) + rng.normal(size=(n_pop, 2)), -3, 3)
+    s_true, gam, big_l, _, _ = _exact(phi, g)
+    delta, reps, n = 0.2, 60, 40000
+    floor = 1 - delta - 3 * math.sqrt(delta * (1 - delta) / reps)
+    hits = 0
+    for r in range(reps):
+        m = _uniform_probe(phi, g, n, 100 + r)
+        eb = interval_from_moments(m, delta, grad_max=gam, leverage_max=big_l, matrix_bound="empirical-bernstein")
+        hits += eb.score_lower <= s_true <= eb.score_upper
+    wc = interval_from_moments(m, delta, grad_max=gam, leverage_max=big_l)
+    assert hits / reps >= floor
+    assert eb.matrix_bound == "empirical-bernstein" and eb.constants["matrix_variance"].source == "probe"
+    assert any("empirical Bernstein" in x for x in eb.notes)
+    assert eb.relative_deviation < 0.8 * wc.relative_deviation
+    assert eb.relative_deviation_lower < eb.relative_deviation_upper
+    with pytest.raises(BoundError, match="matrix_bound"):
+        interval_from_moments(m, delta, matrix_bound="nope")
+    # without kept rows σ² falls back to the sure bound L, and says so
+    bare = ProbeMoments.from_arrays(phi, g, np.full(n_pop, 10), keep=False)
+    fb = interval_from_moments(bare, delta, grad_max=gam, leverage_max=big_l, matrix_bound="empirical-bernstein")
+    assert fb.constants["matrix_variance"].value == big_l and fb.constants["matrix_variance"].source == "derived"

@@ -31,10 +31,18 @@ from depthsat_theory.bounds.constants import (
     resolve_constants,
 )
 from depthsat_theory.bounds.moments import Estimate, ProbeMoments, estimate
-from depthsat_theory.bounds.terms import bernstein_mean_upper, epsilon_n, relative_deviation, split_delta
+from depthsat_theory.bounds.terms import (
+    bernstein_mean_upper,
+    epsilon_n,
+    matrix_deviations,
+    matrix_variance_upper,
+    relative_deviation,
+    split_delta,
+)
 from depthsat_theory.vocabulary import Certificate, Verdict
 
 __all__ = [
+    "MATRIX_BOUNDS",
     "ScoreInterval",
     "ag_rms_upper",
     "bootstrap_interval",
@@ -67,6 +75,11 @@ def ag_rms_upper(n: int, ag_rms: float, grad_max: float, delta: float) -> float:
     return math.sqrt(bernstein_mean_upper(rms * rms, gam * gam, n, math.log(1 / delta)))
 
 
+#: the matrix step of the interval: ``"worst-case"`` (``thm-finite-sample``, variance ``L_1``)
+#: or ``"empirical-bernstein"`` (``thm-empirical-bernstein``, variance ``σ̄²`` from the probe)
+MATRIX_BOUNDS = ("worst-case", "empirical-bernstein")
+
+
 @dataclass
 class ScoreInterval:
     """A confidence statement about the saturation score of one (site, family).
@@ -82,8 +95,14 @@ class ScoreInterval:
         n: probe size.
         ridge: ``λ``.
         epsilon_n: additive half-width ``ε_n`` (loss units per unit step).
-        relative_deviation: ``Δ_n`` (dimensionless), the bound on ``‖Ψ̄ − EΨ‖``.
-        vacuous: ``Δ_n ≥ 1`` (``n`` too small for the leverage bound).
+        relative_deviation: ``Δ_n`` (dimensionless), the bound on ``‖Ψ̄ − EΨ‖``
+            (``max(Δ_n^−, Δ_n^+)`` with the empirical-Bernstein step).
+        relative_deviation_lower, relative_deviation_upper: ``Δ_n^−``, ``Δ_n^+``, the
+            bounds on ``λ_max(EΨ − Ψ̄)`` and ``λ_max(Ψ̄ − EΨ)`` (both ``Δ_n`` with the
+            worst-case step).
+        matrix_bound: which matrix step was used (:data:`MATRIX_BOUNDS`): ``"worst-case"``
+            (``thm-finite-sample``) or ``"empirical-bernstein"`` (``thm-empirical-bernstein``).
+        vacuous: ``Δ_n^− ≥ 1`` (``n`` too small for the leverage bound).
         certificate: a :class:`~depthsat_theory.vocabulary.Certificate` (``"certified
             improvable"``, ``"certified ε-saturated"``, ``"not certified"``), or
             :attr:`~depthsat_theory.vocabulary.Verdict.DEGENERATE` when ``Σ̂ = 0``.
@@ -118,6 +137,9 @@ class ScoreInterval:
     ridge: float
     epsilon_n: float
     relative_deviation: float
+    relative_deviation_lower: float
+    relative_deviation_upper: float
+    matrix_bound: str
     vacuous: bool
     certificate: Certificate | Verdict
     saturation_epsilon: float | None
@@ -181,6 +203,7 @@ def interval_from_moments(
     bootstrap: int = 0,
     seed: int = 0,
     bootstrap_method: str = "ustat",
+    matrix_bound: str = "worst-case",
 ) -> ScoreInterval:
     """The ``(1 − δ)`` confidence interval for ``s_λ`` from a probe's moments (``thm-finite-sample``).
 
@@ -212,16 +235,23 @@ def interval_from_moments(
         bootstrap: number of bootstrap resamples (``0``: none); needs kept rows.
         seed: bootstrap seed.
         bootstrap_method: see :func:`bootstrap_interval` (default ``"ustat"``).
+        matrix_bound: the matrix step (:data:`MATRIX_BOUNDS`): ``"worst-case"`` (above) or
+            ``"empirical-bernstein"`` (``thm-empirical-bernstein``: ``δ`` split in four,
+            one-sided ``Δ_n^∓ = √(2σ̄²u_2/n) + 2{1, L}u_2/(3n)`` with ``σ̄²`` an upper
+            confidence bound on ``‖E Ψ_x²‖`` from the probe's ``σ̂²`` (needs kept rows and,
+            with ``ridge = 0``, ``rank Σ̂ = D``; otherwise ``σ̄² = L``)).
 
     Returns:
         A :class:`ScoreInterval`.
 
     Raises:
         BoundError: ``δ ∉ (0, 1)``, negative/NaN/missing constants, ``epsilon ≤ 0``,
-            ``candidates < 1``, or a bootstrap without kept rows; the message names the
-            Python arguments.
+            ``candidates < 1``, an unknown ``matrix_bound``, or a bootstrap without kept
+            rows; the message names the Python arguments.
     """
     delta = check_delta(delta)
+    if matrix_bound not in MATRIX_BOUNDS:
+        raise BoundError(f"{argument('matrix_bound')} must be one of {MATRIX_BOUNDS}, got {matrix_bound!r}")
     candidates = check_n(candidates, "candidates")
     eps_target = check_number("epsilon", epsilon, positive=True)
     nboot = int(check_number("bootstrap", bootstrap) or 0)
@@ -246,17 +276,15 @@ def interval_from_moments(
         dim=dim,
         probe=probe,
     )
-    big_l = const["leverage_max"].value
     r = const["whitened_max"].value
-    d1, d2, d3 = split_delta(delta, candidates, "variance" not in const)
-    u1, u2 = math.log(2 / d1), math.log(2 * const["dim"].value / d2)
-    dev = relative_deviation(n, big_l, u2)
     s_hat = math.sqrt(est.s2)
     notes: list[str] = []
-    _probe_checks(const, m, est, dev, notes)
-    var = _variance(const, est, dev, n, math.log(1 / d3) if d3 > 0 else math.inf)
+    steps = _steps(matrix_bound, const, est, n, delta / candidates, ridge, notes)
+    dev_lo, dev_hi, u1, u3 = steps
+    _probe_checks(const, m, est, dev_lo, notes)
+    var = _variance(const, est, (dev_lo, dev_hi), n, u3)
     eps_n = epsilon_n(n, var, r, u1)
-    lower, upper = _ends(s_hat, dev, eps_n, const, n, notes)
+    lower, upper = _ends(s_hat, (dev_lo, dev_hi), eps_n, const, n, notes)
     upper_s = _upper_unregularized(upper, ridge, const, notes)
     if lower > upper or (upper_s is not None and lower > upper_s):
         raise BoundError(
@@ -280,8 +308,11 @@ def interval_from_moments(
         n=n,
         ridge=ridge,
         epsilon_n=eps_n,
-        relative_deviation=dev,
-        vacuous=dev >= 1,
+        relative_deviation=max(dev_lo, dev_hi),
+        relative_deviation_lower=dev_lo,
+        relative_deviation_upper=dev_hi,
+        matrix_bound=matrix_bound,
+        vacuous=dev_lo >= 1,
         certificate=_certificate(m, lower, upper_s, eps_target),
         saturation_epsilon=eps_target,
         guaranteed=guaranteed,
@@ -300,13 +331,51 @@ def interval_from_moments(
     )
 
 
-def _variance(const: dict[str, Constant], est: Estimate, dev: float, n: int, u3: float) -> float:
+def _steps(
+    method: str, const: dict[str, Constant], est: Estimate, n: int, per: float, ridge: float, notes: list[str]
+) -> tuple[float, float, float, float]:
+    """``(Δ^−, Δ^+, u_1, u_3)`` of the chosen matrix step (``u_3 = inf`` when ``V`` is given)."""
+    empirical_v = "variance" not in const
+    dim = const["dim"].value
+    big_l = const["leverage_max"].value
+    if method == "worst-case":
+        d1, d2, d3 = split_delta(per, 1, empirical_v)
+        u2 = math.log(2 * dim / d2)
+        dev = relative_deviation(n, big_l, u2)
+        return dev, dev, math.log(2 / d1), math.log(1 / d3) if d3 > 0 else math.inf
+    parts = 4 if empirical_v else 3
+    d1 = per / parts  # δ_1 = δ_2 = δ_4 (= δ_3 when V comes from the probe)
+    u2, u4 = math.log(2 * dim / d1), math.log(1 / d1)
+    usable = math.isfinite(est.psi_sq) and (ridge > 0 or est.rank >= dim)
+    if usable:
+        sig = matrix_variance_upper(est.psi_sq, big_l, n, u2, u4)
+        const["matrix_variance"] = Constant(
+            "σ²",
+            sig,
+            "probe",
+            f"empirical-Bernstein upper bound on ‖E Ψ_x²‖ from σ̂² = {est.psi_sq:.6g} "
+            f"(thm-empirical-bernstein; rigorous given γ, L and D)",
+        )
+    else:
+        sig = big_l
+        why = "the probe's rows were not kept" if not math.isfinite(est.psi_sq) else f"rank Σ̂ = {est.rank} < D"
+        const["matrix_variance"] = Constant("σ²", sig, "derived", f"σ² ≤ L surely ({why}: no probe estimate)")
+    lo, hi = matrix_deviations(n, sig, big_l, u2)
+    notes.append(
+        f"matrix step: empirical Bernstein (thm-empirical-bernstein), σ̄² = {sig:.4g} vs L = {big_l:.4g}; "
+        f"Δ^− = {lo:.3g}, Δ^+ = {hi:.3g}"
+    )
+    return lo, hi, math.log(2 / d1), math.log(1 / d1) if empirical_v else math.inf
+
+
+def _variance(const: dict[str, Constant], est: Estimate, devs: tuple[float, float], n: int, u3: float) -> float:
     """``V``: the user's, else empirical Bernstein from ``v̂`` (recorded in ``const``), else ``R²``."""
     if "variance" in const:
         return const["variance"].value
     r = const["whitened_max"].value
-    if dev < 1:
-        var = bernstein_mean_upper((1 + dev) * est.v_hat, r * r, n, u3)
+    dev_lo, dev_hi = devs
+    if dev_lo < 1:
+        var = bernstein_mean_upper((1 + dev_hi) * est.v_hat, r * r, n, u3)
         const["variance"] = Constant(
             "V",
             var,
@@ -319,17 +388,18 @@ def _variance(const: dict[str, Constant], est: Estimate, dev: float, n: int, u3:
     return r * r
 
 
-def _ends(s_hat: float, dev: float, eps_n: float, const: dict[str, Constant], n: int, notes: list[str]):
+def _ends(s_hat: float, devs: tuple[float, float], eps_n: float, const: dict[str, Constant], n: int, notes: list[str]):
     """``(lower, upper)`` for ``s_λ``: ``[0, γ]`` when vacuous, capped at a non-probe ``γ``."""
     gam = const["grad_max"].value
-    if dev >= 1:
+    dev_lo, dev_hi = devs
+    if dev_lo >= 1:
         notes.append(
-            f"vacuous: Δ_n = {dev:.3g} ≥ 1 (n = {n} is too small for the leverage bound "
+            f"vacuous: Δ_n = {dev_lo:.3g} ≥ 1 (n = {n} is too small for the leverage bound "
             f"L = {const['leverage_max'].value:.4g}); `depthsat bound` gives the n needed"
         )
         return 0.0, gam
-    lower = max(0.0, s_hat * math.sqrt(1 - dev) - eps_n)
-    upper = s_hat * math.sqrt(1 + dev) + eps_n
+    lower = max(0.0, s_hat * math.sqrt(1 - dev_lo) - eps_n)
+    upper = s_hat * math.sqrt(1 + dev_hi) + eps_n
     if const["grad_max"].source != "probe":
         upper = min(upper, gam)  # s_λ ≤ s ≤ AG_rms ≤ γ
     return lower, upper

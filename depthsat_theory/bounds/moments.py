@@ -129,7 +129,11 @@ class ProbeMoments:
 
 @dataclass
 class Estimate:
-    """Probe estimates: ``ŝ_λ²``, ``v̂``, numerical rank, ``Σ̂_λ⁺`` and the probe's largest leverage."""
+    """Probe estimates: ``ŝ_λ²``, ``v̂``, numerical rank, ``Σ̂_λ⁺``, the probe's largest leverage and ``σ̂²``.
+
+    ``psi_sq`` is ``σ̂² = ‖(1/n) Σ_i Ψ̂_i²‖`` with ``Ψ̂_i = Σ̂_λ^{+1/2} Σ_{x_i} Σ̂_λ^{+1/2}``
+    (``thm-empirical-bernstein``); ``nan`` without kept rows or without ``leverage``.
+    """
 
     s2: float
     v_hat: float
@@ -137,6 +141,19 @@ class Estimate:
     inv: np.ndarray
     lev_max: float
     lev_exact: bool
+    psi_sq: float = float("nan")
+
+
+def _psi_sq(phi: np.ndarray, w: np.ndarray, n: int, inv: np.ndarray) -> float:
+    """``‖(1/n) Σ_i w_i Ψ̂_i²‖`` with ``Ψ̂_i = H Φ_iᵀ Φ_i H``, ``H = inv^{1/2}`` (``phi``: ``(N, units, k)``)."""
+    lam, vec = np.linalg.eigh(0.5 * (inv + inv.T))
+    half = (vec * np.sqrt(np.clip(lam, 0.0, None))) @ vec.T
+    rows = phi @ half  # Φ_i H, (N, units, k)
+    gram = np.einsum("irk,isk->irs", rows, rows, optimize=True)  # Φ_i H² Φ_iᵀ
+    # Ψ̂_i² = H Φ_iᵀ (Φ_i H² Φ_iᵀ) Φ_i H = rows_iᵀ gram_i rows_i
+    acc = np.einsum("i,irk,irs,isl->kl", w, rows, gram, rows, optimize=True) / n
+    top = np.linalg.eigvalsh(0.5 * (acc + acc.T)) if acc.size else np.zeros(1)
+    return max(float(top.max()), 0.0)
 
 
 def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimate:
@@ -150,7 +167,8 @@ def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimat
             (exact with kept rows, else the upper estimate ``max Σ_t‖φ̃_t‖² · ‖Σ̂_λ⁺‖``).
 
     Returns:
-        An :class:`Estimate` (``lev_max`` is ``nan`` without ``leverage``).
+        An :class:`Estimate` (``lev_max`` is ``nan`` without ``leverage``; ``psi_sq`` is
+        ``nan`` without ``leverage`` or without kept rows).
     """
     if ridge > 0:
         sym = 0.5 * (m.sigma + m.sigma.T)
@@ -164,14 +182,16 @@ def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimat
     else:
         s2, rank, _, inv = pinv_quadratic(m.sigma, m.cross, m.rtol)
     v_hat = float(np.sum(inv * m.q))
-    lev_max, exact = float("nan"), False
+    lev_max, exact, psi = float("nan"), False, float("nan")
     if leverage:
         if m.phi is not None:
             live = np.ones(m.phi.shape[0], bool) if m.weights is None else m.weights > 0
             ph = m.phi[live]
             lev = np.einsum("irk,kl,irl->i", ph, inv, ph, optimize=True)
             lev_max, exact = float(lev.max()), True
+            wts = np.ones(ph.shape[0]) if m.weights is None else m.weights[live]
+            psi = _psi_sq(ph, wts, m.n, inv)
         else:
             opn = float(np.linalg.eigvalsh(0.5 * (inv + inv.T)).max()) if inv.size else 0.0
             lev_max = m.feat_sq_max * opn
-    return Estimate(max(s2, 0.0), max(v_hat, 0.0), rank, inv, lev_max, exact)
+    return Estimate(max(s2, 0.0), max(v_hat, 0.0), rank, inv, lev_max, exact, psi)

@@ -18,6 +18,8 @@ __all__ = [
     "bernstein_mean_upper",
     "deviation_halfwidth",
     "epsilon_n",
+    "matrix_deviations",
+    "matrix_variance_upper",
     "relative_deviation",
     "split_delta",
 ]
@@ -81,3 +83,51 @@ def bernstein_mean_upper(mean: float, bound_sq: float, n: int, u: float) -> floa
     e = max(mean, 0.0) + 2 * bound_sq * u / (3 * n)
     root = 0.5 * (c + math.sqrt(c * c + 4 * e))
     return min(root * root, bound_sq)
+
+
+# ------------------------------------------------ empirical Bernstein (thm-empirical-bernstein)
+def matrix_deviations(n: int, sigma2: float, big_l: float, u2: float) -> tuple[float, float]:
+    """``(Δ_n^−, Δ_n^+)`` of ``thm-empirical-bernstein`` for a matrix variance bound ``σ²``.
+
+    ``Δ^− = √(2σ²u_2/n) + 2u_2/(3n)`` (lower tail: ``λ_max(EΨ − Ψ_x) ≤ 1``) and
+    ``Δ^+ = √(2σ²u_2/n) + 2Lu_2/(3n)`` (upper tail: ``λ_max(Ψ_x − EΨ) ≤ L``).  With
+    ``σ² = L`` both are at most the worst-case ``Δ_n`` of :func:`relative_deviation`.
+
+    Args:
+        n: probe size.
+        sigma2: ``σ² ≥ λ_max(E Ψ_x²)`` (dimensionless).
+        big_l: ``L``.
+        u2: ``ln(2D/δ_2)``.
+    """
+    root = math.sqrt(2 * sigma2 * u2 / n)
+    return root + 2 * u2 / (3 * n), root + 2 * big_l * u2 / (3 * n)
+
+
+def matrix_variance_upper(sig_hat2: float, big_l: float, n: int, u2: float, u4: float) -> float:
+    """``σ̄²``: the largest ``x ∈ [0, L]`` with ``√x ≤ c/2 + √(c²/4 + e_0 + σ̂²(1 + Δ^+(x))²)``.
+
+    ``c = L√(2u_4/n)``, ``e_0 = 2L²u_4/(3n)`` (``thm-empirical-bernstein``, step B).  With
+    ``t = √x`` and ``Δ^+(x) = a t + b``, ``a = √(2u_2/n)``, ``b = 2Lu_2/(3n)``, the condition
+    is ``A t² − B t − C ≤ 0`` with ``A = 1 − σ̂²a²``, ``B = c + 2σ̂²a(1 + b)``,
+    ``C = e_0 + σ̂²(1 + b)²``; for ``A > 0`` its solutions ``t ≥ 0`` are
+    ``[0, (B + √(B² + 4AC))/(2A)]``, for ``A ≤ 0`` every ``t`` (then ``σ̄² = L``).
+
+    Args:
+        sig_hat2: ``σ̂² = ‖(1/n) Σ_i Ψ̂_i²‖`` with the probe's whitening.
+        big_l: ``L`` (``σ² ≤ L`` surely).
+        n: probe size.
+        u2: ``ln(2D/δ_2)``.
+        u4: ``ln(1/δ_4)``.
+    """
+    a = math.sqrt(2 * u2 / n)
+    b = 2 * big_l * u2 / (3 * n)
+    c = big_l * math.sqrt(2 * u4 / n)
+    e0 = 2 * big_l * big_l * u4 / (3 * n)
+    s2 = max(sig_hat2, 0.0)
+    qa = 1 - s2 * a * a
+    if qa <= 0:
+        return big_l
+    qb = c + 2 * s2 * a * (1 + b)
+    qc = e0 + s2 * (1 + b) ** 2
+    t = (qb + math.sqrt(qb * qb + 4 * qa * qc)) / (2 * qa)
+    return min(big_l, t * t)
