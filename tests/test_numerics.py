@@ -179,3 +179,54 @@ def test_verdict_reason_names_each_outcome():
     z, g = _collinear_signal(1e-1, torch.float64, n=200)
     assert "exceeds" in _result(z, g).verdict_reason
     assert math.isfinite(_result(z, g).score_error)
+
+
+def _paired(z: np.ndarray, rng: np.random.Generator, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every unit twice with opposite ``g``, shuffled: the cross-gradient of *any* family vanishes exactly."""
+    g0 = rng.standard_normal(z.shape)
+    zz = np.repeat(z, 2, axis=0)
+    gg = np.stack([g0, -g0], 1).reshape(zz.shape)
+    perm = rng.permutation(zz.shape[0])  # partners apart: the float64 sums do not cancel term by term
+    return torch.from_numpy(zz[perm]).to(dtype), torch.from_numpy(gg[perm]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    ("family", "make_z"),
+    [
+        ("preln:2", lambda r: r.standard_normal((300, 2))),  # LayerNorm of d = 2: features ±1
+        ("linear", lambda r: np.stack([r.standard_normal(300) + 1e4, r.standard_normal(300)], 1)),  # mean offset
+        ("relu:32", lambda r: r.standard_normal((300, 4)) * np.array([1.0, 1e-3, 1.0, 1e3])),
+        ("tanh:12", lambda r: r.standard_normal((300, 1))),  # nearly dependent smooth features
+        ("linear", lambda r: np.stack([r.standard_normal(300)] * 2, 1) + [0.0, 2e-6]),  # nearly collinear
+    ],
+)
+def test_exactly_zero_cross_gradient_is_never_improvable(family, make_z, dtype):
+    """Pairs with equal z and opposite g: exact s = 0 for every family; the verdict may not say improvable."""
+    rng = np.random.default_rng(11)
+    z, g = _paired(make_z(rng), rng, dtype)
+    res = _result(z, g, family)
+    assert res.probe_verdict in (Verdict.SATURATED, Verdict.UNDETERMINED, Verdict.DEGENERATE), (res.score, res.tol)
+    assert res.verdict is not Verdict.IMPROVABLE
+
+
+@pytest.mark.parametrize(
+    "make_z",
+    [
+        lambda r: np.stack([r.standard_normal(400) + 1e4, r.standard_normal(400)], 1),  # a large mean offset
+        lambda r: np.stack([r.standard_normal(400)] * 2, 1) + np.stack([np.zeros(400), 2e-6 * r.standard_normal(400)], 1),
+    ],
+    ids=["mean-offset", "nearly-collinear"],
+)
+def test_least_squares_residual_is_saturated_within_its_exact_score(make_z):
+    """Reproducer 2: ``g`` the float64 least-squares residual on ``[z, 1]``; exact s of the stored arrays ≈ 1e-17."""
+    rng = np.random.default_rng(12)
+    z = make_z(rng)
+    design = np.concatenate([z, np.ones((z.shape[0], 1))], 1)
+    y = rng.standard_normal(z.shape)
+    g = y - design @ np.linalg.lstsq(design, y, rcond=None)[0]
+    truth = exact_score(z, g)
+    res = _result(torch.from_numpy(z), torch.from_numpy(g))
+    assert truth <= 1e-9 * res.ag_rms
+    assert abs(res.score - truth) <= res.score_error
+    assert res.verdict is Verdict.SATURATED
