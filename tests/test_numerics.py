@@ -230,3 +230,22 @@ def test_least_squares_residual_is_saturated_within_its_exact_score(make_z):
     assert truth <= 1e-9 * res.ag_rms
     assert abs(res.score - truth) <= res.score_error
     assert res.verdict is Verdict.SATURATED
+
+
+def test_score_cli_alpha_and_matrix_bound_options(tmp_path):
+    z, g = _collinear_signal(1e-4, torch.float32)
+    path = tmp_path / "p.npz"
+    np.savez(path, z=z.numpy(), g=g.numpy())
+    run = CliRunner().invoke
+    bad = run(app, ["score", "--probe", str(path), "--family", "linear", "--alpha", "0.5"])
+    assert bad.exit_code == 2 and "--alpha" in bad.output
+    lone = run(app, ["score", "--probe", str(path), "--family", "linear", "--matrix-bound", "empirical-bernstein"])
+    assert lone.exit_code == 2 and "--matrix-bound needs --delta" in lone.output
+    args = ["score", "--probe", str(path), "--family", "linear", "--delta", "0.05", "--bootstrap", "0", "--json"]
+    out = run(app, [*args, "--matrix-bound", "empirical-bernstein", "--alpha", "0.01"])
+    rep = json.loads(out.output)
+    assert rep["matrix_bound"] == "empirical-bernstein" and rep["alpha"] == 0.01
+    from scipy.stats import chi2
+
+    assert rep["noise_threshold"] == pytest.approx(chi2.ppf(0.99, 1), rel=1e-12)
+    assert rep["score_lower"] <= rep["score"] <= rep["score_upper"]

@@ -124,6 +124,10 @@ def score(
     variance: float | None = typer.Option(None, "--variance", help="V ≥ E‖G_x Σ^{+1/2}‖² (default: probe)."),
     candidates: int = typer.Option(1, "--candidates", help="Union bound over this many candidates."),
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples with --delta (0: none)."),
+    matrix_bound: str = typer.Option(
+        "worst-case", "--matrix-bound", help="Matrix step of the bound: worst-case or empirical-bernstein."
+    ),
+    alpha: float = typer.Option(0.05, "--alpha", help="Level of the noise test behind 'improvable', in (0, 0.215]."),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
     constants: dict[str, Any] = dict(
@@ -137,17 +141,33 @@ def score(
     try:
         if delta is None:
             _refuse_bound_options_without_delta(
-                {**constants, "epsilon": epsilon, "candidates": candidates, "bootstrap": bootstrap}
+                {
+                    **constants,
+                    "epsilon": epsilon,
+                    "candidates": candidates,
+                    "bootstrap": bootstrap,
+                    "matrix_bound": matrix_bound,
+                }
             )
+        if not 0.0 < alpha <= 0.215:
+            raise UserError(f"--alpha {alpha}: the noise test is valid for 0 < alpha <= 0.215")
         z, g = load_probe(probe)
         fam = parse_family(family)
         acc = statistics_for(fam, (z.shape[1],), Layout.VECTOR, pool_ties=True)
         acc.update(torch.from_numpy(z), torch.from_numpy(g))
-        result = acc.result()
+        result = acc.result(alpha=alpha)
         interval = None
         if delta is not None:
             interval = interval_from_probe(
-                z, g, fam, delta=delta, epsilon=epsilon, candidates=candidates, bootstrap=bootstrap, **constants
+                z,
+                g,
+                fam,
+                delta=delta,
+                epsilon=epsilon,
+                candidates=candidates,
+                bootstrap=bootstrap,
+                matrix_bound=matrix_bound,
+                **constants,
             )
         out = render.score_fields(result, interval)
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:

@@ -28,6 +28,7 @@ FLAGS: dict[str, str] = {
     "score_max": "--score-max",
     "candidates": "--candidates",
     "bootstrap": "--bootstrap",
+    "matrix_bound": "--matrix-bound",
 }
 
 #: CLI flag of each field of :class:`~depthsat_theory.check.CheckConfig` (``depthsat check``)
@@ -61,6 +62,7 @@ BOUND_OPTION_DEFAULTS: dict[str, object] = {
     "variance": None,
     "candidates": 1,
     "bootstrap": 200,
+    "matrix_bound": "worst-case",
 }
 
 

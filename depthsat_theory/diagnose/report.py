@@ -164,6 +164,9 @@ class Diagnosis:
         if self.delta is not None:
             cols += [f"{1 - self.delta:g} interval"]
         cols += ["verdict"]
+        noisy = [sd for sd in self.sites if sd.result.verdict is Verdict.UNDETERMINED]
+        if noisy:
+            cols += ["n to decide"]
         for c in cols:
             t.add_column(c, justify="left" if c in ("site", "verdict") else "right", no_wrap=c != "verdict")
         for sd in self.sites:
@@ -185,6 +188,9 @@ class Diagnosis:
                 iv = sd.interval
                 row += ["—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"]
             row += [_SHORT.get(sd.verdict, "undetermined" if sd.verdict.startswith("undetermined") else sd.verdict)]
+            if noisy:
+                need = r.examples_needed if r.verdict is Verdict.UNDETERMINED else None
+                row += ["—" if need is None else str(need)]
             t.add_row(*row)
         return t
 
