@@ -159,8 +159,8 @@ def _check_shapes(model: nn.Module, names: list[str], kinds: dict, example) -> l
         if len(seen[n]) != 1:
             continue
         inp, out = seen[n][0]
-        if out is None or len(out) < 2 or len(out) > 4 or out[0] != batch:
-            continue
+        if out is None or len(out) < 2 or len(out) > 4 or batch not in out[: 2 if len(out) == 3 else 1]:
+            continue  # not a floating (B, *shape) or sequence-first (T, B, d) tensor
         if kinds[n] == "stream" and inp != out:
             continue
         keep.append(n)

@@ -110,6 +110,7 @@ def diagnose(
     output_key=None,
     batchnorm: str = "error",
     loss_units: str = "nats per example",
+    batch_dim: int | dict | None = None,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -125,9 +126,10 @@ def diagnose(
         model: the reference network (put BatchNorm models in eval mode).
         loss_fn: per-example losses ``(B,)``; a batch-mean reduction would rescale
             ``g`` by ``1/B`` (theory/definitions.md, def-setting), so it is rejected by the shape check.
-        batches: iterable of ``(inputs, targets)`` in a fixed order (resuming and
-            sharding address batches by their index).  Inputs may be a tensor or a
-            dict of keyword tensors.
+        batches: iterable of ``(inputs, targets)`` (or ``(inputs, targets, mask)``, or Hugging
+            Face mappings with ``"labels"``: :func:`~depthsat_theory.capture.probe.unpack_batch`)
+            in a fixed order (resuming and sharding address batches by their index).  Inputs
+            may be a tensor or a dict of keyword tensors.
         sites: module names; default :func:`discover_sites` (shape check on the
             first batch: one extra no-grad forward, only when the model has no
             ``site_names()``).
@@ -170,6 +172,11 @@ def diagnose(
             statistics, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
         loss_units: units of the per-example loss, for the outputs (scores are in
             these units per unit function-space step).
+        batch_dim: where the batch is in the site tensors: ``None`` (default: the dimension
+            whose size is the number of per-example losses; a 3-D site with ``T = B`` needs a
+            declaration unless its module has one), ``0`` (batch-first), ``1``
+            (sequence-first ``(T, B, d)``, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``)
+            or ``{site: dim}`` (:mod:`depthsat_theory.capture.batchdim`).
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -207,7 +214,9 @@ def diagnose(
         layouts=_resolve_layouts(model, site_list, layout),
         delta=delta,
         realizability=bool(realizability),
-        probe_options=dict(reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm),
+        probe_options=dict(
+            reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm, batch_dim=batch_dim
+        ),
     )
     run.open_checkpoint(checkpoint, config)
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
