@@ -47,7 +47,16 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.capture import REDUCTIONS, ProbeBatch, SiteError, SiteRecorder, probe_batches, unpack_batch
+from depthsat_theory.capture import (
+    REDUCTIONS,
+    ProbeBatch,
+    SiteError,
+    SiteRecorder,
+    parse_site,
+    probe_batches,
+    resolve_module,
+    unpack_batch,
+)
 from depthsat_theory.diagnose import distributed as _dist
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
@@ -147,7 +156,11 @@ def diagnose(
             uses ``<path>.rank<r>-of-<N>``.
         checkpoint_every: batches between checkpoint writes.
         layout: a layout for all sites, or ``{site: layout}``; default: the model's
-            ``layout`` attribute, else inferred from the site tensor's rank.
+            ``layout`` attribute, else inferred from the site tensor's rank and, for
+            ``(B, ·, ·)`` site tensors, from the site module
+            (:func:`~depthsat_theory.diagnose.discovery.infer_layout`): ``"sequence"`` reads
+            ``(B, T, d)`` as ``T`` rows of dimension ``d``; ``"image"`` reads a channel-first
+            ``(B, C, L)`` (``Conv1d``) as the image ``(B, C, 1, L)``: ``L`` units of dimension ``C``.
         total: the number of batches (for ``progress``; default ``len(batches)`` when
             available).
         config: extra JSON-serialisable configuration that must match to resume
@@ -368,7 +381,9 @@ class _Run:
 
         for s in self.sites:
             shp = tuple(shape_map[s])
-            lay = self.layouts.get(s) or infer_layout(shp)
+            lay = self.layouts.get(s) or infer_layout(shp, resolve_module(self.model, parse_site(s)[0]), s)
+            if lay == Layout.IMAGE and len(shp) == 2:  # a channel-first 1-D site (C, L), read as (C, 1, L)
+                shp = (shp[0], 1, shp[1])
             self.layouts[s] = lay
             try:
                 if self.delta is not None:
@@ -397,6 +412,9 @@ class _Run:
     def _add(self, pb: ProbeBatch) -> None:
         if not self.stats:
             self.make_stats({s: tuple(pb.z[s].shape[1:]) for s in self.sites})
+        for s in self.sites:  # channel-first 1-D sites (B, C, L) are images (B, C, 1, L)
+            if self.layouts[s] == Layout.IMAGE and pb.z[s].dim() == 3:
+                pb.z[s], pb.g[s] = pb.z[s].unsqueeze(2), pb.g[s].unsqueeze(2)
         try:
             for s in self.sites:
                 if tuple(pb.z[s].shape[1:]) != self.stats[s].shape:
