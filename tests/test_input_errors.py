@@ -240,7 +240,7 @@ def test_conv1d_site_units_are_positions():
 
 
 def test_transformer_sites_stay_sequences_and_an_ambiguous_3d_site_is_an_error():
-    seq, bat, x, y = _encoder_pair(B=8, T=5)
+    _, bat, x, y = _encoder_pair(B=8, T=5)
     assert diagnose(bat, per_example_ce, [(x, y)], sites=["blocks.0"]).sites[0].layout == Layout.SEQUENCE
 
     class Shift(nn.Module):  # no layer that tells rows from channels
@@ -356,7 +356,7 @@ def test_accumulate_takes_hugging_face_mapping_batches():
     J = accumulate(model, ["blocks.0"], [hf], token_losses, stats, reduction="token_mean")
     with torch.no_grad():
         expected = float(token_losses(model(ids), ids).mean(1).mean())  # hand: mean over tokens, then examples
-    assert J == pytest.approx(expected, rel=1e-6)
+    assert pytest.approx(expected, rel=1e-6) == J
     d = diagnose(model, token_losses, [hf], sites=["blocks.0"], reduction="token_mean")
     assert d.n == 4 and d.sites[0].result.score == pytest.approx(stats["blocks.0"].result().score, rel=1e-12)
     x, y, m = unpack_batch(hf)

@@ -92,7 +92,9 @@ class BatchDims:
     def __init__(self, model: nn.Module, batch_dim: int | Mapping[str, int] | None = None):
         values = batch_dim.values() if isinstance(batch_dim, Mapping) else [batch_dim]
         if any(v not in (None, 0, 1) for v in values):
-            raise ValueError(f"batch_dim must be 0 (batch-first), 1 (sequence-first), None or {{site: 0|1}}, got {batch_dim!r}")
+            raise ValueError(
+                f"batch_dim must be 0 (batch-first), 1 (sequence-first), None or {{site: 0|1}}, got {batch_dim!r}"
+            )
         self.model = model
         self.batch_dim = batch_dim
         self.dims: dict[str, int] = {}

@@ -273,7 +273,7 @@ def _functional_dropout_rate(func, args: tuple, kwargs: dict) -> float:
     return float(rate) if training else 0.0
 
 
-class dropout_guard(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch.no_grad
+class dropout_guard(TorchFunctionMode):
     """Context manager raising :class:`SiteError` on a functional dropout call that drops activations.
 
     Catches ``torch.nn.functional.dropout*``/``alpha_dropout``/``torch.dropout`` with
@@ -484,9 +484,7 @@ class SiteRecorder:
         except RuntimeError as exc:
             if "use_reentrant" not in str(exc):
                 raise
-            raise SiteError(
-                _NO_GRAD_MESSAGE.format(what="the model runs reentrant activation checkpointing")
-            ) from None
+            raise SiteError(_NO_GRAD_MESSAGE.format(what="the model runs reentrant activation checkpointing")) from None
         for key in self.names:
             slot = self._slots[key]
             self.g[key] = slot[0] if slot else torch.zeros_like(self.z[key])
