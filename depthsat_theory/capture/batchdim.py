@@ -73,7 +73,8 @@ def _shape_batch_dim(site: str, shape: tuple[int, ...], batch: int, module: nn.M
         return 1
     raise SiteError(
         f"site {site!r} has tensors of shape {shape}, with no batch dimension of size {batch} (the number of "
-        f"per-example losses) first or, for (T, B, d), second; choose a site whose output holds the batch"
+        f"examples) first or, for (T, B, d), second; choose a site whose output holds the batch, or pass "
+        f"batch_dim=0|1"
     )
 
 

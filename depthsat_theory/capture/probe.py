@@ -256,14 +256,28 @@ class ProbeBatch:
                 update_statistics(acc, self.z[key], self.g[key], self.mask, key)
 
 
-def _loss_batch(raw, reduction: str, x) -> int:
-    """The batch size ``B``: the length of the per-example (or per-token) losses, else that of the inputs.
+def _first_input(x) -> Tensor | None:
+    """The first tensor of model inputs (a tensor, a mapping or a sequence of them), or ``None``."""
+    if isinstance(x, Tensor):
+        return x
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
+    return next((_first_input(v) for v in items if _first_input(v) is not None), None)
 
-    The losses decide because the inputs may be sequence-first (``(T, B, …)``).
+
+def _loss_batch(raw, reduction: str, x) -> int:
+    """The batch size ``B``: that of the inputs, or the losses' length for sequence-first inputs ``(T, B, …)``.
+
+    Per-example (``"none"``) or per-token (``"token_mean"``) losses of length ``B`` with inputs whose
+    first tensor is ``(T, B, …)``, ``T ≠ B``, are a probe of ``B`` examples; any other length is left
+    to :func:`reduce_losses` to reject.
     """
+    bsz = batch_size(x)
     if reduction in ("none", "token_mean") and isinstance(raw, Tensor) and raw.dim() >= 1:
-        return int(raw.shape[0])
-    return batch_size(x)
+        first = _first_input(x)
+        n = int(raw.shape[0])
+        if n != bsz and first is not None and first.dim() >= 2 and int(first.shape[1]) == n:
+            return n
+    return bsz
 
 
 def _check_padding(pb: ProbeBatch) -> None:
