@@ -130,20 +130,26 @@ class SeqFirstRows(nn.Module):
         return self.head(h.mean(1 if not self.seq_first else 0))
 
 
-def test_sequence_first_with_t_equal_b_needs_a_declaration():
+def test_sequence_first_with_t_equal_b_is_measured_or_declared():
+    """T = B = 6: the shapes fit both readings; the first example's loss gradient tells them apart."""
     torch.manual_seed(1)
     seq = SeqFirstRows(True).double().eval()
     bat = SeqFirstRows(False).double().eval()
     bat.load_state_dict(seq.state_dict())
-    x = torch.randn(6, 6, 4, dtype=torch.float64)  # T = B = 6
+    x = torch.randn(6, 6, 4, dtype=torch.float64)
     y = torch.randint(0, 3, (6,))
-    with pytest.raises(SiteError, match=r"both \(B, T, d\) and \(T, B, d\) fit.*batch_dim=1"):
-        diagnose(seq, per_example_ce, [(x, y)], sites=["blocks.0"])
-    d = diagnose(seq, per_example_ce, [(x, y)], sites=["blocks.0"], batch_dim={"blocks.0": 1})
     z, g = site_z_g(bat, bat.blocks[0], x, y)
-    assert d.n == 6
-    assert d.sites[0].result.score == pytest.approx(dense_linear_score(z, g), rel=1e-8)
-    # T ≠ B: detected without a declaration; a wrong declaration is an error naming the fix
+    ref = dense_linear_score(z, g)
+    for model in (seq, bat):
+        d = diagnose(model, per_example_ce, [(x, y)], sites=["blocks.0"])
+        assert d.n == 6 and d.sites[0].result.score == pytest.approx(ref, rel=1e-8)
+    # batch-reduced losses cannot tell the examples apart: a declaration is required, never a guess
+    mean_ce = lambda o, t: F.cross_entropy(o, t)  # noqa: E731
+    with pytest.raises(SiteError, match=r"both \(B, T, d\) and \(T, B, d\) fit .*batch-reduced.*batch_dim=1"):
+        diagnose(seq, mean_ce, [(x, y)], sites=["blocks.0"], reduction="mean")
+    d = diagnose(seq, mean_ce, [(x, y)], sites=["blocks.0"], reduction="mean", batch_dim={"blocks.0": 1})
+    assert d.sites[0].result.score == pytest.approx(ref, rel=1e-8)
+    # T ≠ B: read from the shapes; a wrong declaration is an error naming the fix
     x2, y2 = torch.randn(5, 7, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
     assert diagnose(seq, per_example_ce, [(x2, y2)], sites=["blocks.0"]).sites[0].shape == (7, 4)
     with pytest.raises(SiteError, match=r"batch dimension 0 .*should have size 5.*batch_dim"):

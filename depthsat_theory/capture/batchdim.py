@@ -15,8 +15,14 @@ to the front.  The decision, in order:
 3. when both have size ``B`` (``T = B``), the module's own declaration: a ``batch_first``
    attribute on the site module or, failing that, on its first ``nn.MultiheadAttention``/RNN
    submodule; modules of ``depthsat_theory`` and of Hugging Face ``transformers`` are
-   batch-first.  Without one the site is ambiguous and a declaration is required
-   (:class:`~depthsat_theory.capture.sites.SiteError`), never guessed.
+   batch-first;
+4. still undecided, a measurement on the first batch (:func:`support_batch_dim`): the
+   gradient of the first example's own loss ``ℓ_0`` is zero outside that example's slice of
+   the site tensor, ``z[0]`` when batch-first, ``z[:, 0]`` when sequence-first.  One extra
+   backward pass, only then, only with per-example (or per-token) losses.  When the support
+   fits both slices or neither (``ℓ_0`` reaches one token only, or nothing, or other examples
+   through batch statistics), or the losses are batch-reduced, the site is ambiguous and a
+   declaration is required (:class:`~depthsat_theory.capture.sites.SiteError`): never guessed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch import Tensor, nn
 
 from depthsat_theory.capture.sites import SiteError, parse_site, resolve_module
 
-__all__ = ["BatchDims", "batch_first", "module_batch_dim"]
+__all__ = ["BatchDims", "batch_first", "module_batch_dim", "support_batch_dim"]
 
 _BATCH_FIRST_PACKAGES = ("depthsat_theory.", "transformers.")
 
@@ -54,19 +60,20 @@ def module_batch_dim(module: nn.Module) -> int | None:
     return None
 
 
-def _shape_batch_dim(site: str, shape: tuple[int, ...], batch: int, module: nn.Module | None) -> int:
-    """The batch dimension read from the shape, then the module (raises when none or ambiguous)."""
+def _ambiguous(site: str, shape: tuple[int, ...], batch: int, why: str) -> SiteError:
+    return SiteError(
+        f"site {site!r} has tensors of shape {shape} with {batch} examples: both (B, T, d) and (T, B, d) fit "
+        f"({why}); declare the batch dimension with batch_dim=0 (batch-first) or batch_dim=1 (sequence-first), "
+        f"or batch_dim={{{site!r}: …}}"
+    )
+
+
+def _shape_batch_dim(site: str, shape: tuple[int, ...], batch: int, module: nn.Module | None) -> int | None:
+    """The batch dimension read from the shape, then the module; ``None`` when both fit (``T = B``)."""
     first = len(shape) > 0 and shape[0] == batch
     second = len(shape) == 3 and shape[1] == batch
-    declared = None if module is None or not (first and second) else module_batch_dim(module)
-    if declared is not None:
-        return declared
     if first and second:
-        raise SiteError(
-            f"site {site!r} has tensors of shape {shape} with {batch} examples: both (B, T, d) and (T, B, d) fit; "
-            f"declare the batch dimension with batch_dim=0 (batch-first) or batch_dim=1 (sequence-first), "
-            f"or batch_dim={{{site!r}: …}}"
-        )
+        return None if module is None else module_batch_dim(module)
     if first:
         return 0
     if second:
@@ -76,6 +83,24 @@ def _shape_batch_dim(site: str, shape: tuple[int, ...], batch: int, module: nn.M
         f"examples) first or, for (T, B, d), second; choose a site whose output holds the batch, or pass "
         f"batch_dim=0|1"
     )
+
+
+def support_batch_dim(g0: Tensor) -> int | None:
+    """The batch dimension of a 3-D site from ``g0 = ∂ℓ_0/∂z``, the gradient of the first example's loss.
+
+    Args:
+        g0: ``(N0, N1, d)``, the site's shape.
+
+    Returns:
+        ``0`` if ``g0`` vanishes outside ``g0[0]`` but not outside ``g0[:, 0]``, ``1`` the other way
+        round, ``None`` when both or neither hold.
+    """
+    nz = g0.detach() != 0
+    in_first = not bool(nz[1:].any())
+    in_second = not bool(nz[:, 1:].any())
+    if in_first == in_second:
+        return None
+    return 0 if in_first else 1
 
 
 class BatchDims:
@@ -106,18 +131,47 @@ class BatchDims:
             return self.batch_dim.get(key, self.batch_dim.get(base))
         return self.batch_dim
 
-    def dim(self, key: str, shape: tuple[int, ...], batch: int) -> int:
-        """The batch dimension of site ``key`` whose tensor has ``shape`` on a batch of ``batch`` examples.
+    def undecided(self, key: str, shape: tuple[int, ...], batch: int) -> bool:
+        """Decide site ``key`` from its declaration, shape and module if not yet done; ``True`` if that cannot.
 
         Raises:
-            SiteError: the declared dimension does not have size ``batch``, or no dimension
-                (or, undeclared, both of the first two) has size ``batch``.
+            SiteError: no dimension among the first two has size ``batch``.
         """
         if key not in self.dims:
             dim = self._declared(key)
             if dim is None:
                 dim = _shape_batch_dim(key, shape, batch, resolve_module(self.model, parse_site(key)[0]))
+            if dim is None:
+                return True
             self.dims[key] = dim
+        return False
+
+    def measure(self, key: str, g0: Tensor | None, batch: int) -> None:
+        """Decide an undecided site from ``g0 = ∂ℓ_0/∂z`` (:func:`support_batch_dim`; ``None``: no per-example loss).
+
+        Raises:
+            SiteError: the measurement cannot decide (a declaration is needed).
+        """
+        shape = tuple(g0.shape) if g0 is not None else ()
+        dim = None if g0 is None else support_batch_dim(g0)
+        if dim is None:
+            why = (
+                "the losses are batch-reduced, so the examples cannot be told apart"
+                if g0 is None
+                else "the first example's loss gradient does not single out one of them"
+            )
+            raise _ambiguous(key, shape, batch, why)
+        self.dims[key] = dim
+
+    def dim(self, key: str, shape: tuple[int, ...], batch: int) -> int:
+        """The batch dimension of site ``key`` whose tensor has ``shape`` on a batch of ``batch`` examples.
+
+        Raises:
+            SiteError: the declared dimension does not have size ``batch``, no dimension has
+                size ``batch``, or an ambiguous site (``T = B``) was neither declared nor measured.
+        """
+        if self.undecided(key, shape, batch):
+            raise _ambiguous(key, shape, batch, "no declaration")
         dim = self.dims[key]
         if len(shape) <= dim or shape[dim] != batch:
             raise SiteError(

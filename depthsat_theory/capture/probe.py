@@ -280,6 +280,27 @@ def _loss_batch(raw, reduction: str, x) -> int:
     return bsz
 
 
+def _first_example_loss(raw: Tensor, reduction: str, mask: Tensor | None) -> Tensor | None:
+    """The first example's own loss (a scalar of the forward pass), or ``None`` for batch-reduced losses."""
+    if reduction == "none":
+        return raw[0]
+    if reduction == "token_mean":
+        row = raw[0] if mask is None else torch.where(mask[0].to(raw.device), raw[0], torch.zeros_like(raw[0]))
+        return row.sum()
+    return None
+
+
+def _measure_batch_dims(rec: SiteRecorder, dims: BatchDims, raw, reduction: str, mask, bsz: int) -> None:
+    """Measure the batch dimension of the sites whose shape and module leave it open (``T = B``)."""
+    open_keys = [key for key in rec.names if dims.undecided(key, tuple(rec.z[key].shape), bsz)]
+    if not open_keys:
+        return
+    loss0 = _first_example_loss(raw, reduction, mask)
+    grads = {} if loss0 is None else rec.gradients_of(loss0, open_keys)
+    for key in open_keys:
+        dims.measure(key, grads.get(key), bsz)
+
+
 def _check_padding(pb: ProbeBatch) -> None:
     mask = pb.mask
     if mask is None:
@@ -334,7 +355,9 @@ def probe_batches(
         select: optional ``select(index) -> bool``; batches it rejects are skipped
             without a forward pass (resuming, sharding).
         batch_dim: where the batch is in the site tensors: ``None`` (default: the dimension
-            whose size is the number of per-example losses, :mod:`~depthsat_theory.capture.batchdim`),
+            whose size is the number of per-example losses; when ``T = B``, the module's
+            ``batch_first`` or one extra backward of the first example's loss on the first batch:
+            :mod:`~depthsat_theory.capture.batchdim`),
             ``0`` (batch-first), ``1`` (sequence-first ``(T, B, d)``) or ``{site: dim}``.
             Sequence-first site tensors are yielded batch-first.
 
@@ -371,6 +394,7 @@ def probe_batches(
                 raise
             except ValueError as exc:
                 raise ValueError(f"probe batch {index}: {exc}") from None
+            _measure_batch_dims(rec, dims, raw, reduction, mask, bsz)
             rec.backward(scalar)
             pb = ProbeBatch(index, bsz, total, mask, names=list(rec.names))
             for key in pb.names:

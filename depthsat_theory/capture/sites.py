@@ -456,6 +456,43 @@ class SiteRecorder:
                         f"time(s) in the forward pass (occurrences 0…{n - 1})"
                     )
 
+    def _grad(self, loss: Tensor, retain_graph: bool) -> None:
+        """Backpropagate ``loss`` to the taps of the current forward (the gradients land in the slots)."""
+        anchors, seen = [], set()
+        for key in self.names:
+            a = self._anchors[key]
+            if id(a) not in seen:
+                seen.add(id(a))
+                anchors.append(a)
+        try:
+            torch.autograd.grad(loss, anchors, allow_unused=True, retain_graph=retain_graph)
+        except RuntimeError as exc:
+            if "use_reentrant" not in str(exc):
+                raise
+            raise SiteError(_NO_GRAD_MESSAGE.format(what="the model runs reentrant activation checkpointing")) from None
+
+    def gradients_of(self, loss: Tensor, keys: Sequence[str]) -> dict[str, Tensor]:
+        """The site gradients of another scalar on the current forward, keeping the graph for :meth:`backward`.
+
+        Args:
+            loss: a scalar of the current forward pass (e.g. one example's loss).
+            keys: recorded site keys (of :attr:`names`).
+
+        Returns:
+            ``{key: ∂loss/∂z}``, each shaped like ``z[key]`` (zeros where ``loss`` does not reach).
+
+        Raises:
+            SiteError: if the model uses reentrant activation checkpointing.
+        """
+        self._grad(loss, retain_graph=True)
+        out = {}
+        for key in keys:
+            slot = self._slots[key]
+            out[key] = slot[-1] if slot else torch.zeros_like(self.z[key])
+        for key in self.names:  # every tap got this gradient: drop it before the real backward
+            self._slots[key].clear()
+        return out
+
     def backward(self, loss: Tensor) -> None:
         """Backpropagate ``loss`` to the sites and fill :attr:`g` (then reset the counters).
 
@@ -472,19 +509,8 @@ class SiteRecorder:
         _check_batchnorm(self.model, self.batchnorm)
         _check_dropout(self.model)
         self._validate()
-        anchors, seen = [], set()
-        for key in self.names:
-            a = self._anchors[key]
-            if id(a) not in seen:
-                seen.add(id(a))
-                anchors.append(a)
         self.g.clear()
-        try:
-            torch.autograd.grad(loss, anchors, allow_unused=True)
-        except RuntimeError as exc:
-            if "use_reentrant" not in str(exc):
-                raise
-            raise SiteError(_NO_GRAD_MESSAGE.format(what="the model runs reentrant activation checkpointing")) from None
+        self._grad(loss, retain_graph=False)
         for key in self.names:
             slot = self._slots[key]
             self.g[key] = slot[0] if slot else torch.zeros_like(self.z[key])

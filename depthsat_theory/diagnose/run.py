@@ -186,8 +186,9 @@ def diagnose(
         loss_units: units of the per-example loss, for the outputs (scores are in
             these units per unit function-space step).
         batch_dim: where the batch is in the site tensors: ``None`` (default: the dimension
-            whose size is the number of per-example losses; a 3-D site with ``T = B`` needs a
-            declaration unless its module has one), ``0`` (batch-first), ``1``
+            whose size is the number of per-example losses; a 3-D site with ``T = B`` is decided by
+            its module's ``batch_first`` or by the support of the first example's loss gradient, else
+            needs a declaration), ``0`` (batch-first), ``1``
             (sequence-first ``(T, B, d)``, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``)
             or ``{site: dim}`` (:mod:`depthsat_theory.capture.batchdim`).
 
