@@ -423,3 +423,14 @@ def test_resnet_blocks_are_recognised_structurally_and_the_stage_fallback_is_sta
         assert discover_sites(CustomResNet(), x) == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
     with pytest.warns(UserWarning, match=r"layer1\.0.*single layers, not residual blocks.*stages layer1, layer2"):
         assert discover_sites(CustomResNet(leaf_layers=True), x) == ["layer1", "layer2"]
+
+
+def test_audit_of_a_conv1d_site_is_refused_without_a_layout():
+    from depthsat_theory.audit import audit_model
+    from depthsat_theory.audit.loading import AuditError
+
+    torch.manual_seed(0)
+    model = Conv1dNet().double().eval()
+    x, y = torch.randn(8, 3, 12, dtype=torch.float64), torch.randint(0, 2, (8,))
+    with pytest.raises(AuditError, match=r"channel-first 1-D site \(B, C, L\) = \(8, 5, 12\).*layout='sequence'"):
+        audit_model(parse_family("linear"), model, "blocks.0", x, y, per_example_ce)

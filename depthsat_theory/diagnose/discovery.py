@@ -15,7 +15,7 @@ from depthsat_theory.capture import batch_size, call_model
 from depthsat_theory.diagnose.errors import DiagnoseError
 from depthsat_theory.vocabulary import Layout
 
-__all__ = ["SITE_PATTERNS", "discover_sites", "infer_layout"]
+__all__ = ["SITE_PATTERNS", "discover_sites", "infer_layout", "rows_or_channels"]
 
 #: Module-name patterns of residual-stream sites (searched in ``named_modules()``), in
 #: the order they are tried; a model with ``site_names()`` (ours) uses that instead.
@@ -45,7 +45,7 @@ _CHANNEL_FIRST_1D = (
 _ROW_WISE = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.MultiheadAttention, nn.GroupNorm)
 
 
-def _rows_or_channels(module: nn.Module) -> Layout | None:
+def rows_or_channels(module: nn.Module) -> Layout | None:
     """``SEQUENCE`` or ``IMAGE`` (channel-first) from the last informative leaf of ``module``, else ``None``.
 
     The last leaf module (in registration order, the site module itself when it has no
@@ -97,7 +97,7 @@ def infer_layout(shape: Sequence[int], module: nn.Module | None = None, site: st
             f"cannot infer a site layout from per-example shape {tuple(shape)}; expected (d,), (T, d), (C, L) "
             f"or (C, H, W)"
         )
-    found = None if module is None else _rows_or_channels(module)
+    found = None if module is None else rows_or_channels(module)
     if found is None:
         raise DiagnoseError(
             f"site {site!r} has per-example shape {tuple(shape)}: a sequence (T, d) or a channel-first signal "
