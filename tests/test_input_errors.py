@@ -179,6 +179,32 @@ def test_sequence_first_inputs_count_the_losses_examples():
     assert d.sites[0].result.score == pytest.approx(dense_linear_score(z, g), rel=1e-8)
 
 
+@pytest.mark.parametrize("T", [40, 64])
+def test_issue_reproducer_transformer_encoder_sequence_first(T):
+    """The issue's reproducer: nn.TransformerEncoder(batch_first=False) fed (T, 64, d); T = B = 64 included."""
+
+    class Enc(nn.Module):
+        def __init__(self, bf):
+            super().__init__()
+            self.bf = bf
+            layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=bf)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.enc(x).mean(1 if self.bf else 0))
+
+    torch.manual_seed(0)
+    sf, bf = Enc(False).double().eval(), Enc(True).double().eval()
+    bf.load_state_dict(sf.state_dict())
+    x, y = torch.randn(T, 64, 8, dtype=torch.float64), torch.randint(0, 2, (64,))
+    xb = x.transpose(0, 1).contiguous()
+    d = diagnose(sf, per_example_ce, [(x, y)], sites=["enc"])
+    z, g = site_z_g(bf, bf.enc, xb, y)
+    assert d.n == 64 and d.sites[0].shape == (T, 8)
+    assert d.sites[0].result.score == pytest.approx(dense_linear_score(z, g), rel=1e-8)
+
+
 # ----------------------------------------------------------------------------- 2. dropout
 class WithDropout(nn.Module):
     def __init__(self, functional: bool):
