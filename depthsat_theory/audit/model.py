@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.audit.family import audit_family, guarded, probe_layout
-from depthsat_theory.audit.loading import LoadedFamily
+from depthsat_theory.audit.loading import AuditError, LoadedFamily
 from depthsat_theory.audit.report import AuditReport
-from depthsat_theory.capture import Insertion, SiteError, accumulate
+from depthsat_theory.capture import Insertion, SiteError, accumulate, resolve_module
 from depthsat_theory.families import ResidualFamily
 from depthsat_theory.statistics import statistics_for
 
@@ -42,6 +42,20 @@ def _capture(model: torch.nn.Module, site: str, inputs, targets, loss, batch_siz
     sink = _Collector()
     accumulate(model, [site], batches, loss, {site: sink})
     return torch.cat(sink.z), torch.cat(sink.g)
+
+
+def _audit_layout(model: torch.nn.Module, site: str, z: Tensor):
+    """The layout from the tensor rank; a channel-first ``Conv1d`` site ``(B, C, L)`` is refused."""
+    from depthsat_theory.diagnose.discovery import rows_or_channels
+    from depthsat_theory.vocabulary import Layout
+
+    if z.dim() == 3 and rows_or_channels(resolve_module(model, site)) == Layout.IMAGE:
+        raise AuditError(
+            f"site {site!r} is a channel-first 1-D site (B, C, L) = {tuple(z.shape)} (its module ends with a 1-D "
+            f"convolution, normalization or pooling): an audit inserts blocks on rows (T, d), which would take the "
+            f"channels as units; pass layout='sequence' to audit it so on purpose, or use diagnose (positions as units)"
+        )
+    return probe_layout(z.dim())
 
 
 def audit_model(
@@ -86,6 +100,7 @@ def audit_model(
 
     Raises:
         SiteError: if ``site`` is not one of the model's sites.
+        AuditError: a channel-first ``Conv1d`` site ``(B, C, L)`` without ``layout``.
         NotFunctionPreservingError, FamilyError, StatisticsError: as in
             :func:`~depthsat_theory.audit.audit_family`.
     """
@@ -95,7 +110,7 @@ def audit_model(
     if valid is not None and site not in valid:
         raise SiteError(f"unknown site {site!r}; valid sites: {', '.join(valid)}")
     z, g = _capture(model, site, inputs, targets, loss, batch_size)
-    layout = layout or getattr(model, "layout", None) or probe_layout(z.dim())
+    layout = layout or getattr(model, "layout", None) or _audit_layout(model, site, z)
     shape = tuple(z.shape[1:])
     fam = loaded.family
     spec = fam.spec or type(fam).__name__

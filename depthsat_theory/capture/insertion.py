@@ -87,6 +87,16 @@ class ResidualInsertion(nn.Module):
         return rebuild(t + self.block(t))
 
 
+def _detached_memo(model: nn.Module) -> dict[int, Any]:
+    """A :func:`copy.deepcopy` memo copying each non-leaf tensor attribute of ``model``'s modules detached."""
+    memo: dict[int, Any] = {}
+    for mod in model.modules():
+        for value in vars(mod).values():
+            if isinstance(value, Tensor) and not value.is_leaf and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
+    return memo
+
+
 def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=None) -> tuple[nn.Module, nn.Module]:
     """Insert ``block`` after ``site`` in a deep copy of ``model``.
 
@@ -103,6 +113,10 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
         ``(new_model, block)`` where ``block`` is the inserted module inside the copy
         (its parameters are the new block's parameters).
 
+    Tensors that a forward pass left as plain attributes of a module (``self.cache = w * 2``:
+    non-leaf tensors, which :func:`copy.deepcopy` refuses) are copied detached (a leaf copy of
+    the same values, no autograd history); the copy's next forward recomputes them.
+
     Raises:
         SiteError: if ``site`` does not exist or is the model itself.
     """
@@ -110,7 +124,7 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
     resolve_module(model, base)
     if base == "":
         raise SiteError("cannot insert after the whole model; name a submodule")
-    new = copy.deepcopy(model)
+    new = copy.deepcopy(model, _detached_memo(model))
     parent_name, _, child = base.rpartition(".")
     parent = resolve_module(new, parent_name) if parent_name else new
     old = parent.get_submodule(child)

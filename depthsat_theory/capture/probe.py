@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.capture.sites import SiteError, SiteRecorder
+from depthsat_theory.capture.batchdim import BatchDims, batch_first
+from depthsat_theory.capture.sites import SiteError, SiteRecorder, dropout_guard
 from depthsat_theory.statistics import StatisticsError
 
 __all__ = [
@@ -64,10 +65,13 @@ def call_model(model: nn.Module, x):
 
 
 def unpack_batch(batch, mask_fn: Callable | None = None) -> tuple:
-    """``(inputs, targets, mask)`` of a probe batch.
+    """``(inputs, targets, mask)`` of a probe batch: the one batch-unpacking path of the package.
 
     Args:
-        batch: ``(inputs, targets)`` or ``(inputs, targets, mask)``.
+        batch: ``(inputs, targets)``, ``(inputs, targets, mask)``, or a Hugging Face
+            keyword batch: a mapping with a ``"labels"`` entry (``{"input_ids": …,
+            "attention_mask": …, "labels": …}``), read as ``(the mapping without "labels",
+            labels)``: the model gets the other entries as keywords and ``loss_fn`` the labels.
         mask_fn: ``mask_fn(inputs, targets) -> (B, T)`` bool padding mask for batches
             without one.  Without either, mapping inputs (Hugging Face) use their
             ``attention_mask`` (padding is excluded, theory/definitions.md, def-setting).
@@ -77,12 +81,20 @@ def unpack_batch(batch, mask_fn: Callable | None = None) -> tuple:
         real tokens) or ``None``.
 
     Raises:
-        ValueError: a batch of another form, or a mask that is not 2-D.
+        ValueError: a batch of another form (a mapping without ``"labels"`` included), or a
+            mask that is not 2-D.
     """
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise ValueError(
+                f"a mapping probe batch must hold the targets under 'labels' (Hugging Face style), got keys "
+                f"{', '.join(map(str, batch.keys())) or '(none)'}; or pass (inputs, targets) batches"
+            )
+        batch = ({k: v for k, v in batch.items() if k != "labels"}, batch["labels"])
     if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         raise ValueError(
-            f"a probe batch must be (inputs, targets) or (inputs, targets, mask), got "
-            f"{type(batch).__name__}" + (f" of length {len(batch)}" if hasattr(batch, "__len__") else "")
+            f"a probe batch must be (inputs, targets), (inputs, targets, mask) or a mapping with "
+            f"'labels', got {type(batch).__name__}" + (f" of length {len(batch)}" if hasattr(batch, "__len__") else "")
         )
     x, y = batch[0], batch[1]
     mask = batch[2] if len(batch) == 3 else (mask_fn(x, y) if mask_fn is not None else None)
@@ -244,11 +256,57 @@ class ProbeBatch:
                 update_statistics(acc, self.z[key], self.g[key], self.mask, key)
 
 
-def _check_padding(rec: SiteRecorder, mask: Tensor | None) -> None:
+def _first_input(x) -> Tensor | None:
+    """The first tensor of model inputs (a tensor, a mapping or a sequence of them), or ``None``."""
+    if isinstance(x, Tensor):
+        return x
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
+    return next((_first_input(v) for v in items if _first_input(v) is not None), None)
+
+
+def _loss_batch(raw, reduction: str, x) -> int:
+    """The batch size ``B``: that of the inputs, or the losses' length for sequence-first inputs ``(T, B, …)``.
+
+    Per-example (``"none"``) or per-token (``"token_mean"``) losses of length ``B`` with inputs whose
+    first tensor is ``(T, B, …)``, ``T ≠ B``, are a probe of ``B`` examples; any other length is left
+    to :func:`reduce_losses` to reject.
+    """
+    bsz = batch_size(x)
+    if reduction in ("none", "token_mean") and isinstance(raw, Tensor) and raw.dim() >= 1:
+        first = _first_input(x)
+        n = int(raw.shape[0])
+        if n != bsz and first is not None and first.dim() >= 2 and int(first.shape[1]) == n:
+            return n
+    return bsz
+
+
+def _first_example_loss(raw: Tensor, reduction: str, mask: Tensor | None) -> Tensor | None:
+    """The first example's own loss (a scalar of the forward pass), or ``None`` for batch-reduced losses."""
+    if reduction == "none":
+        return raw[0]
+    if reduction == "token_mean":
+        row = raw[0] if mask is None else torch.where(mask[0].to(raw.device), raw[0], torch.zeros_like(raw[0]))
+        return row.sum()
+    return None
+
+
+def _measure_batch_dims(rec: SiteRecorder, dims: BatchDims, raw, reduction: str, mask, bsz: int) -> None:
+    """Measure the batch dimension of the sites whose shape and module leave it open (``T = B``)."""
+    open_keys = [key for key in rec.names if dims.undecided(key, tuple(rec.z[key].shape), bsz)]
+    if not open_keys:
+        return
+    loss0 = _first_example_loss(raw, reduction, mask)
+    grads = {} if loss0 is None else rec.gradients_of(loss0, open_keys)
+    for key in open_keys:
+        dims.measure(key, grads.get(key), bsz)
+
+
+def _check_padding(pb: ProbeBatch) -> None:
+    mask = pb.mask
     if mask is None:
         return
-    for key in rec.names:
-        z, g = rec.z[key], rec.g[key]
+    for key in pb.names:
+        z, g = pb.z[key], pb.g[key]
         if z.dim() == 3 and tuple(mask.shape) == tuple(z.shape[:2]) and bool((g[~mask.to(g.device)] != 0).any()):
             raise SiteError(
                 f"the activation gradient at site {key!r} is nonzero at padded "
@@ -269,6 +327,7 @@ def probe_batches(
     output_key=None,
     batchnorm: str = "error",
     select: Callable[[int], bool] | None = None,
+    batch_dim: int | Mapping[str, int] | None = None,
 ) -> Iterator[ProbeBatch]:
     """The probe loop: one forward and one backward pass per batch for all sites.
 
@@ -282,7 +341,8 @@ def probe_batches(
         model: the reference network (eval mode for BatchNorm).
         sites: site names (``"name"`` or ``"name#k"``, see
             :class:`~depthsat_theory.capture.sites.SiteRecorder`).
-        batches: iterable of ``(inputs, targets)`` or ``(inputs, targets, mask)``.
+        batches: iterable of ``(inputs, targets)``, ``(inputs, targets, mask)`` or Hugging Face
+            mappings with ``"labels"`` (:func:`unpack_batch`).
         loss_fn: ``loss_fn(outputs, targets)``, reduced as ``reduction`` says.
         reduction: one of :data:`REDUCTIONS` (see :func:`accumulate`).
         mask_fn: optional ``mask_fn(inputs, targets) -> (B, T)`` bool padding mask.
@@ -294,6 +354,12 @@ def probe_batches(
             statistics, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
         select: optional ``select(index) -> bool``; batches it rejects are skipped
             without a forward pass (resuming, sharding).
+        batch_dim: where the batch is in the site tensors: ``None`` (default: the dimension
+            whose size is the number of per-example losses; when ``T = B``, the module's
+            ``batch_first`` or one extra backward of the first example's loss on the first batch:
+            :mod:`~depthsat_theory.capture.batchdim`),
+            ``0`` (batch-first), ``1`` (sequence-first ``(T, B, d)``) or ``{site: dim}``.
+            Sequence-first site tensors are yielded batch-first.
 
     Yields:
         One :class:`ProbeBatch` per selected batch, in probe order.
@@ -302,26 +368,40 @@ def probe_batches(
         ValueError: an unknown ``reduction``; a malformed batch or mask, or a loss that is
             NaN/Inf or of the wrong shape (message prefixed with ``probe batch i:``).
         SiteError: unknown sites, a site that did not run as required, train-mode
-            BatchNorm, or a nonzero gradient at padded positions.
+            BatchNorm or dropout, a site without a batch dimension of the losses' length (or
+            an ambiguous one, ``T = B``, undeclared), or a nonzero gradient at padded positions.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    dims = BatchDims(model, batch_dim)
     with SiteRecorder(model, sites, calls=calls, output_key=output_key, batchnorm=batchnorm) as rec:
+        checked = False
         for index, batch in enumerate(batches):
             if select is not None and not select(index):
                 continue
             try:
                 x, y, mask = unpack_batch(batch, mask_fn)
-                bsz = batch_size(x)
                 rec.reset()
-                scalar, total = reduce_losses(loss_fn(call_model(model, x), y), reduction, bsz, mask)
+                if checked:
+                    raw = loss_fn(call_model(model, x), y)
+                else:  # functional dropout is looked for in the first forward pass
+                    with dropout_guard():
+                        raw = loss_fn(call_model(model, x), y)
+                    checked = True
+                bsz = _loss_batch(raw, reduction, x)
+                scalar, total = reduce_losses(raw, reduction, bsz, mask)
             except SiteError:
                 raise
             except ValueError as exc:
                 raise ValueError(f"probe batch {index}: {exc}") from None
+            _measure_batch_dims(rec, dims, raw, reduction, mask, bsz)
             rec.backward(scalar)
-            _check_padding(rec, mask)
-            yield ProbeBatch(index, bsz, total, mask, dict(rec.z), dict(rec.g), list(rec.names))
+            pb = ProbeBatch(index, bsz, total, mask, names=list(rec.names))
+            for key in pb.names:
+                dim = dims.dim(key, tuple(rec.z[key].shape), bsz)
+                pb.z[key], pb.g[key] = batch_first(rec.z[key], dim), batch_first(rec.g[key], dim)
+            _check_padding(pb)
+            yield pb
 
 
 def accumulate(
@@ -337,6 +417,7 @@ def accumulate(
     calls: str = "error",
     output_key=None,
     batchnorm: str = "error",
+    batch_dim: int | Mapping[str, int] | None = None,
 ) -> float:
     """Stream site statistics over a probe: one forward and one backward per batch.
 
@@ -371,7 +452,9 @@ def accumulate(
     Args:
         model: the reference network (eval mode for BatchNorm).
         sites: site names (``"name"`` or ``"name#k"``, see :class:`SiteRecorder`).
-        batches: iterable of ``(inputs, targets)`` or ``(inputs, targets, mask)``.
+        batches: iterable of ``(inputs, targets)``, ``(inputs, targets, mask)`` or Hugging Face
+            mappings with ``"labels"`` (:func:`unpack_batch`, the same as
+            :func:`~depthsat_theory.diagnose.diagnose`).
         loss_fn: ``loss_fn(model(inputs), targets)``, reduced as ``reduction`` says.
         stats: ``{site: accumulator}`` with an ``update(z, g)`` method (several
             families per site: pass a list of accumulators).  With ``calls="each"`` the
@@ -383,13 +466,17 @@ def accumulate(
         calls: ``"error"`` or ``"each"``, as in :class:`SiteRecorder`.
         output_key: as in :class:`SiteRecorder`.
         batchnorm: as in :class:`SiteRecorder`.
+        batch_dim: where the batch is in the site tensors (``None``: detected; ``0``, ``1``
+            for sequence-first ``(T, B, d)`` sites, or ``{site: dim}``), as in :func:`probe_batches`;
+            the accumulators always receive batch-first ``(B, *shape)`` tensors.
 
     Returns:
         The probe's mean loss ``J`` (nats per example, ``ℓ_i`` as above).
 
     Raises:
         SiteError: on unknown sites, a site without statistics, padding read by the
-            model, train-mode BatchNorm, or padded rows an accumulator cannot drop.
+            model, train-mode BatchNorm or dropout, reentrant checkpointing, a site whose batch
+            dimension cannot be found (or is ambiguous), or padded rows an accumulator cannot drop.
         StatisticsError: from the accumulators on bad values.
         ValueError: if a loss is NaN/Inf, has the wrong shape for ``reduction``, an
             example has no real token, or ``reduction`` is unknown.
@@ -405,6 +492,7 @@ def accumulate(
         calls=calls,
         output_key=output_key,
         batchnorm=batchnorm,
+        batch_dim=batch_dim,
     ):
         pb.update(stats)
         total += pb.loss_total

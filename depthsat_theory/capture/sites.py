@@ -31,6 +31,16 @@ Conventions (theory/definitions.md):
 * **BatchNorm.**  A BatchNorm that normalizes with batch statistics (train mode, or
   ``track_running_stats=False``) makes ``z``, ``g`` and the tangent map depend on
   the whole batch (theory/definitions.md): a :class:`SiteError` by default.
+* **Dropout.**  Dropout in train mode (an ``nn.Dropout*``/``nn.AlphaDropout`` module, a
+  ``nn.MultiheadAttention`` with ``dropout > 0``, a drop-path/stochastic-depth module, or a
+  functional ``dropout``/``scaled_dot_product_attention(dropout_p > 0)`` call seen in the
+  forward: :func:`dropout_guard`) makes ``z`` and ``g`` random, so scores drift between calls:
+  always a :class:`SiteError` (call ``model.eval()``).
+* **Gradients disabled.**  A site whose forward runs with gradients disabled (under
+  ``torch.no_grad()``, or inside reentrant activation checkpointing,
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, which also cannot be
+  differentiated with :func:`torch.autograd.grad`) has no activation gradient: a
+  :class:`SiteError` naming the fix (``use_reentrant=False``).
 * **Reductions and padding** (see :func:`depthsat_theory.capture.probe.accumulate`): ``g`` is the gradient of the
   per-example loss ``ℓ_i`` (nats per example); padded positions are excluded from
   the losses and from the units of the statistics.
@@ -45,11 +55,13 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "NotFunctionPreservingError",
     "SiteError",
     "SiteRecorder",
+    "dropout_guard",
     "parse_site",
     "resolve_module",
     "split_output",
@@ -214,6 +226,79 @@ def _check_batchnorm(model: nn.Module, policy: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+_DROP_PATH_NAMES = ("droppath", "stochasticdepth")
+
+
+def _train_mode_dropout(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that drop activations at random (train mode, rate > 0)."""
+    bad = []
+    for name, mod in model.named_modules():
+        if not mod.training:
+            continue
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            rate = float(mod.p)
+        elif isinstance(mod, nn.MultiheadAttention):
+            rate = float(mod.dropout)
+        elif type(mod).__name__.lower() in _DROP_PATH_NAMES:  # timm DropPath, torchvision StochasticDepth
+            rate = float(getattr(mod, "drop_prob", getattr(mod, "p", 1.0)) or 0.0)
+        else:
+            continue
+        if rate > 0:
+            bad.append(name or type(mod).__name__)
+    return bad
+
+
+def _dropout_message(what: str) -> str:
+    return (
+        f"dropout in train mode ({what}) makes z and g random, so the scores change from call to call; "
+        f"call model.eval() before probing"
+    )
+
+
+def _check_dropout(model: nn.Module) -> None:
+    bad = _train_mode_dropout(model)
+    if bad:
+        raise SiteError(_dropout_message(f"module(s) {', '.join(bad[:5])}" + (", …" if len(bad) > 5 else "")))
+
+
+def _functional_dropout_rate(func, args: tuple, kwargs: dict) -> float:
+    """The drop rate of a functional call (``0`` for anything but an active dropout)."""
+    name = getattr(func, "__name__", "")
+    if name == "scaled_dot_product_attention":
+        return float(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0))
+    if "dropout" not in name:
+        return 0.0
+    training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    rate = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    return float(rate) if training else 0.0
+
+
+class dropout_guard(TorchFunctionMode):
+    """Context manager raising :class:`SiteError` on a functional dropout call that drops activations.
+
+    Catches ``torch.nn.functional.dropout*``/``alpha_dropout``/``torch.dropout`` with
+    ``training=True`` and ``p > 0`` and ``scaled_dot_product_attention`` with ``dropout_p > 0``
+    (a ``TorchFunctionMode``: every torch call in the block passes through it).
+
+    Raises:
+        SiteError: on such a call (the message says to call ``model.eval()``).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        """Check the call, then run it unchanged."""
+        kwargs = kwargs or {}
+        if _functional_dropout_rate(func, args, kwargs) > 0:
+            raise SiteError(_dropout_message(f"a functional {getattr(func, '__name__', func)} call"))
+        return func(*args, **kwargs)
+
+
+_NO_GRAD_MESSAGE = (
+    "{what} (torch.no_grad, or torch.utils.checkpoint.checkpoint(..., use_reentrant=True), which "
+    "torch.autograd.grad cannot differentiate): the activation gradient g cannot be taken; "
+    "probe with gradients enabled and pass use_reentrant=False to checkpoint"
+)
+
+
 class SiteRecorder:
     """Context manager capturing site activations and activation gradients.
 
@@ -251,8 +336,10 @@ class SiteRecorder:
     Raises:
         SiteError: if a site name does not exist, a site module did not run as
             required (exactly once for a bare name with ``calls="error"``, at least
-            ``k + 1`` times for ``"name#k"``), its output holds no site tensor, or a
-            BatchNorm uses batch statistics (``batchnorm="error"``).
+            ``k + 1`` times for ``"name#k"``), its output holds no site tensor, a
+            BatchNorm uses batch statistics (``batchnorm="error"``), dropout is active
+            (train mode), or a site runs with gradients disabled (``torch.no_grad``,
+            reentrant checkpointing).
         ValueError: on a bad ``calls``/``batchnorm`` value.
     """
 
@@ -289,6 +376,7 @@ class SiteRecorder:
 
     def __enter__(self) -> SiteRecorder:
         _check_batchnorm(self.model, self.batchnorm)
+        _check_dropout(self.model)
         for base in self._requests:
             mod = resolve_module(self.model, base)
             self._handles.append(mod.register_forward_hook(self._hook(base)))
@@ -324,6 +412,8 @@ class SiteRecorder:
             t, rebuild = split_output(output, self._key_for(base), f"site {base!r}")
             if not isinstance(t, Tensor):
                 raise SiteError(f"site {base!r} returned {type(t).__name__}, not a tensor")
+            if not torch.is_grad_enabled():
+                raise SiteError(_NO_GRAD_MESSAGE.format(what=f"site {base!r} ran with gradients disabled"))
             anchor = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=True)
             slot: list = []
             zc = t.detach().clone()
@@ -366,6 +456,43 @@ class SiteRecorder:
                         f"time(s) in the forward pass (occurrences 0…{n - 1})"
                     )
 
+    def _grad(self, loss: Tensor, retain_graph: bool) -> None:
+        """Backpropagate ``loss`` to the taps of the current forward (the gradients land in the slots)."""
+        anchors, seen = [], set()
+        for key in self.names:
+            a = self._anchors[key]
+            if id(a) not in seen:
+                seen.add(id(a))
+                anchors.append(a)
+        try:
+            torch.autograd.grad(loss, anchors, allow_unused=True, retain_graph=retain_graph)
+        except RuntimeError as exc:
+            if "use_reentrant" not in str(exc):
+                raise
+            raise SiteError(_NO_GRAD_MESSAGE.format(what="the model runs reentrant activation checkpointing")) from None
+
+    def gradients_of(self, loss: Tensor, keys: Sequence[str]) -> dict[str, Tensor]:
+        """The site gradients of another scalar on the current forward, keeping the graph for :meth:`backward`.
+
+        Args:
+            loss: a scalar of the current forward pass (e.g. one example's loss).
+            keys: recorded site keys (of :attr:`names`).
+
+        Returns:
+            ``{key: ∂loss/∂z}``, each shaped like ``z[key]`` (zeros where ``loss`` does not reach).
+
+        Raises:
+            SiteError: if the model uses reentrant activation checkpointing.
+        """
+        self._grad(loss, retain_graph=True)
+        out = {}
+        for key in keys:
+            slot = self._slots[key]
+            out[key] = slot[-1] if slot else torch.zeros_like(self.z[key])
+        for key in self.names:  # every tap got this gradient: drop it before the real backward
+            self._slots[key].clear()
+        return out
+
     def backward(self, loss: Tensor) -> None:
         """Backpropagate ``loss`` to the sites and fill :attr:`g` (then reset the counters).
 
@@ -375,19 +502,15 @@ class SiteRecorder:
                 (:func:`~depthsat_theory.capture.probe.accumulate` handles other reductions).
 
         Raises:
-            SiteError: if a site did not run as required in the last forward pass, or a
-                BatchNorm uses batch statistics (``batchnorm="error"``).
+            SiteError: if a site did not run as required in the last forward pass, a
+                BatchNorm uses batch statistics (``batchnorm="error"``), dropout is active
+                (train mode), or the model uses reentrant activation checkpointing.
         """
         _check_batchnorm(self.model, self.batchnorm)
+        _check_dropout(self.model)
         self._validate()
-        anchors, seen = [], set()
-        for key in self.names:
-            a = self._anchors[key]
-            if id(a) not in seen:
-                seen.add(id(a))
-                anchors.append(a)
         self.g.clear()
-        torch.autograd.grad(loss, anchors, allow_unused=True)
+        self._grad(loss, retain_graph=False)
         for key in self.names:
             slot = self._slots[key]
             self.g[key] = slot[0] if slot else torch.zeros_like(self.z[key])

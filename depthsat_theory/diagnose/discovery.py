@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import warnings
+from collections import Counter
 from collections.abc import Sequence
 from itertools import chain
 
@@ -13,7 +15,7 @@ from depthsat_theory.capture import batch_size, call_model
 from depthsat_theory.diagnose.errors import DiagnoseError
 from depthsat_theory.vocabulary import Layout
 
-__all__ = ["SITE_PATTERNS", "discover_sites", "infer_layout"]
+__all__ = ["SITE_PATTERNS", "discover_sites", "infer_layout", "rows_or_channels"]
 
 #: Module-name patterns of residual-stream sites (searched in ``named_modules()``), in
 #: the order they are tried; a model with ``site_names()`` (ours) uses that instead.
@@ -28,20 +30,81 @@ SITE_PATTERNS: dict[str, str] = {
 _RESNET_BLOCKS = ("BasicBlock", "Bottleneck")
 
 
-def infer_layout(shape: Sequence[int]) -> Layout:
-    """Layout of a site from its per-example shape.
+#: Leaf modules whose 3-D output ``(B, C, L)`` is channel-first: units are the ``L`` positions.
+_CHANNEL_FIRST_1D = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.BatchNorm1d,
+    nn.InstanceNorm1d,
+    nn.MaxPool1d,
+    nn.AvgPool1d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveMaxPool1d,
+)
+#: Leaf modules whose 3-D output ``(B, T, d)`` is a sequence of rows: units are the ``T`` rows.
+_ROW_WISE = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.MultiheadAttention, nn.GroupNorm)
 
-    ``(d,)`` is a vector, ``(T, d)`` a sequence and ``(C, H, W)`` an image.
+
+def rows_or_channels(module: nn.Module) -> Layout | None:
+    """``SEQUENCE`` or ``IMAGE`` (channel-first) from the last informative leaf of ``module``, else ``None``.
+
+    The last leaf module (in registration order, the site module itself when it has no
+    submodules) that is a 1-D convolution/normalization/pooling (channel-first) or a
+    linear/normalization/attention/embedding layer acting on the last dimension (rows);
+    activations, dropout and other layers are skipped.  Hugging Face ``transformers`` and
+    ``depthsat_theory`` modules are sequences.
+    """
+    if type(module).__module__.startswith(("transformers.", "depthsat_theory.")):
+        return Layout.SEQUENCE
+    for sub in reversed(list(module.modules())):
+        if isinstance(sub, _CHANNEL_FIRST_1D):
+            return Layout.IMAGE
+        if isinstance(sub, _ROW_WISE):
+            return Layout.SEQUENCE
+    return None
+
+
+def infer_layout(shape: Sequence[int], module: nn.Module | None = None, site: str = "") -> Layout:
+    """Layout of a site from its per-example shape (and, for ``(·, ·)``, from its module).
+
+    ``(d,)`` is a vector and ``(C, H, W)`` an image.  A 2-D per-example shape is either a
+    sequence ``(T, d)`` (a transformer's residual stream: units are the ``T`` rows of
+    dimension ``d``) or a channel-first 1-D signal ``(C, L)`` (a ``Conv1d`` network: units
+    are the ``L`` positions of dimension ``C``, read as the image ``(C, 1, L)``).  The
+    module tells which: the last leaf that is a 1-D convolution, ``BatchNorm1d``,
+    ``InstanceNorm1d`` or 1-D pooling gives ``IMAGE`` (channel-first), the last that is a
+    ``Linear``, ``LayerNorm``, ``RMSNorm``, ``GroupNorm``, ``Embedding`` or
+    ``MultiheadAttention`` gives ``SEQUENCE``.
+
+    Args:
+        shape: the per-example shape of the site tensor.
+        module: the site module (needed for 2-D shapes).
+        site: the site's name, for error messages.
+
+    Returns:
+        The :class:`~depthsat_theory.vocabulary.Layout`; ``IMAGE`` for a channel-first ``(C, L)``
+        site, whose tensors :func:`~depthsat_theory.diagnose.diagnose` reads as ``(C, 1, L)``.
 
     Raises:
-        DiagnoseError: for other ranks.
+        DiagnoseError: for ranks other than 1, 2, 3, or a 2-D shape whose module does not
+            tell rows from channels (pass ``layout``).
     """
-    layouts = {1: Layout.VECTOR, 2: Layout.SEQUENCE, 3: Layout.IMAGE}
-    if len(shape) not in layouts:
+    layouts = {1: Layout.VECTOR, 3: Layout.IMAGE}
+    if len(shape) in layouts:
+        return layouts[len(shape)]
+    if len(shape) != 2:
         raise DiagnoseError(
-            f"cannot infer a site layout from per-example shape {tuple(shape)}; expected (d,), (T, d) or (C, H, W)"
+            f"cannot infer a site layout from per-example shape {tuple(shape)}; expected (d,), (T, d), (C, L) "
+            f"or (C, H, W)"
         )
-    return layouts[len(shape)]
+    found = None if module is None else rows_or_channels(module)
+    if found is None:
+        raise DiagnoseError(
+            f"site {site!r} has per-example shape {tuple(shape)}: a sequence (T, d) or a channel-first signal "
+            f"(C, L), and its module ({type(module).__name__}) does not say which; pass layout='sequence' "
+            f"(units = rows) or layout='image' (units = positions, channels first), or {{site: layout}}"
+        )
+    return found
 
 
 def _first_tensor(obj):
@@ -62,16 +125,20 @@ def discover_sites(model: nn.Module, example=None) -> list[str]:
     Rules, first match wins:
 
     1. ``model.site_names()`` when the model has it (:mod:`depthsat_theory.tasks.models`).
-    2. Module names matching :data:`SITE_PATTERNS`: torchvision ResNet blocks
-       ``layerN.M`` of type ``BasicBlock``/``Bottleneck`` (else the stages ``layerN``),
-       GPT-style ``transformer.h.N``, Llama ``model.layers.N``, BERT
-       ``encoder.layer.N``, ``blocks.N``.  With ``example`` (one probe input batch),
-       one no-grad forward checks that each candidate runs exactly once and outputs
-       a floating ``(B, *shape)`` tensor (tuple outputs: the first element) of the
-       residual-stream shape: for transformer-style names the output must have the
-       shape of the block's input; ResNet blocks/stages may change the shape.
-       Candidates failing the check are dropped and the rest are ordered by
-       execution.
+    2. Module names matching :data:`SITE_PATTERNS`: ResNet blocks ``layerN.M``
+       (torchvision ``BasicBlock``/``Bottleneck``, or any composite module: one with
+       submodules), else the stages ``layerN`` (with a warning when ``layerN.M`` modules
+       exist but are single layers), GPT-style ``transformer.h.N``, Llama
+       ``model.layers.N``, BERT ``encoder.layer.N``, ``blocks.N``.  With ``example`` (one
+       probe input batch), one no-grad forward checks that each candidate outputs a
+       floating ``(B, *shape)`` tensor (or sequence-first ``(T, B, d)``; tuple outputs: the
+       first element) of the residual-stream shape: for transformer-style names the output
+       must have the shape of the block's input; ResNet blocks/stages may change the shape.
+       Candidates that do not run or fail the check are dropped and the rest are ordered
+       by execution.  A module that runs ``c > 1`` times in the forward (a weight-shared
+       block) outputs ``c`` site tensors: it gives the ``c`` sites ``name#0`` … ``name#{c-1}``
+       (one per call, :class:`~depthsat_theory.capture.sites.SiteRecorder`), each checked on
+       its own.
 
     Args:
         model: any ``nn.Module``.
@@ -103,17 +170,32 @@ def discover_sites(model: nn.Module, example=None) -> list[str]:
     return found
 
 
+def _is_block(module: nn.Module) -> bool:
+    """A residual block of a ResNet stage: a torchvision block, or any module with submodules (a composite)."""
+    return type(module).__name__ in _RESNET_BLOCKS or any(True for _ in module.children())
+
+
 def _candidates(mods: dict[str, nn.Module]) -> tuple[list[str], dict[str, str]]:
-    """Module names matching :data:`SITE_PATTERNS` and their kind (``"resnet"`` or ``"stream"``)."""
-    blocks = [
-        n
-        for n in mods
-        if re.search(SITE_PATTERNS["torchvision ResNet block (layerN.M)"], n)
-        and type(mods[n]).__name__ in _RESNET_BLOCKS
-    ]
+    """Module names matching :data:`SITE_PATTERNS` and their kind (``"resnet"`` or ``"stream"``).
+
+    ``layerN.M`` modules are ResNet blocks when they are torchvision ``BasicBlock``/``Bottleneck``
+    or, structurally, composite modules (with submodules); when ``layerN.M`` modules exist but
+    none is a block (plain layers of an ``nn.Sequential`` stage), the stages ``layerN`` are the
+    sites and a warning says so.
+    """
+    numbered = [n for n in mods if re.search(SITE_PATTERNS["torchvision ResNet block (layerN.M)"], n)]
+    blocks = [n for n in numbered if _is_block(mods[n])]
     if blocks:
         return blocks, dict.fromkeys(blocks, "resnet")
     found = [n for n in mods if re.search(SITE_PATTERNS["ResNet stage (layerN)"], n)]
+    if numbered and found:
+        warnings.warn(
+            f"site discovery: the modules {', '.join(numbered[:3])}{', …' if len(numbered) > 3 else ''} are single "
+            f"layers, not residual blocks (no submodules), so the ResNet stages {', '.join(found[:3])}"
+            f"{', …' if len(found) > 3 else ''} are the sites; pass sites=[...] to choose others",
+            UserWarning,
+            stacklevel=3,
+        )
     kinds = dict.fromkeys(found, "resnet")
     for label, pat in SITE_PATTERNS.items():
         if "ResNet" in label:
@@ -125,24 +207,30 @@ def _candidates(mods: dict[str, nn.Module]) -> tuple[list[str], dict[str, str]]:
     return found, kinds
 
 
+def _site_shape_ok(kind: str, inp, out, batch: int) -> bool:
+    """A floating ``(B, *shape)`` (or sequence-first ``(T, B, d)``) output; same shape as the input for streams."""
+    if out is None or not 2 <= len(out) <= 4 or batch not in out[: 2 if len(out) == 3 else 1]:
+        return False
+    return kind != "stream" or inp == out
+
+
 def _check_shapes(model: nn.Module, names: list[str], kinds: dict, example) -> list[str]:
+    """The candidates that pass the shape check, in execution order; a module run ``c > 1`` times gives ``name#k``."""
     mods = dict(model.named_modules())
-    seen: dict[str, list] = {n: [] for n in names}
-    order: list[str] = []
+    calls: list[tuple[str, tuple | None, tuple | None]] = []  # (name, input shape, output shape) per call
     x = example[0] if isinstance(example, (tuple, list)) else example
 
     def make(name):
         def hook(module, args, kwargs, output):
             inp = next((a for a in chain(args, kwargs.values()) if isinstance(a, Tensor)), None)
             out = _first_tensor(output)
-            seen[name].append(
+            calls.append(
                 (
+                    name,
                     None if inp is None else tuple(inp.shape),
                     None if out is None or not out.is_floating_point() else tuple(out.shape),
                 )
             )
-            if name not in order:
-                order.append(name)
 
         return hook
 
@@ -154,14 +242,12 @@ def _check_shapes(model: nn.Module, names: list[str], kinds: dict, example) -> l
         for h in handles:
             h.remove()
     batch = batch_size(x)
+    count = Counter(name for name, _, _ in calls)
+    seen: Counter = Counter()
     keep = []
-    for n in order:
-        if len(seen[n]) != 1:
-            continue
-        inp, out = seen[n][0]
-        if out is None or len(out) < 2 or len(out) > 4 or out[0] != batch:
-            continue
-        if kinds[n] == "stream" and inp != out:
-            continue
-        keep.append(n)
+    for name, inp, out in calls:
+        key = name if count[name] == 1 else f"{name}#{seen[name]}"
+        seen[name] += 1
+        if _site_shape_ok(kinds[name], inp, out, batch):
+            keep.append(key)
     return keep

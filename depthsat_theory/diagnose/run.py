@@ -47,7 +47,16 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.capture import REDUCTIONS, ProbeBatch, SiteError, SiteRecorder, probe_batches, unpack_batch
+from depthsat_theory.capture import (
+    REDUCTIONS,
+    ProbeBatch,
+    SiteError,
+    SiteRecorder,
+    parse_site,
+    probe_batches,
+    resolve_module,
+    unpack_batch,
+)
 from depthsat_theory.diagnose import distributed as _dist
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
@@ -110,6 +119,7 @@ def diagnose(
     output_key=None,
     batchnorm: str = "error",
     loss_units: str = "nats per example",
+    batch_dim: int | dict | None = None,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -125,9 +135,10 @@ def diagnose(
         model: the reference network (put BatchNorm models in eval mode).
         loss_fn: per-example losses ``(B,)``; a batch-mean reduction would rescale
             ``g`` by ``1/B`` (theory/definitions.md, def-setting), so it is rejected by the shape check.
-        batches: iterable of ``(inputs, targets)`` in a fixed order (resuming and
-            sharding address batches by their index).  Inputs may be a tensor or a
-            dict of keyword tensors.
+        batches: iterable of ``(inputs, targets)`` (or ``(inputs, targets, mask)``, or Hugging
+            Face mappings with ``"labels"``: :func:`~depthsat_theory.capture.probe.unpack_batch`)
+            in a fixed order (resuming and sharding address batches by their index).  Inputs
+            may be a tensor or a dict of keyword tensors.
         sites: module names; default :func:`discover_sites` (shape check on the
             first batch: one extra no-grad forward, only when the model has no
             ``site_names()``).
@@ -145,7 +156,11 @@ def diagnose(
             uses ``<path>.rank<r>-of-<N>``.
         checkpoint_every: batches between checkpoint writes.
         layout: a layout for all sites, or ``{site: layout}``; default: the model's
-            ``layout`` attribute, else inferred from the site tensor's rank.
+            ``layout`` attribute, else inferred from the site tensor's rank and, for
+            ``(B, ·, ·)`` site tensors, from the site module
+            (:func:`~depthsat_theory.diagnose.discovery.infer_layout`): ``"sequence"`` reads
+            ``(B, T, d)`` as ``T`` rows of dimension ``d``; ``"image"`` reads a channel-first
+            ``(B, C, L)`` (``Conv1d``) as the image ``(B, C, 1, L)``: ``L`` units of dimension ``C``.
         total: the number of batches (for ``progress``; default ``len(batches)`` when
             available).
         config: extra JSON-serialisable configuration that must match to resume
@@ -170,6 +185,12 @@ def diagnose(
             statistics, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
         loss_units: units of the per-example loss, for the outputs (scores are in
             these units per unit function-space step).
+        batch_dim: where the batch is in the site tensors: ``None`` (default: the dimension
+            whose size is the number of per-example losses; a 3-D site with ``T = B`` is decided by
+            its module's ``batch_first`` or by the support of the first example's loss gradient, else
+            needs a declaration), ``0`` (batch-first), ``1``
+            (sequence-first ``(T, B, d)``, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``)
+            or ``{site: dim}`` (:mod:`depthsat_theory.capture.batchdim`).
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -207,7 +228,9 @@ def diagnose(
         layouts=_resolve_layouts(model, site_list, layout),
         delta=delta,
         realizability=bool(realizability),
-        probe_options=dict(reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm),
+        probe_options=dict(
+            reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm, batch_dim=batch_dim
+        ),
     )
     run.open_checkpoint(checkpoint, config)
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
@@ -359,7 +382,9 @@ class _Run:
 
         for s in self.sites:
             shp = tuple(shape_map[s])
-            lay = self.layouts.get(s) or infer_layout(shp)
+            lay = self.layouts.get(s) or infer_layout(shp, resolve_module(self.model, parse_site(s)[0]), s)
+            if lay == Layout.IMAGE and len(shp) == 2:  # a channel-first 1-D site (C, L), read as (C, 1, L)
+                shp = (shp[0], 1, shp[1])
             self.layouts[s] = lay
             try:
                 if self.delta is not None:
@@ -388,6 +413,9 @@ class _Run:
     def _add(self, pb: ProbeBatch) -> None:
         if not self.stats:
             self.make_stats({s: tuple(pb.z[s].shape[1:]) for s in self.sites})
+        for s in self.sites:  # channel-first 1-D sites (B, C, L) are images (B, C, 1, L)
+            if self.layouts[s] == Layout.IMAGE and pb.z[s].dim() == 3:
+                pb.z[s], pb.g[s] = pb.z[s].unsqueeze(2), pb.g[s].unsqueeze(2)
         try:
             for s in self.sites:
                 if tuple(pb.z[s].shape[1:]) != self.stats[s].shape:
