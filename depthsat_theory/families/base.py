@@ -50,7 +50,9 @@ __all__ = [
     "FeatureFamily",
     "GeneralFamily",
     "ResidualFamily",
+    "follows_site",
     "from_rows",
+    "place_block",
     "to_rows",
 ]
 
@@ -102,6 +104,51 @@ def _check_layout_tensor(t: Tensor, layout: str) -> None:
         raise FamilyError(
             f"a {str(layout)!r} site tensor must have {ndim} dimensions (batch first), got shape {tuple(t.shape)}"
         )
+
+
+# ----------------------------------------------------------------------------- placement
+def _follow_site(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: move a block to its site tensor's dtype/device (the aspects not pinned)."""
+    z = args[0] if args else None
+    if not isinstance(z, Tensor) or not z.is_floating_point():
+        return
+    ref = next(iter(module.parameters()), None)
+    if ref is None:
+        return
+    dtype = z.dtype if getattr(module, "_depthsat_follow_dtype", False) else ref.dtype
+    device = z.device if getattr(module, "_depthsat_follow_device", False) else ref.device
+    if ref.dtype != dtype or ref.device != device:
+        module.to(dtype=dtype, device=device)
+
+
+def place_block(block: nn.Module, dtype=None, device=None) -> nn.Module:
+    """Put a freshly built block in ``dtype`` on ``device``; ``None`` means *the site's*.
+
+    A block built with ``dtype=None`` (or ``device=None``) starts in float64 (on the CPU) and
+    moves itself to the dtype (device) of the site tensor it receives, on the first forward
+    where they differ (:func:`depthsat_theory.capture.insert_block` also moves it to the
+    site module's parameters at insertion).  Its parameters stay the same ``nn.Parameter``
+    objects (``Module.to`` converts them in place), so an optimizer built on them stays valid.
+
+    Args:
+        block: the block.
+        dtype: a floating dtype to pin, or ``None`` to follow the site.
+        device: a device to pin, or ``None`` to follow the site.
+
+    Returns:
+        ``block``, converted, with the following aspects recorded (:func:`follows_site`).
+    """
+    block.to(dtype=dtype or torch.float64, device=device)
+    block._depthsat_follow_dtype = dtype is None  # type: ignore[assignment]
+    block._depthsat_follow_device = device is None  # type: ignore[assignment]
+    if dtype is None or device is None:
+        block.register_forward_pre_hook(_follow_site)
+    return block
+
+
+def follows_site(block: nn.Module) -> tuple[bool, bool]:
+    """Whether a block follows its site's ``(dtype, device)`` (built with ``None`` for them)."""
+    return bool(getattr(block, "_depthsat_follow_dtype", False)), bool(getattr(block, "_depthsat_follow_device", False))
 
 
 # ----------------------------------------------------------------------------- base
@@ -160,6 +207,16 @@ class ResidualFamily(abc.ABC):
         tangent-coordinate parameters first, are the block's ``θ``; parameters not in
         the tangent coordinates (feature weights ``ψ``) follow and have zero
         gradient at the origin.
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+            dtype: the block's dtype; ``None`` (default): the dtype of the site tensor it
+                receives (:func:`place_block`), so it runs inside a float32 model.
+            device: the block's device; ``None`` (default): the site tensor's.
+
+        Raises:
+            FamilyError: if the family does not fit the site.
         """
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
@@ -303,7 +360,7 @@ class FeatureFamily(ResidualFamily):
 
         The parameters of ``out`` (``W`` of shape ``(d, k)``, then ``c`` of shape ``(d,)`` when
         ``bias``) are the tangent coordinates; the feature weights ``ψ`` follow.  The block is in
-        ``dtype`` (default float64) on ``device``.
+        ``dtype`` on ``device``; ``None`` for either follows the site tensor (:func:`place_block`).
 
         Raises:
             FamilyError: if the family does not fit the site (:meth:`check_site`).
@@ -312,8 +369,7 @@ class FeatureFamily(ResidualFamily):
         fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
         k = self.feature_dim(shape, layout)
         d = self.site_dim(shape, layout)
-        blk = _FeatureBlock(fmap, k, d, self.bias, layout)
-        return blk.to(dtype=dtype or torch.float64, device=device)
+        return place_block(_FeatureBlock(fmap, k, d, self.bias, layout), dtype, device)
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
         """The weight ``W`` and (when ``bias``) the bias ``c`` of the block's final linear map ``out``."""
@@ -414,10 +470,12 @@ class GeneralFamily(ResidualFamily):
         return from_rows(out.reshape(rows.shape), layout, z.shape)
 
     def block(self, shape, layout, *, dtype=None, device=None) -> nn.Module:
-        """Build the insertable block: one parameter ``θ`` of shape ``(p,)``, zero, in ``dtype`` (default float64).
+        """Build the insertable block: one parameter ``θ`` of shape ``(p,)``, zero.
+
+        In ``dtype`` on ``device``; ``None`` for either follows the site tensor (:func:`place_block`).
 
         Raises:
             FamilyError: if the family does not fit the site (:meth:`check_site`) or ``p < 1``.
         """
         self.check_site(shape, layout)
-        return _GeneralBlock(self, self.param_dim(shape), layout).to(dtype=dtype or torch.float64, device=device)
+        return place_block(_GeneralBlock(self, self.param_dim(shape), layout), dtype, device)

@@ -17,7 +17,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.families.base import FamilyError, FeatureFamily, GeneralFamily, to_rows
+from depthsat_theory.families.base import FamilyError, FeatureFamily, GeneralFamily, place_block, to_rows
 from depthsat_theory.vocabulary import Layout
 
 __all__ = [
@@ -187,8 +187,7 @@ class _SimpleFeatureFamily(FeatureFamily):
 class _Conv1x1Family(_SimpleFeatureFamily):
     def block(self, shape, layout, *, dtype=None, device=None):
         self.check_site(shape, layout)
-        blk = _Conv1x1Block(int(shape[0]), None, int(shape[0]), self.bias)
-        return blk.to(dtype=dtype or torch.float64, device=device)
+        return place_block(_Conv1x1Block(int(shape[0]), None, int(shape[0]), self.bias), dtype, device)
 
 
 class _Conv3x3Family(_SimpleFeatureFamily):
@@ -196,7 +195,7 @@ class _Conv3x3Family(_SimpleFeatureFamily):
         self.check_site(shape, layout)
         fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
         blk = _Conv1x1Block(int(shape[0]), cast(_Conv3x3Features, fmap), self.feature_dim(shape, layout), self.bias)
-        return blk.to(dtype=dtype or torch.float64, device=device)
+        return place_block(blk, dtype, device)
 
 
 # -- constructors (public)
