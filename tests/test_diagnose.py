@@ -851,3 +851,83 @@ def test_cli_tampered_checkpoint_exit_2(tmp_path, cache_env, name, how, field):
     assert len(lines) == 1 and lines[0].startswith("error: "), out.output
     assert "is damaged or incompatible" in lines[0] and field in lines[0], out.output
     assert "internal error" not in out.output and "probe batch" not in out.output
+
+
+# ----------------------------------------------------------------------------- attention with padding (issue 10.5.3)
+def _stacked_reference(fam, zs, gs):
+    """``s`` of unpadded sequences scored separately: the torch.func tangent Jacobian of each, stacked.
+
+    ``s² = ‖Π g‖² / n`` with ``Π`` the least-squares projector onto the columns of the stacked
+    Jacobian (one row block per real token and coordinate), ``n`` the number of sequences.
+    """
+    p = fam.param_dim(tuple(zs[0].shape))
+    theta0 = torch.zeros(p, dtype=DT)
+    for z in zs:  # build the frozen feature map of each length outside the transform
+        fam.functional(theta0, z[None], "sequence")
+    jac = [torch.func.jacrev(lambda th, z=z: fam.functional(th, z[None], "sequence").reshape(-1))(theta0) for z in zs]
+    a = torch.cat(jac).numpy()
+    gv = torch.cat([g.reshape(-1) for g in gs]).numpy()
+    coef, *_ = np.linalg.lstsq(a, gv, rcond=1e-12)
+    return math.sqrt(float(((a @ coef) ** 2).sum()) / len(zs))
+
+
+def test_attention_statistics_honour_the_padding_mask():
+    from depthsat_theory.statistics import statistics_for
+
+    torch.manual_seed(7)
+    fam = parse_family("attention:6")
+    lengths, left = [5, 3, 2, 4], [False, False, True, True]  # right and left padding
+    z = torch.randn(4, 5, 4, dtype=DT)
+    g = torch.randn(4, 5, 4, dtype=DT)
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    for i, (n_i, lft) in enumerate(zip(lengths, left, strict=True)):
+        if lft:
+            mask[i, 5 - n_i :] = True
+        else:
+            mask[i, :n_i] = True
+    assert mask.tolist()[2] == [False, False, False, True, True]
+    g[~mask] = 0.0
+    z[~mask] = 100.0  # padded activations must not matter
+    for m in (None, torch.ones(4, 5, dtype=torch.bool)):  # no mask and an all-ones mask agree
+        st = statistics_for(fam, (5, 4), "sequence")
+        st.update(z[:1], g[:1], mask=m if m is None else m[:1])
+        assert st.result().score == pytest.approx(_stacked_reference(fam, [z[0]], [g[0]]), rel=1e-9)
+    st = statistics_for(fam, (5, 4), "sequence")
+    st.update(z, g, mask=mask)
+    res = st.result()
+    zs, gs = [z[i][mask[i]] for i in range(4)], [g[i][mask[i]] for i in range(4)]
+    assert res.score == pytest.approx(_stacked_reference(fam, zs, gs), rel=1e-9)
+    assert res.units == sum(lengths) == 14 and res.n == 4
+    bound = BoundStatistics(fam, (5, 4), "sequence")
+    bound.update(z, g, mask=mask)
+    assert bound.result().score == pytest.approx(res.score, rel=1e-12)
+    with pytest.raises(Exception, match=r"tie pooling .*needs unpadded batches"):
+        statistics_for(fam, (5, 4), "sequence", pool_ties=True).update(z, g, mask=mask)
+
+
+def test_diagnose_attention_on_padded_keyword_batches():
+    """HF keyword batches with an attention_mask (padded, and all ones): equal to the unpadded sequences."""
+    torch.manual_seed(5)
+    model = HFLike("llama").to(DT)
+    ids = torch.randint(0, 5, (4, 5))
+    masks = [torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), torch.ones(2, 5, dtype=torch.long)]
+
+    def loss(logits, y):
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none", ignore_index=-100)
+        return ce.sum(1) / (y != -100).sum(1)
+
+    batches = [
+        ({"input_ids": ids[2 * j : 2 * j + 2], "attention_mask": m}, ids[2 * j : 2 * j + 2].masked_fill(m == 0, -100))
+        for j, m in enumerate(masks)
+    ]
+    fam = parse_family("attention:4")
+    d = diagnose(model, loss, batches, family="attention:4")
+    for sd in d.sites:
+        zs, gs = [], []
+        for x, y in batches:
+            z, g = _naive_site(model, sd.site, x["input_ids"], y, loss)
+            keep = x["attention_mask"].bool()
+            zs += [z[i][keep[i]] for i in range(z.shape[0])]
+            gs += [g[i][keep[i]] for i in range(z.shape[0])]
+        assert sd.result.score == pytest.approx(_stacked_reference(fam, zs, gs), rel=1e-8)
+        assert sd.result.units == 18 and sd.result.n == 4

@@ -160,11 +160,15 @@ class ResidualFamily(abc.ABC):
             :func:`parse_family`.
         unit: ``"row"`` or ``"tensor"`` (see the module docstring).
         layouts: site layouts this family fits.
+        masks_padding: whether the feature map takes a padding mask (``fmap(z, mask=m)``,
+            ``m`` bool ``(B, T)``, ``True`` at real tokens) and ignores padded positions, so
+            that padded rows can be dropped from the statistics of a sequence-level family.
     """
 
     spec: str = ""
     unit: str = "row"
     layouts: tuple[str, ...] = tuple(Layout)
+    masks_padding: bool = False
 
     def check_site(self, shape: Sequence[int], layout: str) -> None:
         """Raise :class:`FamilyError` if the family does not fit a site.
@@ -290,6 +294,8 @@ class FeatureFamily(ResidualFamily):
             self.check_site(shape, layout)
             self._cache[key] = self._make_feature_map(shape, layout)
         mod = copy.deepcopy(self._cache[key])
+        if (dtype or torch.float64) == torch.float64 and (device is None or torch.device(device).type == "cpu"):
+            return mod  # already there (and Module.to would fail inside a torch.func transform)
         return mod.to(dtype=dtype or torch.float64, device=device)
 
     def site_dim(self, shape: Sequence[int], layout: str) -> int:
@@ -305,9 +311,17 @@ class FeatureFamily(ResidualFamily):
         layout = _layout_of(shape)
         return self.site_dim(shape, layout) * self.augmented_dim(shape, layout)
 
-    def augmented_features(self, fmap: nn.Module, z: Tensor) -> Tensor:
-        """``φ̃(z)`` rows: ``(B, R, k̃)``, the constant column last when ``bias``."""
-        phi = fmap(z)
+    def augmented_features(self, fmap: nn.Module, z: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``φ̃(z)`` rows: ``(B, R, k̃)``, the constant column last when ``bias``.
+
+        Args:
+            fmap: the feature map (:meth:`feature_map`).
+            z: site tensors ``(B, *shape)``.
+            mask: optional padding mask ``(B, T)`` bool (``True`` at real tokens), passed to
+                ``fmap`` for families with ``masks_padding``; ignored by the others (their
+                padded rows are dropped by the statistics).
+        """
+        phi = fmap(z, mask=mask) if mask is not None and self.masks_padding else fmap(z)
         if self.bias:
             phi = torch.cat([phi, phi.new_ones((*phi.shape[:-1], 1))], dim=-1)
         return phi

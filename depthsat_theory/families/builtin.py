@@ -156,7 +156,15 @@ class _CausalAttentionFeatures(nn.Module):
             for lin in (self.q, self.k, self.v):
                 lin.weight.copy_(torch.randn(k, d, generator=gen, dtype=torch.float64) / math.sqrt(d))
 
-    def forward(self, z: Tensor) -> Tensor:
+    def forward(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Head outputs ``(B, T, k)`` of site tensors ``z`` ``(B, T, d)``.
+
+        Args:
+            z: the sequence site tensors.
+            mask: optional padding mask ``(B, T)`` bool, ``True`` at real tokens: padded
+                keys are excluded from every query's attention and padded rows are zero, so
+                the real rows equal those of the unpadded sequence (no positional term).
+        """
         b, t, _ = z.shape
         x = self.norm(z)
         h = self.heads
@@ -166,9 +174,13 @@ class _CausalAttentionFeatures(nn.Module):
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(t, t, dtype=torch.bool, device=z.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        return (att @ v).transpose(1, 2).reshape(b, t, -1)
+        allowed = torch.ones(t, t, dtype=torch.bool, device=z.device).tril()[None, None]
+        if mask is not None:
+            real = mask.to(device=z.device, dtype=torch.bool)
+            # a padded query keeps its own key only (a row of -inf has no softmax); it is zeroed below
+            allowed = (allowed & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=z.device)
+        out = (att.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return out if mask is None else out * real[..., None].to(out.dtype)
 
 
 class _SimpleFeatureFamily(FeatureFamily):
@@ -278,19 +290,24 @@ def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily
     """Pre-LN causal self-attention with a zero output projection (sequence sites).
 
     Features are the concatenated head outputs ``(B, T, k)``; the unit is the whole
-    sequence.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
+    sequence.  The feature map honours a padding mask (``masks_padding``): padded keys are
+    excluded and padded rows are dropped from the statistics, so a padded batch scores as
+    its unpadded sequences (the inserted block itself sees no mask: with right padding and
+    the causal mask its real rows are unaffected).  Implemented explicitly (``nn.MultiheadAttention`` would bypass
     ``out_proj``'s hooks, theory/definitions.md).
     """
     _check_width(width)
     if heads < 1:
         raise FamilyError(f"attention heads must be >= 1, got {heads}")
-    return _SimpleFeatureFamily(
+    fam = _SimpleFeatureFamily(
         f"attention:{width}:{seed}",
         lambda d, lay: _CausalAttentionFeatures(d, width, heads, seed),
         lambda d: width,
         unit="tensor",
         layouts=(Layout.SEQUENCE,),
     )
+    fam.masks_padding = True
+    return fam
 
 
 def product(rank: int) -> GeneralFamily:
