@@ -184,7 +184,7 @@ DENSE_FAMILIES: dict[str, tuple[str, ...]] = {
     Layout.VECTOR: (
         "linear",
         "linear-nobias",
-        "poly:2",
+        "powers:2",
         "relu:16",
         "gelu:8",
         "tanh:8",

@@ -242,7 +242,7 @@ def _affine_target_task(seed: int) -> tuple[Task, str]:
     return task, "ln_f"
 
 
-POP_FAMILIES = ("linear", "linear-nobias", "relu:16", "poly:2", "tanh:8", "diag-general")
+POP_FAMILIES = ("linear", "linear-nobias", "relu:16", "powers:2", "tanh:8", "diag-general")
 REAL_RTOL = 1e-9
 
 

@@ -15,7 +15,7 @@ by hand from the mathematics, not by running an engine:
 * ``product:R`` has ``A ≡ 0`` (T4): degenerate, rank 0, ``tangent_dim = 2 d R``;
 * on the four points ``(±1, ±1)`` with equal weights, ``m = u1 u2`` is orthogonal to
   ``1``, ``u1``, ``u2`` (and ``u1² = u2² = 1`` are constants), so ``s = 0`` for the
-  linear and ``poly:2`` families: saturated;
+  linear and ``powers:2`` families: saturated;
 * ``gradient="orthogonal"`` builds ``g`` orthogonal to ``T = {W z + c}`` of the linear
   family in the probe's empirical measure (QR of ``[Z, 1]``): saturated.
 
@@ -105,8 +105,8 @@ EXACT_CASES: list[Case] = [
         tangent_dim=6,
     ),
     Case(
-        "poly2-square-saturated",  # u² ≡ 1 on the square: rank Σ = 3 of k̃ = 5
-        "poly:2",
+        "powers2-square-saturated",  # u² ≡ 1 on the square: rank Σ = 3 of k̃ = 5
+        "powers:2",
         Layout.VECTOR,
         (2,),
         Verdict.SATURATED,
@@ -129,8 +129,8 @@ EXACT_CASES: list[Case] = [
         tangent_dim=6,
     ),
     Case(
-        "poly2-weighted-realizable",  # m ∈ T: s = r > 0
-        "poly:2",
+        "powers2-weighted-realizable",  # m ∈ T: s = r > 0
+        "powers:2",
         Layout.VECTOR,
         (2,),
         Verdict.IMPROVABLE,
@@ -191,7 +191,15 @@ RANDOM_CASES: list[Case] = [
         tangent_dim=6,
     ),
     Case(
-        "poly2-vector", "poly:2", Layout.VECTOR, (2,), Verdict.IMPROVABLE, n=20, seed=4, tangent_rank=10, tangent_dim=10
+        "powers2-vector",
+        "powers:2",
+        Layout.VECTOR,
+        (2,),
+        Verdict.IMPROVABLE,
+        n=20,
+        seed=4,
+        tangent_rank=10,
+        tangent_dim=10,
     ),
     Case("relu4-vector", "relu:4", Layout.VECTOR, (3,), Verdict.IMPROVABLE, n=12, seed=5, tangent_dim=15),
     Case("tanh3-sequence", "tanh:3", Layout.SEQUENCE, (3, 2), Verdict.IMPROVABLE, n=4, seed=6, tangent_dim=8),

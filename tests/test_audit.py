@@ -93,12 +93,14 @@ def test_saturated_probe_where_g_is_orthogonal_to_the_tangent_space():
     assert rep.realizability_defect == pytest.approx(1.0, abs=1e-10)
 
 
-def test_poly2_rank_and_score_match_numpy():
+@pytest.mark.parametrize("spec", ["powers:2", "poly:2"])
+def test_poly2_rank_and_score_match_numpy(spec):
     z, g = _probe(n=50, d=2, seed=3)
-    rep = audit_family(load_family("poly:2"), z, g)
-    phi = np.hstack([z, z**2, np.ones((50, 1))])
+    rep = audit_family(load_family(spec), z, g)
+    cross = [] if spec == "powers:2" else [z[:, :1] * z[:, 1:]]  # poly:2 also has the monomial u1 u2
+    phi = np.hstack([z, z**2, *cross, np.ones((50, 1))])
     s, rank = _feature_reference(phi, g)
-    assert rank == 2 * 5 == rep.tangent_rank == rep.rank_check == rep.tangent_dim
+    assert rank == 2 * (5 + len(cross)) == rep.tangent_rank == rep.rank_check == rep.tangent_dim
     assert rep.score == pytest.approx(s, rel=1e-10)
     assert rep.status == "undetermined"  # g independent of z: within sampling noise (thm-noise-test)
 

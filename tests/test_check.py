@@ -117,7 +117,7 @@ def test_observed_slope_matches_an_independent_gradient(model_cache):
 
     rep = run_check(CheckConfig(instances=30, seed=5, cache_dir=model_cache, kinds=("mlp",), construction_fraction=0.0))
     rec = next(
-        r for r in rep["records"] if r["predicted_improvable"] and r["family"] in ("linear", "relu:128", "poly:2")
+        r for r in rep["records"] if r["predicted_improvable"] and r["family"] in ("linear", "relu:128", "powers:2")
     )
     task = trained_task("mlp", 5, cache_dir=model_cache)
     fam = parse_family(rec["family"])

@@ -88,7 +88,7 @@ def test_score_saturated_probe_and_float32(tmp_path):
     assert out["ag_max"] > 0.1
     assert out["realizability_defect"] == pytest.approx(1.0, abs=1e-10)
     path32, z32, g32 = _probe(tmp_path, dtype=np.float32)
-    out32 = _json(runner.invoke(app, ["score", "--probe", str(path32), "--family", "poly:2", "--json"]))
+    out32 = _json(runner.invoke(app, ["score", "--probe", str(path32), "--family", "powers:2", "--json"]))
     zz = z32.astype(np.float64)
     phi2 = np.hstack([zz, zz**2])
     assert out32["score"] == pytest.approx(_numpy_score(phi2, g32.astype(np.float64)), rel=1e-6)

@@ -637,7 +637,7 @@ def test_checkpoint_of_format_1_is_refused_in_one_line(tmp_path, cache_env):
         }
     header = {"config": {"version": 1}, "batches": 1, "examples": 6, "complete": False, "shapes": {}}
     ck.write_bytes(save(tensors, metadata={"depthsat_diagnose": json.dumps(header)}))
-    with pytest.raises(CheckpointError, match=r"format version 1.*version 2 only") as info:
+    with pytest.raises(CheckpointError, match=r"format version 1.*version 3 only") as info:
         diagnose(model, classification_loss, batches, checkpoint=ck)
     assert "\n" not in str(info.value)
     # the CLI reports it on one line and exits 2
@@ -654,7 +654,7 @@ def test_checkpoint_holds_the_statistics_state_dicts(tmp_path):
     ck = tmp_path / "ck.safetensors"
     full = diagnose(model, classification_loss, batches, realizability=True, checkpoint=ck)
     header, tensors = read_checkpoint(ck)
-    assert header["config"]["version"] == 2 and header["complete"]
+    assert header["config"]["version"] == 3 and header["complete"]
     site = full.sites[0].site
     st = statistics_for(parse_family("linear"), header["shapes"][site], full.sites[0].layout, pool_ties=True)
     st.load_state_dict({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{site}/")})
@@ -711,3 +711,225 @@ def test_diagnose_errors_name_arguments_and_the_cli_names_flags():
     old = {"version": 2, "user": {"model": "mlp", "batch_size": 64, "seed": 0}}
     new = {"version": 2, "user": {"model": "mlp", "batch_size": 32, "seed": 1}}
     assert config_diff(old, new) == ["user.batch_size", "user.seed"]
+
+
+# ----------------------------------------------------------------------------- checkpoint: probe stream, tampering
+def _interrupted_checkpoint(tmp_path, model, batches, after=3, **kw):
+    ck = tmp_path / "ck.safetensors"
+
+    def stop(done, total):
+        if done == after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        diagnose(model, classification_loss, batches, checkpoint=ck, progress=stop, **kw)
+    return ck
+
+
+def test_resume_with_another_batching_or_probe_is_refused(tmp_path):
+    """Issue 10.5.1: resuming 512 examples with another batching counted n = 608; now refused."""
+    torch.manual_seed(0)
+    model = ResidualMLP(in_dim=6, width=5, depth=2, n_classes=3).to(DT).eval()
+    x, y = torch.randn(512, 6, dtype=DT), torch.randint(0, 3, (512,))
+
+    def batches(b, xx=x, yy=y):
+        return [(xx[i : i + b], yy[i : i + b]) for i in range(0, 512, b)]
+
+    ck = _interrupted_checkpoint(tmp_path, model, batches(64))
+    assert read_checkpoint(ck)[0]["examples"] == 3 * 64  # hand count: three batches of 64
+    head = f"checkpoint {ck} was written for another probe stream: "
+    tail = (
+        "; resume with the same batches in the same order (same batch size, data and shuffling), "
+        "or delete it or pass another checkpoint path to start over"
+    )
+    cases = [
+        (batches(32), "batch 0 has 32 examples here but 64 in the checkpoint"),
+        (batches(64, x + 1.0), "batch 0 holds other inputs or targets than in the checkpoint"),
+        (batches(64, x, (y + 1) % 3), "batch 0 holds other inputs or targets than in the checkpoint"),
+        (batches(64)[:1] + batches(64)[2:3] + batches(64)[1:2] + batches(64)[3:], "batch 2 holds other inputs"),
+        (
+            batches(64)[:1] + batches(64, x + 1.0)[1:2] + batches(64)[2:],  # only the middle batch differs
+            "the batches before the resume point differ from those in the checkpoint (other data or order)",
+        ),
+    ]
+    for probe, what in cases:
+        with pytest.raises(CheckpointError) as info:
+            diagnose(model, classification_loss, probe, checkpoint=ck)
+        msg = str(info.value)
+        assert msg.startswith(head + what) and msg.endswith(tail) and "\n" not in msg, msg
+    # the refused attempts left the checkpoint as it was: an honest resume gives the uninterrupted numbers
+    res = diagnose(model, classification_loss, batches(64), checkpoint=ck)
+    full = diagnose(model, classification_loss, batches(64))
+    assert res.resumed_from == 3 and res.n == 512 == full.n
+    _same(res, full, rel=0)
+    # a finished checkpoint refuses another batching too (the double count of the issue)
+    with pytest.raises(CheckpointError, match="batch 0 has 32 examples here but 64"):
+        diagnose(model, classification_loss, batches(32), checkpoint=ck)
+
+
+def _tamper(ck, *, header=None, tensors=None, raw=None):
+    """Rewrite a checkpoint: ``header(dict) -> dict|str``, ``tensors(dict) -> dict`` or raw bytes."""
+    from safetensors.torch import safe_open, save
+
+    if raw is not None:
+        ck.write_bytes(raw(ck.read_bytes()))
+        return
+    with safe_open(str(ck), framework="pt") as fh:
+        meta = fh.metadata()
+        ts = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    head = json.loads(meta["depthsat_diagnose"])
+    head = header(head) if header else head
+    ts = tensors(ts) if tensors else ts
+    ck.write_bytes(save(ts, metadata={"depthsat_diagnose": head if isinstance(head, str) else json.dumps(head)}))
+
+
+def _set(d, key, value):
+    d = dict(d)
+    d[key] = value
+    return d
+
+
+def _without(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+SITE0 = "embed"  # first site of ResidualMLP and of the CLI's mlp
+TAMPERINGS = [
+    ("bad-json", dict(header=lambda h: "{oops"), "its header is not valid JSON"),
+    ("truncated", dict(raw=lambda b: b[: len(b) // 2]), "not a readable safetensors file"),
+    ("garbage", dict(raw=lambda b: b"\x00" * 7), "not a readable safetensors file"),
+    ("batches-str", dict(header=lambda h: _set(h, "batches", 2.5)), "malformed header"),
+    ("batches-neg", dict(header=lambda h: _set(h, "batches", -1)), "header field 'batches' is -1"),
+    ("examples", dict(header=lambda h: _set(h, "examples", "many")), "header field 'examples'"),
+    ("complete", dict(header=lambda h: _set(h, "complete", 1)), "header field 'complete'"),
+    ("shapes", dict(header=lambda h: _set(h, "shapes", _set(h["shapes"], SITE0, ["x"]))), f"'shapes.{SITE0}'"),
+    ("shape-lie", dict(header=lambda h: _set(h, "shapes", _set(h["shapes"], SITE0, [7]))), f"'{SITE0}/sigma'"),
+    ("probe", dict(header=lambda h: _set(h, "probe", 3)), "header field 'probe'"),
+    (
+        "shape",
+        dict(tensors=lambda t: _set(t, f"{SITE0}/sigma", t[f"{SITE0}/sigma"][:-1])),
+        f"'{SITE0}/sigma' has shape",
+    ),
+    (
+        "reshaped",
+        dict(tensors=lambda t: _set(t, f"{SITE0}/cross", t[f"{SITE0}/cross"].T.contiguous())),
+        f"'{SITE0}/cross' has shape",
+    ),
+    ("dtype", dict(tensors=lambda t: _set(t, f"{SITE0}/sigma", t[f"{SITE0}/sigma"].float())), "has dtype float32"),
+    ("missing", dict(tensors=lambda t: _without(t, f"{SITE0}/g_sq")), f"tensor '{SITE0}/g_sq' is missing"),
+    ("extra", dict(tensors=lambda t: _set(t, "junk/x", torch.zeros(2))), "tensor 'junk/x' is not a state"),
+    ("nan", dict(tensors=lambda t: _set(t, f"{SITE0}/g_sq", torch.tensor(float("nan"), dtype=DT))), "NaN or Inf"),
+    ("count", dict(tensors=lambda t: _set(t, f"{SITE0}/n", t[f"{SITE0}/n"] + 1)), f"tensor '{SITE0}/n' holds"),
+    ("loss-count", dict(tensors=lambda t: _set(t, "@loss/examples", t["@loss/examples"] * 2)), "'@loss/examples'"),
+]
+
+
+@pytest.mark.parametrize(("name", "how", "field"), TAMPERINGS, ids=[t[0] for t in TAMPERINGS])
+def test_tampered_checkpoint_is_one_line_naming_the_field(tmp_path, name, how, field):
+    model, _, _, batches = _mlp_problem(n=30, batch=6)
+    ck = _interrupted_checkpoint(tmp_path, model, batches, after=2, realizability=True)
+    _tamper(ck, **how)
+    with pytest.raises(CheckpointError) as info:
+        diagnose(model, classification_loss, batches, checkpoint=ck, realizability=True)
+    msg = str(info.value)
+    assert "\n" not in msg and f"checkpoint {ck}" in msg, msg
+    assert "is damaged or incompatible" in msg and field in msg, msg
+    assert msg.endswith("delete it or pass another checkpoint path to start over"), msg
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "field"),
+    [t for t in TAMPERINGS if t[0] in {"bad-json", "truncated", "dtype", "extra", "nan"}],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_cli_tampered_checkpoint_exit_2(tmp_path, cache_env, name, how, field):
+    ck = tmp_path / "ck"
+    args = ["diagnose", "--model", "mlp", "--batches", "2", "--batch-size", "16", "--checkpoint", str(ck), "-q"]
+    assert runner.invoke(app, args).exit_code == 0
+    _tamper(ck, **how)
+    out = runner.invoke(app, args)
+    assert out.exit_code == 2, out.output
+    lines = [ln for ln in out.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.output
+    assert "is damaged or incompatible" in lines[0] and field in lines[0], out.output
+    assert "internal error" not in out.output and "probe batch" not in out.output
+
+
+# ----------------------------------------------------------------------------- attention with padding (issue 10.5.3)
+def _stacked_reference(fam, zs, gs):
+    """``s`` of unpadded sequences scored separately: the torch.func tangent Jacobian of each, stacked.
+
+    ``s² = ‖Π g‖² / n`` with ``Π`` the least-squares projector onto the columns of the stacked
+    Jacobian (one row block per real token and coordinate), ``n`` the number of sequences.
+    """
+    p = fam.param_dim(tuple(zs[0].shape))
+    theta0 = torch.zeros(p, dtype=DT)
+    for z in zs:  # build the frozen feature map of each length outside the transform
+        fam.functional(theta0, z[None], "sequence")
+    jac = [torch.func.jacrev(lambda th, z=z: fam.functional(th, z[None], "sequence").reshape(-1))(theta0) for z in zs]
+    a = torch.cat(jac).numpy()
+    gv = torch.cat([g.reshape(-1) for g in gs]).numpy()
+    coef, *_ = np.linalg.lstsq(a, gv, rcond=1e-12)
+    return math.sqrt(float(((a @ coef) ** 2).sum()) / len(zs))
+
+
+def test_attention_statistics_honour_the_padding_mask():
+    from depthsat_theory.statistics import statistics_for
+
+    torch.manual_seed(7)
+    fam = parse_family("attention:6")
+    lengths, left = [5, 3, 2, 4], [False, False, True, True]  # right and left padding
+    z = torch.randn(4, 5, 4, dtype=DT)
+    g = torch.randn(4, 5, 4, dtype=DT)
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    for i, (n_i, lft) in enumerate(zip(lengths, left, strict=True)):
+        if lft:
+            mask[i, 5 - n_i :] = True
+        else:
+            mask[i, :n_i] = True
+    assert mask.tolist()[2] == [False, False, False, True, True]
+    g[~mask] = 0.0
+    z[~mask] = 100.0  # padded activations must not matter
+    for m in (None, torch.ones(4, 5, dtype=torch.bool)):  # no mask and an all-ones mask agree
+        st = statistics_for(fam, (5, 4), "sequence")
+        st.update(z[:1], g[:1], mask=m if m is None else m[:1])
+        assert st.result().score == pytest.approx(_stacked_reference(fam, [z[0]], [g[0]]), rel=1e-9)
+    st = statistics_for(fam, (5, 4), "sequence")
+    st.update(z, g, mask=mask)
+    res = st.result()
+    zs, gs = [z[i][mask[i]] for i in range(4)], [g[i][mask[i]] for i in range(4)]
+    assert res.score == pytest.approx(_stacked_reference(fam, zs, gs), rel=1e-9)
+    assert res.units == sum(lengths) == 14 and res.n == 4
+    bound = BoundStatistics(fam, (5, 4), "sequence")
+    bound.update(z, g, mask=mask)
+    assert bound.result().score == pytest.approx(res.score, rel=1e-12)
+    with pytest.raises(Exception, match=r"tie pooling .*needs unpadded batches"):
+        statistics_for(fam, (5, 4), "sequence", pool_ties=True).update(z, g, mask=mask)
+
+
+def test_diagnose_attention_on_padded_keyword_batches():
+    """HF keyword batches with an attention_mask (padded, and all ones): equal to the unpadded sequences."""
+    torch.manual_seed(5)
+    model = HFLike("llama").to(DT)
+    ids = torch.randint(0, 5, (4, 5))
+    masks = [torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), torch.ones(2, 5, dtype=torch.long)]
+
+    def loss(logits, y):
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none", ignore_index=-100)
+        return ce.sum(1) / (y != -100).sum(1)
+
+    batches = [
+        ({"input_ids": ids[2 * j : 2 * j + 2], "attention_mask": m}, ids[2 * j : 2 * j + 2].masked_fill(m == 0, -100))
+        for j, m in enumerate(masks)
+    ]
+    fam = parse_family("attention:4")
+    d = diagnose(model, loss, batches, family="attention:4")
+    for sd in d.sites:
+        zs, gs = [], []
+        for x, y in batches:
+            z, g = _naive_site(model, sd.site, x["input_ids"], y, loss)
+            keep = x["attention_mask"].bool()
+            zs += [z[i][keep[i]] for i in range(z.shape[0])]
+            gs += [g[i][keep[i]] for i in range(z.shape[0])]
+        assert sd.result.score == pytest.approx(_stacked_reference(fam, zs, gs), rel=1e-8)
+        assert sd.result.units == 18 and sd.result.n == 4

@@ -43,6 +43,7 @@ _SYMBOLIC_FAMILIES = {
     "linear": lambda d: S.linear(d),
     "linear-nobias": lambda d: S.linear(d, bias=False),
     "poly:2": lambda d: S.polynomial(d, 2),
+    "powers:2": lambda d: S.powers(d, 2),
     "product:1": lambda d: S.product(d, 1),
 }
 

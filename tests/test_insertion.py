@@ -128,3 +128,46 @@ def test_checker_helpers(task):
     z, g = _site_z_g(task)
     phi = torch.cat([z, torch.ones(7, 1, dtype=torch.float64)], 1)
     assert torch.allclose(torch.from_numpy(lin.cross_gradient()), g.T @ phi / 7, rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- block dtype (issue 10.5.4)
+def _float32_models():
+    from depthsat_theory.tasks import CharGPT, ResidualMLP, ResNetCNN
+
+    torch.manual_seed(0)
+    mlp = ResidualMLP(in_dim=6, width=5, depth=2, n_classes=3).eval()
+    cnn = ResNetCNN(channels=(4,), blocks_per_stage=1, n_classes=3).eval()
+    gpt = CharGPT(vocab_size=7, d_model=8, n_layers=1, n_heads=2, seq_len=5).eval()
+    return [
+        (mlp, "blocks.0", (5,), "vector", torch.randn(4, 6), ["linear", "relu:7", "poly:2", "preln:4", "product:2"]),
+        (cnn, "blocks.0", (4, 8, 8), "image", torch.randn(3, 1, 8, 8), ["conv1x1", "conv3x3:3", "linear"]),
+        (gpt, "blocks.0", (5, 8), "sequence", torch.randint(0, 7, (2, 5)), ["attention:4", "linear"]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_block_takes_the_float32_site_dtype(case):
+    from depthsat_theory.capture import insert_block
+
+    model, site, shape, layout, x, specs = _float32_models()[case]
+    assert next(model.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        ref = model(x)
+    for spec in specs:
+        fam = parse_family(spec)
+        new, blk = insert_block(model, site, fam.block(shape, layout))
+        assert {p.dtype for p in blk.parameters()} == {torch.float32}, spec
+        out = new(x)
+        assert out.dtype == torch.float32 and torch.equal(out.detach(), ref), spec  # function preserved exactly
+        out.float().pow(2).sum().backward()
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in blk.parameters()), spec
+        # a block used directly (no insert_block) follows the tensor it receives, parameters kept
+        direct = fam.block(shape, layout)
+        params = list(direct.parameters())
+        z = torch.randn(2, *shape)
+        assert torch.equal(direct(z), torch.zeros_like(z)) and direct(z).dtype == torch.float32
+        assert [id(p) for p in direct.parameters()] == [id(p) for p in params]
+        # an explicit dtype is kept
+        pinned = fam.block(shape, layout, dtype=torch.float64)
+        _, kept = insert_block(model, site, pinned)
+        assert {p.dtype for p in kept.parameters()} == {torch.float64}, spec

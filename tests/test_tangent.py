@@ -941,9 +941,16 @@ def test_padding_mask_errors():
         acc.update(z, g * 0, mask=mask[:, :3])
     with pytest.raises(StatisticsError, match="must be bool"):
         acc.update(z, g * 0, mask=mask.long())
-    att = statistics_for(parse_family("attention:4"), (4, 2), "sequence")
-    with pytest.raises(StatisticsError, match="sequence-level family must mask padding itself"):
-        att.update(z, g * mask[..., None], mask=mask)
+    # a sequence-level family that does not mask padding itself cannot drop padded rows
+    # (attention does: tests/test_diagnose.py::test_attention_statistics_honour_the_padding_mask)
+    from depthsat_theory.families import GeneralFamily
+
+    seq = GeneralFamily(lambda th, u: th[0] * u.cumsum(1), 1, name="cumsum", unit="tensor", layouts=("sequence",))
+    acc_seq = statistics_for(seq, (4, 2), "sequence")
+    with pytest.raises(StatisticsError, match=r"family 'cumsum' \(unit 'tensor'\) cannot drop padded rows"):
+        acc_seq.update(z, g * mask[..., None], mask=mask)
+    acc_seq.update(z, g, mask=torch.ones(2, 4, dtype=torch.bool))  # nothing to drop: accepted
+    assert acc_seq.n == 2
 
 
 def test_chain_holds_exactly_on_continuous_rows():

@@ -101,7 +101,7 @@ def load_family(text: str, *, d: int | None = None) -> LoadedFamily:
 
 
 _FORMS = (
-    "give a built-in spec (linear, poly:D, relu:K[:SEED], … product:R), a user family "
+    "give a built-in spec (linear, poly:D, powers:D, relu:K[:SEED], … product:R), a user family "
     "'module:attr', or a sympy expression in units u1..ud and parameters t1..tp "
     "(optionally prefixed 'sympy:')"
 )

@@ -31,6 +31,7 @@ from depthsat_theory.capture.sites import (
     split_output,
 )
 from depthsat_theory.families import ResidualFamily
+from depthsat_theory.families.base import follows_site
 from depthsat_theory.optimizers import ZeroStateUpdate, threshold
 from depthsat_theory.statistics import FeatureStatistics, GeneralStatistics, default_tol, unit_roundoff
 from depthsat_theory.statistics.linalg import ACCUMULATION_FACTOR
@@ -109,6 +110,11 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
         output_key: where the site tensor is in a structured output (as in
             :class:`SiteRecorder`).
 
+    A block built with ``dtype=None`` / ``device=None``
+    (:func:`~depthsat_theory.families.base.place_block`) is moved to the dtype / device of
+    the site module's first floating parameter (else the model's) here, and follows the
+    site tensor at run time in any case; a block built with an explicit dtype keeps it.
+
     Returns:
         ``(new_model, block)`` where ``block`` is the inserted module inside the copy
         (its parameters are the new block's parameters).
@@ -128,6 +134,7 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
     parent_name, _, child = base.rpartition(".")
     parent = resolve_module(new, parent_name) if parent_name else new
     old = parent.get_submodule(child)
+    _match_site(block, old, new)
     wrapped = ResidualInsertion(old, block, occurrence=occ, output_key=output_key)
     if child.isdigit() and isinstance(parent, (nn.ModuleList, nn.Sequential)):
         parent[int(child)] = wrapped
@@ -136,6 +143,18 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
     if occ is not None:
         new.register_forward_pre_hook(wrapped.reset_calls)
     return new, wrapped.block
+
+
+def _match_site(block: nn.Module, site: nn.Module, model: nn.Module) -> None:
+    """Move a block that follows its site (``dtype``/``device`` left ``None``) to the site's parameters."""
+    follow_dtype, follow_device = follows_site(block)
+    ref = next((p for m in (site, model) for p in m.parameters() if p.is_floating_point()), None)
+    if ref is None or not (follow_dtype or follow_device):
+        return
+    own = next(iter(block.parameters()), None)
+    if own is None:
+        return
+    block.to(dtype=ref.dtype if follow_dtype else own.dtype, device=ref.device if follow_device else own.device)
 
 
 def check_function_preserving(

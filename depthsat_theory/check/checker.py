@@ -103,8 +103,8 @@ FAMILY_POOLS: dict[str, tuple[str, ...]] = {
     Layout.VECTOR: (
         "linear",
         "linear-nobias",
-        "poly:2",
-        "poly:3",
+        "powers:2",
+        "powers:3",
         "relu:128",
         "gelu:64",
         "tanh:64",

@@ -57,15 +57,19 @@ from depthsat_theory.capture import (
     resolve_module,
     unpack_batch,
 )
+from depthsat_theory.capture.probe import batch_size
 from depthsat_theory.diagnose import distributed as _dist
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
     LOSS_KEY,
+    ProbeStream,
+    check_counts,
     check_version,
     config_diff,
     model_fingerprint,
     read_checkpoint,
     restore_statistics,
+    validate_header,
     write_checkpoint,
 )
 from depthsat_theory.diagnose.discovery import discover_sites, infer_layout
@@ -300,19 +304,52 @@ class ProbeLoss(StreamingStatistic):
 
 
 class _Counted:
-    """An iterator that counts the items it yields (the probe's batches)."""
+    """An iterator over the probe's batches that counts them and fingerprints this rank's.
 
-    def __init__(self, items: Iterable):
+    With a checkpoint, every batch this rank consumes (``index % world == rank``) enters
+    ``stream`` (:class:`~depthsat_theory.diagnose.checkpoint.ProbeStream`); when resuming
+    after ``start`` batches, the fingerprint of the batches before ``start`` is compared with
+    the stored one (``verify``) as soon as the probe reaches ``start``, before any new batch
+    is processed.
+    """
+
+    def __init__(self, items: Iterable, stream: ProbeStream | None, mine: Callable[[int], bool], start: int, verify):
         self._it = iter(items)
         self.count = 0
+        self.stream = stream
+        self._mine = mine
+        self._start = start
+        self._verify = verify
 
     def __iter__(self) -> _Counted:
         return self
 
+    def _check(self) -> None:
+        if self._verify is not None and self.count >= self._start:
+            verify, self._verify = self._verify, None
+            verify(self.stream)
+
     def __next__(self):
-        item = next(self._it)
+        try:
+            item = next(self._it)
+        except StopIteration:
+            self._check()
+            raise
+        if self.count >= self._start:
+            self._check()
+        index = self.count
         self.count += 1
+        if self.stream is not None and self._mine(index):
+            self.stream.add(index, _size_of(item), item)
         return item
+
+
+def _size_of(batch) -> int:
+    """The batch size of a probe batch, ``-1`` when it cannot be read (the probe loop reports that)."""
+    try:
+        return batch_size(unpack_batch(batch)[0])
+    except (ValueError, TypeError, IndexError, KeyError, StopIteration, AttributeError):
+        return -1
 
 
 @dataclass
@@ -332,6 +369,9 @@ class _Run:
     ckpt: Path | None = None
     cfg: dict = field(default_factory=dict)
     start: int = 0
+    stored_probe: dict | None = None
+    stream_fp: ProbeStream | None = None
+    shapes_checked: bool = True
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -359,6 +399,7 @@ class _Run:
         if not ckpt.resolve().parent.is_dir():
             raise CheckpointError(f"checkpoint folder {ckpt.resolve().parent} does not exist")
         self.ckpt = ckpt
+        self.stream_fp = ProbeStream()
         if ckpt.exists():
             self._resume(ckpt)
 
@@ -371,10 +412,34 @@ class _Run:
                 f"checkpoint {ckpt} was written for another configuration (differs in: "
                 f"{', '.join(diff)}); delete it or pass another checkpoint path"
             )
-        self.start = int(header["batches"])
+        validate_header(ckpt, header, self.sites)
+        self.start = header["batches"]
+        self.stored_probe = header["probe"]
         if header.get("shapes"):
-            self.make_stats(header["shapes"])
-            restore_statistics({**self.stats, LOSS_KEY: self.loss}, tensors)
+            try:
+                self.make_stats(header["shapes"])
+            except DiagnoseError as exc:
+                raise CheckpointError(
+                    f"checkpoint {ckpt} is damaged or incompatible: header field 'shapes' ({exc}); "
+                    f"delete it or pass another checkpoint path to start over"
+                ) from None
+            restore_statistics({**self.stats, LOSS_KEY: self.loss}, tensors, ckpt)
+            check_counts(ckpt, header, self.stats, self.loss.examples)
+            self.shapes_checked = False
+        elif tensors:
+            restore_statistics({LOSS_KEY: self.loss}, tensors, ckpt)
+
+    def _verify_stream(self, stream: ProbeStream | None) -> None:
+        """Refuse to resume on a probe stream other than the one the checkpoint consumed."""
+        if self.stored_probe is None or stream is None:
+            return
+        what = stream.mismatch(self.stored_probe)
+        if what is not None:
+            raise CheckpointError(
+                f"checkpoint {self.ckpt} was written for another probe stream: {what}; resume with "
+                f"the same batches in the same order (same batch size, data and shuffling), or "
+                f"delete it or pass another checkpoint path to start over"
+            )
 
     def make_stats(self, shape_map: Mapping) -> None:
         """One statistic per site (:class:`BoundStatistics` with ``delta``) for these shapes."""
@@ -407,15 +472,32 @@ class _Run:
             "examples": self.loss.examples,
             "complete": complete,
             "shapes": {s: list(v) for s, v in self.shapes.items()},
+            "probe": (self.stream_fp or ProbeStream()).to_header(),
         }
         write_checkpoint(self.ckpt, header, {**self.stats, LOSS_KEY: self.loss})
 
+    def _check_restored_shapes(self, pb: ProbeBatch) -> None:
+        """After a resume, the site shapes of the first new batch must fit the restored statistics."""
+        self.shapes_checked = True
+        for s in self.sites:
+            new, acc = tuple(int(v) for v in pb.z[s].shape[1:]), self.stats[s]
+            row_seq = acc.layout == Layout.SEQUENCE and acc.family.unit == "row" and len(new) == 2
+            if new != acc.shape and not (row_seq and new[-1] == acc.shape[-1]):
+                raise CheckpointError(
+                    f"checkpoint {self.ckpt} is damaged or incompatible: header field 'shapes.{s}' is "
+                    f"{list(acc.shape)} but the site has per-example shape {list(new)} on this probe; "
+                    f"delete it or pass another checkpoint path to start over"
+                )
+
     def _add(self, pb: ProbeBatch) -> None:
-        if not self.stats:
+        fresh = not self.stats
+        if fresh:
             self.make_stats({s: tuple(pb.z[s].shape[1:]) for s in self.sites})
         for s in self.sites:  # channel-first 1-D sites (B, C, L) are images (B, C, 1, L)
             if self.layouts[s] == Layout.IMAGE and pb.z[s].dim() == 3:
                 pb.z[s], pb.g[s] = pb.z[s].unsqueeze(2), pb.g[s].unsqueeze(2)
+        if not fresh and not self.shapes_checked:
+            self._check_restored_shapes(pb)
         try:
             for s in self.sites:
                 if tuple(pb.z[s].shape[1:]) != self.stats[s].shape:
@@ -431,7 +513,13 @@ class _Run:
         rank, world = _dist.world()
         start = self.start
         todo = None if total is None else sum(1 for i in range(start, total) if i % world == rank)
-        counted = _Counted(probe)
+        counted = _Counted(
+            probe,
+            self.stream_fp,
+            lambda i: i % world == rank,
+            start,
+            self._verify_stream if self.stored_probe is not None else None,
+        )
         loop = probe_batches(
             self.model,
             self.sites,

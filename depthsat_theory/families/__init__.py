@@ -2,7 +2,7 @@
 
 - :mod:`.base`: :class:`ResidualFamily`, :class:`FeatureFamily`, :class:`GeneralFamily`,
   :class:`FamilyError`, :func:`to_rows` / :func:`from_rows`;
-- :mod:`.builtin`: the feature modules and the factories (:func:`linear`, :func:`polynomial`, …);
+- :mod:`.builtin`: the feature modules and the factories (:func:`linear`, :func:`polynomial`, :func:`powers`, …);
 - :mod:`.specs`: the one spec registry (:data:`FAMILY_SPECS`) behind :func:`parse_family`.
 """
 
@@ -21,6 +21,7 @@ from depthsat_theory.families.builtin import (
     even_features,
     linear,
     polynomial,
+    powers,
     preln_mlp,
     product,
     random_features,
@@ -52,6 +53,7 @@ __all__ = [
     "linear",
     "parse_family",
     "polynomial",
+    "powers",
     "preln_mlp",
     "product",
     "random_features",

@@ -50,7 +50,9 @@ __all__ = [
     "FeatureFamily",
     "GeneralFamily",
     "ResidualFamily",
+    "follows_site",
     "from_rows",
+    "place_block",
     "to_rows",
 ]
 
@@ -104,6 +106,51 @@ def _check_layout_tensor(t: Tensor, layout: str) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- placement
+def _follow_site(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: move a block to its site tensor's dtype/device (the aspects not pinned)."""
+    z = args[0] if args else None
+    if not isinstance(z, Tensor) or not z.is_floating_point():
+        return
+    ref = next(iter(module.parameters()), None)
+    if ref is None:
+        return
+    dtype = z.dtype if getattr(module, "_depthsat_follow_dtype", False) else ref.dtype
+    device = z.device if getattr(module, "_depthsat_follow_device", False) else ref.device
+    if ref.dtype != dtype or ref.device != device:
+        module.to(dtype=dtype, device=device)
+
+
+def place_block(block: nn.Module, dtype=None, device=None) -> nn.Module:
+    """Put a freshly built block in ``dtype`` on ``device``; ``None`` means *the site's*.
+
+    A block built with ``dtype=None`` (or ``device=None``) starts in float64 (on the CPU) and
+    moves itself to the dtype (device) of the site tensor it receives, on the first forward
+    where they differ (:func:`depthsat_theory.capture.insert_block` also moves it to the
+    site module's parameters at insertion).  Its parameters stay the same ``nn.Parameter``
+    objects (``Module.to`` converts them in place), so an optimizer built on them stays valid.
+
+    Args:
+        block: the block.
+        dtype: a floating dtype to pin, or ``None`` to follow the site.
+        device: a device to pin, or ``None`` to follow the site.
+
+    Returns:
+        ``block``, converted, with the following aspects recorded (:func:`follows_site`).
+    """
+    block.to(dtype=dtype or torch.float64, device=device)
+    block._depthsat_follow_dtype = dtype is None  # type: ignore[assignment]
+    block._depthsat_follow_device = device is None  # type: ignore[assignment]
+    if dtype is None or device is None:
+        block.register_forward_pre_hook(_follow_site)
+    return block
+
+
+def follows_site(block: nn.Module) -> tuple[bool, bool]:
+    """Whether a block follows its site's ``(dtype, device)`` (built with ``None`` for them)."""
+    return bool(getattr(block, "_depthsat_follow_dtype", False)), bool(getattr(block, "_depthsat_follow_device", False))
+
+
 # ----------------------------------------------------------------------------- base
 class ResidualFamily(abc.ABC):
     """A residual family ``h_θ`` with ``h_0 ≡ 0`` (theory label ``def-family``).
@@ -113,11 +160,15 @@ class ResidualFamily(abc.ABC):
             :func:`parse_family`.
         unit: ``"row"`` or ``"tensor"`` (see the module docstring).
         layouts: site layouts this family fits.
+        masks_padding: whether the feature map takes a padding mask (``fmap(z, mask=m)``,
+            ``m`` bool ``(B, T)``, ``True`` at real tokens) and ignores padded positions, so
+            that padded rows can be dropped from the statistics of a sequence-level family.
     """
 
     spec: str = ""
     unit: str = "row"
     layouts: tuple[str, ...] = tuple(Layout)
+    masks_padding: bool = False
 
     def check_site(self, shape: Sequence[int], layout: str) -> None:
         """Raise :class:`FamilyError` if the family does not fit a site.
@@ -160,6 +211,16 @@ class ResidualFamily(abc.ABC):
         tangent-coordinate parameters first, are the block's ``θ``; parameters not in
         the tangent coordinates (feature weights ``ψ``) follow and have zero
         gradient at the origin.
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+            dtype: the block's dtype; ``None`` (default): the dtype of the site tensor it
+                receives (:func:`place_block`), so it runs inside a float32 model.
+            device: the block's device; ``None`` (default): the site tensor's.
+
+        Raises:
+            FamilyError: if the family does not fit the site.
         """
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
@@ -233,6 +294,8 @@ class FeatureFamily(ResidualFamily):
             self.check_site(shape, layout)
             self._cache[key] = self._make_feature_map(shape, layout)
         mod = copy.deepcopy(self._cache[key])
+        if (dtype or torch.float64) == torch.float64 and (device is None or torch.device(device).type == "cpu"):
+            return mod  # already there (and Module.to would fail inside a torch.func transform)
         return mod.to(dtype=dtype or torch.float64, device=device)
 
     def site_dim(self, shape: Sequence[int], layout: str) -> int:
@@ -248,9 +311,17 @@ class FeatureFamily(ResidualFamily):
         layout = _layout_of(shape)
         return self.site_dim(shape, layout) * self.augmented_dim(shape, layout)
 
-    def augmented_features(self, fmap: nn.Module, z: Tensor) -> Tensor:
-        """``φ̃(z)`` rows: ``(B, R, k̃)``, the constant column last when ``bias``."""
-        phi = fmap(z)
+    def augmented_features(self, fmap: nn.Module, z: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``φ̃(z)`` rows: ``(B, R, k̃)``, the constant column last when ``bias``.
+
+        Args:
+            fmap: the feature map (:meth:`feature_map`).
+            z: site tensors ``(B, *shape)``.
+            mask: optional padding mask ``(B, T)`` bool (``True`` at real tokens), passed to
+                ``fmap`` for families with ``masks_padding``; ignored by the others (their
+                padded rows are dropped by the statistics).
+        """
+        phi = fmap(z, mask=mask) if mask is not None and self.masks_padding else fmap(z)
         if self.bias:
             phi = torch.cat([phi, phi.new_ones((*phi.shape[:-1], 1))], dim=-1)
         return phi
@@ -303,7 +374,7 @@ class FeatureFamily(ResidualFamily):
 
         The parameters of ``out`` (``W`` of shape ``(d, k)``, then ``c`` of shape ``(d,)`` when
         ``bias``) are the tangent coordinates; the feature weights ``ψ`` follow.  The block is in
-        ``dtype`` (default float64) on ``device``.
+        ``dtype`` on ``device``; ``None`` for either follows the site tensor (:func:`place_block`).
 
         Raises:
             FamilyError: if the family does not fit the site (:meth:`check_site`).
@@ -312,8 +383,7 @@ class FeatureFamily(ResidualFamily):
         fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
         k = self.feature_dim(shape, layout)
         d = self.site_dim(shape, layout)
-        blk = _FeatureBlock(fmap, k, d, self.bias, layout)
-        return blk.to(dtype=dtype or torch.float64, device=device)
+        return place_block(_FeatureBlock(fmap, k, d, self.bias, layout), dtype, device)
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
         """The weight ``W`` and (when ``bias``) the bias ``c`` of the block's final linear map ``out``."""
@@ -414,10 +484,12 @@ class GeneralFamily(ResidualFamily):
         return from_rows(out.reshape(rows.shape), layout, z.shape)
 
     def block(self, shape, layout, *, dtype=None, device=None) -> nn.Module:
-        """Build the insertable block: one parameter ``θ`` of shape ``(p,)``, zero, in ``dtype`` (default float64).
+        """Build the insertable block: one parameter ``θ`` of shape ``(p,)``, zero.
+
+        In ``dtype`` on ``device``; ``None`` for either follows the site tensor (:func:`place_block`).
 
         Raises:
             FamilyError: if the family does not fit the site (:meth:`check_site`) or ``p < 1``.
         """
         self.check_site(shape, layout)
-        return _GeneralBlock(self, self.param_dim(shape), layout).to(dtype=dtype or torch.float64, device=device)
+        return place_block(_GeneralBlock(self, self.param_dim(shape), layout), dtype, device)

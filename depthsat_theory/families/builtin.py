@@ -3,13 +3,14 @@
 Every factory returns a :class:`~depthsat_theory.families.FeatureFamily` (zero-output
 feature families, theory/definitions.md) except :func:`product`, a degenerate
 :class:`~depthsat_theory.families.GeneralFamily` (theory label thm-reparameterization).
-Their spec strings (``relu:128:0``, ``poly:2``, …) are parsed by
+Their spec strings (``relu:128:0``, ``poly:2``, ``powers:3``, …) are parsed by
 :func:`depthsat_theory.families.specs.parse_family`.  Feature weights are float64 and
 deterministic in the family's seed.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import cast
@@ -17,20 +18,23 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.families.base import FamilyError, FeatureFamily, GeneralFamily, to_rows
+from depthsat_theory.families.base import FamilyError, FeatureFamily, GeneralFamily, place_block, to_rows
 from depthsat_theory.vocabulary import Layout
 
 __all__ = [
     "ACTIVATIONS",
     "EVEN_KINDS",
     "MAX_DEGREE",
+    "MAX_POLY_FEATURES",
     "MAX_WIDTH",
     "causal_attention",
     "conv1x1",
     "conv3x3",
     "even_features",
     "linear",
+    "monomial_exponents",
     "polynomial",
+    "powers",
     "preln_mlp",
     "product",
     "random_features",
@@ -39,6 +43,9 @@ __all__ = [
 #: Largest polynomial degree and feature width accepted by the factories.
 MAX_DEGREE = 16
 MAX_WIDTH = 1 << 16
+
+#: Largest number of monomial features ``C(d + D, D) − 1`` of ``poly:D`` (``Σ`` is ``k̃ × k̃``).
+MAX_POLY_FEATURES = 4096
 
 
 def _check_width(width: int) -> None:
@@ -85,6 +92,46 @@ class _Powers(_Rows):
     def forward(self, z: Tensor) -> Tensor:
         r = to_rows(z, self.layout)
         return torch.cat([r**j for j in range(1, self.degree + 1)], dim=-1)
+
+
+def monomial_exponents(d: int, degree: int) -> list[tuple[int, ...]]:
+    """The monomials of total degree ``1..D`` in ``d`` variables, as index tuples, in feature order.
+
+    By degree, then lexicographically (``itertools.combinations_with_replacement``): for
+    ``d = 2, D = 2`` that is ``u1, u2, u1², u1 u2, u2²``.  There are ``C(d + D, D) − 1``.
+    """
+    return [c for q in range(1, degree + 1) for c in itertools.combinations_with_replacement(range(d), q)]
+
+
+class _Monomials(_Rows):
+    """All monomials of total degree ``1..D`` of each row (:func:`monomial_exponents` order)."""
+
+    def __init__(self, layout: str, d: int, degree: int):
+        super().__init__(layout)
+        by_degree: dict[int, list[tuple[int, ...]]] = {}
+        for c in monomial_exponents(d, degree):
+            by_degree.setdefault(len(c), []).append(c)
+        self.index = [torch.tensor(v, dtype=torch.long) for _, v in sorted(by_degree.items())]
+
+    def forward(self, z: Tensor) -> Tensor:
+        r = to_rows(z, self.layout)
+        return torch.cat([r[..., idx.to(r.device)].prod(-1) for idx in self.index], dim=-1)
+
+
+def _poly_features(d: int, degree: int) -> int:
+    """``C(d + D, D) − 1`` monomials, refused above :data:`MAX_POLY_FEATURES`.
+
+    Raises:
+        FamilyError: when the count exceeds :data:`MAX_POLY_FEATURES`.
+    """
+    k = math.comb(d + degree, degree) - 1
+    if k > MAX_POLY_FEATURES:
+        raise FamilyError(
+            f"family 'poly:{degree}' at a site of width d = {d} has C(d + D, D) - 1 = {k} monomial "
+            f"features, above the limit {MAX_POLY_FEATURES}; use a lower degree, 'powers:{degree}' "
+            f"(elementwise powers, {degree * d} features) or random features 'relu:K'"
+        )
+    return k
 
 
 class _Even(_Rows):
@@ -156,7 +203,15 @@ class _CausalAttentionFeatures(nn.Module):
             for lin in (self.q, self.k, self.v):
                 lin.weight.copy_(torch.randn(k, d, generator=gen, dtype=torch.float64) / math.sqrt(d))
 
-    def forward(self, z: Tensor) -> Tensor:
+    def forward(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Head outputs ``(B, T, k)`` of site tensors ``z`` ``(B, T, d)``.
+
+        Args:
+            z: the sequence site tensors.
+            mask: optional padding mask ``(B, T)`` bool, ``True`` at real tokens: padded
+                keys are excluded from every query's attention and padded rows are zero, so
+                the real rows equal those of the unpadded sequence (no positional term).
+        """
         b, t, _ = z.shape
         x = self.norm(z)
         h = self.heads
@@ -166,9 +221,13 @@ class _CausalAttentionFeatures(nn.Module):
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(t, t, dtype=torch.bool, device=z.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        return (att @ v).transpose(1, 2).reshape(b, t, -1)
+        allowed = torch.ones(t, t, dtype=torch.bool, device=z.device).tril()[None, None]
+        if mask is not None:
+            real = mask.to(device=z.device, dtype=torch.bool)
+            # a padded query keeps its own key only (a row of -inf has no softmax); it is zeroed below
+            allowed = (allowed & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=z.device)
+        out = (att.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return out if mask is None else out * real[..., None].to(out.dtype)
 
 
 class _SimpleFeatureFamily(FeatureFamily):
@@ -187,8 +246,7 @@ class _SimpleFeatureFamily(FeatureFamily):
 class _Conv1x1Family(_SimpleFeatureFamily):
     def block(self, shape, layout, *, dtype=None, device=None):
         self.check_site(shape, layout)
-        blk = _Conv1x1Block(int(shape[0]), None, int(shape[0]), self.bias)
-        return blk.to(dtype=dtype or torch.float64, device=device)
+        return place_block(_Conv1x1Block(int(shape[0]), None, int(shape[0]), self.bias), dtype, device)
 
 
 class _Conv3x3Family(_SimpleFeatureFamily):
@@ -196,7 +254,7 @@ class _Conv3x3Family(_SimpleFeatureFamily):
         self.check_site(shape, layout)
         fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
         blk = _Conv1x1Block(int(shape[0]), cast(_Conv3x3Features, fmap), self.feature_dim(shape, layout), self.bias)
-        return blk.to(dtype=dtype or torch.float64, device=device)
+        return place_block(blk, dtype, device)
 
 
 # -- constructors (public)
@@ -207,15 +265,43 @@ def linear(*, bias: bool = True) -> FeatureFamily:
     )
 
 
-def polynomial(degree: int, *, bias: bool = True) -> FeatureFamily:
-    """Elementwise polynomial features ``φ(u) = (u, u², …, u^D)``, ``k = D d``.
-
-    Raises:
-        FamilyError: if ``degree < 1``.
-    """
+def _check_degree(degree: int) -> None:
     if not 1 <= degree <= MAX_DEGREE:
         raise FamilyError(f"polynomial degree must be in 1..{MAX_DEGREE}, got {degree}")
-    return _SimpleFeatureFamily(f"poly:{degree}", lambda d, lay: _Powers(lay, degree), lambda d: degree * d, bias=bias)
+
+
+def polynomial(degree: int, *, bias: bool = True) -> FeatureFamily:
+    """Polynomial features: every monomial of total degree ``1..D`` of the row ``u`` (spec ``poly:D``).
+
+    ``φ(u) = (u_{i1} ⋯ u_{iq})`` over ``1 ≤ q ≤ D``, ``i1 ≤ … ≤ iq`` (order of
+    :func:`monomial_exponents`), ``k = C(d + D, D) − 1`` (the constant is the output bias
+    ``c``), so ``T`` is every polynomial map of degree ``≤ D`` (without ``c``: vanishing at 0).
+
+    Raises:
+        FamilyError: if ``degree`` is not in ``1..MAX_DEGREE``; at a site, if ``k`` exceeds
+            :data:`MAX_POLY_FEATURES`.
+    """
+    _check_degree(degree)
+    return _SimpleFeatureFamily(
+        f"poly:{degree}",
+        lambda d, lay: _Monomials(lay, d, degree),
+        lambda d: _poly_features(d, degree),
+        bias=bias,
+    )
+
+
+def powers(degree: int, *, bias: bool = True) -> FeatureFamily:
+    """Elementwise powers ``φ(u) = (u, u², …, u^D)`` (spec ``powers:D``), ``k = D d``.
+
+    Feature ``(q − 1) d + j`` is ``u_j^q``; no cross terms (compare :func:`polynomial`).
+
+    Raises:
+        FamilyError: if ``degree`` is not in ``1..MAX_DEGREE``.
+    """
+    _check_degree(degree)
+    return _SimpleFeatureFamily(
+        f"powers:{degree}", lambda d, lay: _Powers(lay, degree), lambda d: degree * d, bias=bias
+    )
 
 
 def random_features(width: int, activation: str = "relu", seed: int = 0) -> FeatureFamily:
@@ -279,19 +365,24 @@ def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily
     """Pre-LN causal self-attention with a zero output projection (sequence sites).
 
     Features are the concatenated head outputs ``(B, T, k)``; the unit is the whole
-    sequence.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
+    sequence.  The feature map honours a padding mask (``masks_padding``): padded keys are
+    excluded and padded rows are dropped from the statistics, so a padded batch scores as
+    its unpadded sequences (the inserted block itself sees no mask: with right padding and
+    the causal mask its real rows are unaffected).  Implemented explicitly (``nn.MultiheadAttention`` would bypass
     ``out_proj``'s hooks, theory/definitions.md).
     """
     _check_width(width)
     if heads < 1:
         raise FamilyError(f"attention heads must be >= 1, got {heads}")
-    return _SimpleFeatureFamily(
+    fam = _SimpleFeatureFamily(
         f"attention:{width}:{seed}",
         lambda d, lay: _CausalAttentionFeatures(d, width, heads, seed),
         lambda d: width,
         unit="tensor",
         layouts=(Layout.SEQUENCE,),
     )
+    fam.masks_padding = True
+    return fam
 
 
 def product(rank: int) -> GeneralFamily:

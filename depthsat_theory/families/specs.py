@@ -9,7 +9,7 @@ once.
 
 Grammar (integers are decimal; an omitted ``SEED`` is 0)::
 
-    linear | linear-nobias | poly:D | relu:K[:SEED] | gelu:K[:SEED] | tanh:K[:SEED]
+    linear | linear-nobias | poly:D | powers:D | relu:K[:SEED] | gelu:K[:SEED] | tanh:K[:SEED]
     even:abs | even:square | preln:K[:SEED] | conv1x1 | conv3x3:K[:SEED]
     attention:K[:SEED] | product:R
 """
@@ -28,6 +28,7 @@ from depthsat_theory.families.builtin import (
     even_features,
     linear,
     polynomial,
+    powers,
     preln_mlp,
     product,
     random_features,
@@ -124,7 +125,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     for s in (
         FamilySpec("linear", linear, "linear map W u + c on rows"),
         FamilySpec("linear-nobias", lambda: linear(bias=False), "linear map W u on rows (no output bias)"),
-        FamilySpec("poly", polynomial, "elementwise powers (u, u², …, u^D)", ("D",)),
+        FamilySpec(
+            "poly", polynomial, "all monomials of total degree 1..D of the row (C(d+D, D) - 1 features)", ("D",)
+        ),
+        FamilySpec("powers", powers, "elementwise powers u_i, u_i², …, u_i^D (D·d features, no cross terms)", ("D",)),
         _random("relu"),
         _random("gelu"),
         _random("tanh"),

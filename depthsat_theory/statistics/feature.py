@@ -125,8 +125,16 @@ class FeatureStatistics(TangentStatistics):
         self.add_child("factor", self.factor)
         self._fmap: nn.Module | None = None
         self._device = device
+        self._last: tuple[Tensor, Tensor] | None = None  # (z, φ̃) of the batch of the last update
 
-    def _features(self, z: Tensor) -> Tensor:
+    def _features(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``φ̃`` rows ``(B, R, k̃)`` of ``z`` (float64), computed with the padding ``mask`` when given.
+
+        The features of the last :meth:`update`'s batch are reused when called again with that
+        batch (so subclasses see the features computed with that batch's mask).
+        """
+        if mask is None and self._last is not None and self._last[0] is z:
+            return self._last[1]
         if self._fmap is None:
             dev = self._device if self._device is not None else z.device
             self._fmap = self.family.frozen_feature_map(self.shape, self.layout, dtype=torch.float64, device=dev)
@@ -134,7 +142,7 @@ class FeatureStatistics(TangentStatistics):
                 self.states[name] = self.states[name].to(dev)
         fmap = self._fmap
         with torch.no_grad():
-            return self.family.augmented_features(fmap, z.detach().to(torch.float64))
+            return self.family.augmented_features(fmap, z.detach().to(torch.float64), mask=mask)
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch of site tensors ``z`` and activation gradients ``g``.
@@ -143,8 +151,10 @@ class FeatureStatistics(TangentStatistics):
             z: ``(B, *shape)`` activations, float32/float64.
             g: ``(B, *shape)`` gradients of the *per-example* losses w.r.t. ``z``.
             mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens, for
-                sequence sites of row-wise families: padded rows are left out of every
-                sum (theory/definitions.md, def-setting, padding excluded); ``n`` still counts examples.
+                sequence sites of row-wise families and of families that mask padding
+                (``attention``: padded keys are excluded from the attention): padded rows are
+                left out of every sum (theory/definitions.md, def-setting, padding excluded);
+                ``n`` still counts examples.
 
         Raises:
             StatisticsError: on shape mismatch, NaN/Inf, an empty batch, or a mask of the
@@ -152,7 +162,9 @@ class FeatureStatistics(TangentStatistics):
         """
         mask = self._row_mask(z, g, mask)
         self._common(z, g, mask)
-        phi = self._features(z)
+        self._last = None
+        phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
+        self._last = (z, phi)
         rows_g = to_rows(g.detach().to(torch.float64), self.layout)
         per_example = (phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d))
         if mask is not None:

@@ -146,28 +146,46 @@ class TangentStatistics(StreamingStatistic):
             raise StatisticsError(f"cannot merge statistics of another configuration: {exc}") from None
 
     def _row_mask(self, z: Tensor, g: Tensor, mask: Tensor | None) -> Tensor | None:
-        """Validate a padding mask; ``None`` when there is nothing to drop."""
+        """Validate a padding mask; ``None`` when there is nothing to drop.
+
+        Padded rows can be dropped at sequence sites for row-wise families and for
+        sequence-level families that honour the mask themselves (``family.masks_padding``,
+        e.g. ``attention``: padded keys excluded); for other families only an all-``True``
+        mask is accepted.
+
+        Raises:
+            StatisticsError: a mask of the wrong dtype or shape, ``g ≠ 0`` at a padded
+                position, padding at a site or family that cannot drop it, or padding with
+                tie pooling for a sequence-level family.
+        """
         if mask is None:
             return None
         mask = torch.as_tensor(mask, device=z.device)
         if mask.dtype != torch.bool:
             raise StatisticsError(f"the padding mask must be bool (True at real tokens), got {mask.dtype}")
-        if self.layout != Layout.SEQUENCE or self.family.unit != "row":
+        if self.layout != Layout.SEQUENCE or tuple(mask.shape) != tuple(z.shape[:2]):
             raise StatisticsError(
-                f"a padding mask drops rows of sequence sites for row-wise families; this site "
-                f"has layout '{self.layout}' and family {self.family.spec!r} (unit "
-                f"{self.family.unit!r}): a sequence-level family must mask padding itself"
-            )
-        if tuple(mask.shape) != tuple(z.shape[:2]):
-            raise StatisticsError(
-                f"the padding mask {tuple(mask.shape)} does not match the site tensors' (B, T) = {tuple(z.shape[:2])}"
+                f"the padding mask {tuple(mask.shape)} does not match the site tensors' (B, T) = "
+                f"{tuple(z.shape[:2])} of a sequence site (this site has layout '{self.layout}')"
             )
         if bool((g.detach()[~mask] != 0).any()):
             raise StatisticsError(
                 "the activation gradient is nonzero at padded positions: the model "
                 "or the loss reads padding (theory/definitions.md, def-setting: padding is excluded)"
             )
-        return None if bool(mask.all()) else mask
+        if bool(mask.all()):
+            return None
+        if self.family.unit != "row" and not getattr(self.family, "masks_padding", False):
+            raise StatisticsError(
+                f"family {self.family.spec!r} (unit {self.family.unit!r}) cannot drop padded rows: "
+                f"use a row-wise family or one that masks padding (attention), or pad no example"
+            )
+        if self.family.unit != "row" and self.pool_ties:
+            raise StatisticsError(
+                f"tie pooling (realizability, --rho) of the sequence-level family {self.family.spec!r} "
+                f"needs unpadded batches (a unit is a whole sequence): drop realizability or pad no example"
+            )
+        return mask
 
     def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         check_pair(z, g)

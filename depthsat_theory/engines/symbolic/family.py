@@ -10,7 +10,7 @@ decides).
 The built-in factories mirror the numeric families and use the **same coordinate
 order**, so gradients ``b`` can be compared entry by entry:
 
-* :func:`linear`, :func:`polynomial`, :func:`random_features`: zero-output feature
+* :func:`linear`, :func:`polynomial`, :func:`powers`, :func:`random_features`: zero-output feature
   families ``h(u) = W φ(u) (+ c)`` with ``θ = (vec_row(W), c)`` (``W ∈ R^{d×k}``
   row-major, ``c`` last), exactly as
   :meth:`depthsat_theory.families.base.FeatureFamily.split_theta`;
@@ -46,6 +46,7 @@ __all__ = [
     "linear",
     "param_symbols",
     "polynomial",
+    "powers",
     "product",
     "random_features",
     "to_matrix",
@@ -491,19 +492,41 @@ def linear(d: int, bias: bool = True) -> SymbolicFamily:
     return _feature_family(units, units, bias, "linear" if bias else "linear-nobias")
 
 
-def polynomial(d: int, degree: int, bias: bool = True) -> SymbolicFamily:
-    """Elementwise polynomial features ``φ(u) = (u, u², …, u^D)`` (``k = D d``), ``h = W φ (+ c)``.
+def _check_degree(degree: int) -> int:
+    if isinstance(degree, bool) or int(degree) != degree or int(degree) < 1:
+        raise FamilyError(f"polynomial degree must be a positive integer, got {degree!r}")
+    return int(degree)
 
-    Mirrors :func:`depthsat_theory.families.polynomial`: ``φ_{(q−1)d + j} = u_j^q``.
+
+def polynomial(d: int, degree: int, bias: bool = True) -> SymbolicFamily:
+    """Polynomial features: every monomial of total degree ``1..D`` (``k = C(d + D, D) − 1``), ``h = W φ (+ c)``.
+
+    Mirrors :func:`depthsat_theory.families.polynomial` (spec ``poly:D``), in the order of
+    :func:`depthsat_theory.families.builtin.monomial_exponents` (by degree, then lexicographic).
+
+    Raises:
+        FamilyError: if ``d < 1`` or ``degree < 1``.
+    """
+    from depthsat_theory.families.builtin import monomial_exponents
+
+    units = unit_symbols(_check_d(d))
+    deg = _check_degree(degree)
+    phi = [sp.Mul(*(units[i] for i in c)) for c in monomial_exponents(len(units), deg)]
+    return _feature_family(phi, units, bias, f"poly:{deg}" + ("" if bias else "-nobias"))
+
+
+def powers(d: int, degree: int, bias: bool = True) -> SymbolicFamily:
+    """Elementwise powers ``φ(u) = (u, u², …, u^D)`` (``k = D d``), ``h = W φ (+ c)``.
+
+    Mirrors :func:`depthsat_theory.families.powers` (spec ``powers:D``): ``φ_{(q−1)d + j} = u_j^q``.
 
     Raises:
         FamilyError: if ``d < 1`` or ``degree < 1``.
     """
     units = unit_symbols(_check_d(d))
-    if isinstance(degree, bool) or int(degree) != degree or int(degree) < 1:
-        raise FamilyError(f"polynomial degree must be a positive integer, got {degree!r}")
-    phi = [u**q for q in range(1, int(degree) + 1) for u in units]
-    return _feature_family(phi, units, bias, f"poly:{int(degree)}" + ("" if bias else "-nobias"))
+    deg = _check_degree(degree)
+    phi = [u**q for q in range(1, deg + 1) for u in units]
+    return _feature_family(phi, units, bias, f"powers:{deg}" + ("" if bias else "-nobias"))
 
 
 def product(d: int, rank: int) -> SymbolicFamily:
