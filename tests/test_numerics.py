@@ -198,7 +198,7 @@ def _paired(z: np.ndarray, rng: np.random.Generator, dtype) -> tuple[torch.Tenso
         ("linear", lambda r: np.stack([r.standard_normal(300) + 1e4, r.standard_normal(300)], 1)),  # mean offset
         ("relu:32", lambda r: r.standard_normal((300, 4)) * np.array([1.0, 1e-3, 1.0, 1e3])),
         ("tanh:12", lambda r: r.standard_normal((300, 1))),  # nearly dependent smooth features
-        ("linear", lambda r: np.stack([r.standard_normal(300)] * 2, 1) + [0.0, 2e-6]),  # nearly collinear
+        ("linear", lambda r: np.stack([r.standard_normal(300)] * 2, 1) + np.array([0.0, 2e-6])),  # nearly collinear
     ],
 )
 def test_exactly_zero_cross_gradient_is_never_improvable(family, make_z, dtype):
@@ -214,7 +214,7 @@ def test_exactly_zero_cross_gradient_is_never_improvable(family, make_z, dtype):
     "make_z",
     [
         lambda r: np.stack([r.standard_normal(400) + 1e4, r.standard_normal(400)], 1),  # a large mean offset
-        lambda r: np.stack([r.standard_normal(400)] * 2, 1) + np.stack([np.zeros(400), 2e-6 * r.standard_normal(400)], 1),
+        lambda r: np.stack([r.standard_normal(400)] * 2, 1) + np.array([0.0, 2e-6]) * r.standard_normal((400, 1)),
     ],
     ids=["mean-offset", "nearly-collinear"],
 )

@@ -47,7 +47,7 @@ class SiteDiagnosis:
 
     @property
     def verdict(self) -> str:
-        """``degenerate``, ``saturated (rounding)``, ``undetermined: …``, the interval's certificate, or ``improvable``."""
+        """``degenerate``, ``saturated (rounding)``, ``undetermined: …``, the certificate, or ``improvable``."""
         v = self.result.verdict
         if v is Verdict.DEGENERATE:
             return "degenerate (T = {0})"

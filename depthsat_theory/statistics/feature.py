@@ -70,7 +70,7 @@ class TriangularFactor(StreamingStatistic):
 
 def _noise_moment(phi: Tensor, rows_g: Tensor) -> Tensor:
     """``Σ_x X_xᵀ X_x`` with ``X_x = Σ_r g_r φ̃_rᵀ`` for ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)``."""
-    b, r, k = phi.shape
+    r, k = phi.shape[1:]
     d = rows_g.shape[2]
     if r == 1:
         gsq = rows_g[:, 0].pow(2).sum(1)
@@ -148,7 +148,7 @@ class FeatureStatistics(TangentStatistics):
         """Add a batch of site tensors ``z`` and activation gradients ``g``.
 
         Args:
-            z: ``(B, *shape)`` activations, float32/float64.
+            z: ``(B, *shape)`` activations (float16, bfloat16, float32 or float64: the rounding bound uses that dtype).
             g: ``(B, *shape)`` gradients of the *per-example* losses w.r.t. ``z``.
             mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens, for
                 sequence sites of row-wise families and of families that mask padding
@@ -166,15 +166,16 @@ class FeatureStatistics(TangentStatistics):
         phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
         self._last = (z, phi)
         rows_g = to_rows(g.detach().to(torch.float64), self.layout)
-        per_example = (phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d))
+        phi_x, g_x = phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d)
         if mask is not None:
             keep = mask.to(phi.device)
-            per_example = tuple(t * keep.reshape(z.shape[0], -1, 1).to(t.dtype) for t in per_example)
+            weight = keep.reshape(z.shape[0], -1, 1).to(phi.dtype)
+            phi_x, g_x = phi_x * weight, g_x * weight
             phi, rows_g = phi[keep], rows_g[keep]
         phi2 = phi.reshape(-1, self.k)
         self.states["sigma"] += phi2.T @ phi2
         self.states["cross"] += rows_g.reshape(-1, self.d).T @ phi2
-        self.states["q_sum"] += _noise_moment(*per_example)
+        self.states["q_sum"] += _noise_moment(phi_x, g_x)
         self.states["units"] += phi2.shape[0]
         if z.dtype == torch.float64 and g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
             self.factor.update(phi2)

@@ -160,8 +160,10 @@ class SaturationResult:
                 f"{self.score:.3g} is only a lower bound (use fewer or better-conditioned features)"
             )
         need = self.examples_needed
-        more = f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}" if need else (
-            "the unbiased estimate of s² is not positive: no evidence of signal"
+        more = (
+            f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}"
+            if need
+            else ("the unbiased estimate of s² is not positive: no evidence of signal")
         )
         return (
             f"n ŝ²/v̂ = {self.noise_ratio:.3g} ≤ {self.noise_threshold:.3g} (noise test, α = {self.alpha:g}): "
