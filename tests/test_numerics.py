@@ -249,3 +249,47 @@ def test_score_cli_alpha_and_matrix_bound_options(tmp_path):
 
     assert rep["noise_threshold"] == pytest.approx(chi2.ppf(0.99, 1), rel=1e-12)
     assert rep["score_lower"] <= rep["score"] <= rep["score_upper"]
+
+
+# ----------------------------------------------------------------------------- found by the adversarial check
+def test_dropped_direction_carrying_gradient_is_not_saturated():
+    """powers:2 on float16 activations of mean 10: x² is nearly collinear with (x, 1); g = centred x² ∈ T."""
+    torch.manual_seed(0)
+    z = (torch.randn(200, 1, dtype=torch.float64) + 10.0).half()
+    xs = z.double() - z.double().mean()
+    g = (xs**2 - (xs**2).mean()).half()
+    res = _result(z, g, "powers:2")
+    assert res.probe_verdict is not Verdict.SATURATED and res.unresolved >= 1
+
+
+def test_vacuous_rounding_bound_is_undetermined():
+    """float64 z₂ = z₁ + 1e-14 w with g along the small direction (exact s = AG_rms): not 'saturated'."""
+    z, g = _collinear_signal(1e-14, torch.float64, n=200)
+    res = _result(z, g)
+    truth = exact_score(z.numpy(), g.numpy())
+    assert truth == pytest.approx(res.ag_rms, rel=1e-3)
+    assert res.probe_verdict is not Verdict.SATURATED
+
+
+def test_systematic_summation_error_is_within_the_bound():
+    """A constructed sum whose float64 rounding is systematic (N = 16386 rows): exact s = 0, never improvable."""
+    m = 2**13
+    eps = 2.0 ** (int(math.log2(m)) - 1 - 52)
+    g = np.concatenate([np.full(m, 1 + 0.75 * eps), np.full(m, -(1 + 0.25 * eps)), [-(m * 0.5 * eps) / 2] * 2])
+    z = np.ones_like(g)
+    z[1::2] = -1.0
+    assert exact_score(z[:, None], g[:, None]) == 0.0
+    res = _result(torch.from_numpy(z[:, None]), torch.from_numpy(g[:, None]))
+    assert res.probe_verdict is not Verdict.IMPROVABLE and abs(res.score) <= res.score_error
+
+
+def test_extreme_scales_are_one_line_errors_or_finite():
+    from depthsat_theory.statistics import StatisticsError
+
+    x = torch.randn(50, 1, dtype=torch.float64)
+    with pytest.raises(StatisticsError, match="underflow"):
+        _result(x * 1e-170, x)
+    with pytest.raises(StatisticsError, match="underflow"):
+        _result(x, x * 1e-161)
+    big = _result(torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64) * 1e77)
+    assert math.isfinite(big.score) and math.isfinite(big.score_squared_se)

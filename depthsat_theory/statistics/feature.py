@@ -176,7 +176,7 @@ class FeatureStatistics(TangentStatistics):
         self.states["sigma"] += phi2.T @ phi2
         self.states["cross"] += rows_g.reshape(-1, self.d).T @ phi2
         self.states["q_sum"] += _noise_moment(phi_x, g_x)
-        self.states["units"] += phi2.shape[0]
+        self._count_units(phi2.shape[0])
         if z.dtype == torch.float64 and g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
             self.factor.update(phi2)
 
@@ -308,6 +308,7 @@ class FeatureStatistics(TangentStatistics):
             rank=self.d * spec.rank,
             q_trace=q_trace,
             alpha=alpha,
+            grad_rows=big_g,
         )
 
     def _project_units(self, units: Tensor) -> Tensor:

@@ -83,10 +83,10 @@ class GeneralStatistics(TangentStatistics):
         per_ex = self._per_example_gradients(z, g, mask)
         self.states["q_sum"] = self.states["q_sum"].to(z.device) + per_ex.T @ per_ex
         if mask is not None:
-            self.states["units"] += int(mask.sum())
+            self._count_units(int(mask.sum()))
         else:
             rows = to_rows(z, self.layout).shape[1] if self.family.unit == "row" else 1
-            self.states["units"] += int(z.shape[0]) * rows
+            self._count_units(int(z.shape[0]) * rows)
 
     def _per_example_gradients(self, z: Tensor, g: Tensor, mask: Tensor | None) -> Tensor:
         """``b_x = Σ_u A(u)ᵀ g(u)`` for every example ``(B, p)`` (padded rows left out)."""
@@ -150,7 +150,9 @@ class GeneralStatistics(TangentStatistics):
         inv = spec.pinv()
         self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
         q_trace = float(np.sum(inv * self.noise_moment()))
-        return self._finish(spec, spec.quadratic(b[None, :]), b, self.p, tol, q_trace=q_trace, alpha=alpha)
+        return self._finish(
+            spec, spec.quadratic(b[None, :]), b, self.p, tol, q_trace=q_trace, alpha=alpha, grad_rows=b[None, :]
+        )
 
     def _project_units(self, units: Tensor) -> Tensor:
         theta0 = torch.zeros(self.p, dtype=torch.float64)

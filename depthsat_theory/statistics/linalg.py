@@ -38,6 +38,7 @@ __all__ = [
     "Spectrum",
     "default_rtol",
     "default_tol",
+    "gradient_rounding",
     "noise_threshold",
     "pinv_quadratic",
     "resolve_spectrum",
@@ -53,8 +54,9 @@ GRADIENT_ROUNDING_FACTOR = 64.0
 #: ``C_φ``: relative rounding of the features, in units of ``u_in`` (exact for the linear
 #: family, whose features are the site tensor itself; thm-score-error).
 FEATURE_ROUNDING_FACTOR = 4.0
-#: ``C_acc``: float64 accumulation of ``N`` products loses ``C_acc · sqrt(N) · u64`` (thm-score-error).
-ACCUMULATION_FACTOR = 4.0
+#: ``C_acc``: float64 accumulation of ``L`` products loses at most ``C_acc · L · u64`` relative to the sum of
+#: the absolute products (recursive summation, worst case; ``L`` = largest batch + number of batches).
+ACCUMULATION_FACTOR = 1.0
 #: Default level of the noise test (thm-noise-test).
 NOISE_ALPHA = 0.05
 
@@ -107,6 +109,9 @@ class Spectrum:
         cutoff: absolute eigenvalue cutoff on ``Σ̃`` (``rtol · λ̃_max``).
         rtol: the relative cutoff used.
         unresolved: dropped directions above the data resolution (``ŝ`` is then a lower bound).
+        dropped: eigenvectors of the dropped directions above zero amplitude, scaled coordinates ``(k, m)``.
+        factored: whether the spectrum came from a triangular factor (backward stable in the data)
+            rather than from the Gram.
     """
 
     scale: np.ndarray
@@ -116,6 +121,8 @@ class Spectrum:
     cutoff: float
     rtol: float
     unresolved: int
+    dropped: np.ndarray
+    factored: bool = False
 
     @property
     def rank(self) -> int:
@@ -186,6 +193,9 @@ def resolve_spectrum(
     if rtol is None and lmax > 0 and resolution > data:
         unresolved = int(((lam > data * lmax) & ~keep).sum())
     order = np.argsort(-lam[keep])
+    live = scale > 0
+    dropped = q[:, ~keep]
+    dropped = dropped[:, np.abs(dropped[live]).sum(0) > 0] if live.any() else dropped[:, :0]
     return Spectrum(
         scale=scale,
         values=lam[keep][order],
@@ -194,6 +204,8 @@ def resolve_spectrum(
         cutoff=cutoff,
         rtol=chosen,
         unresolved=unresolved,
+        dropped=dropped,
+        factored=factor is not None,
     )
 
 
@@ -208,8 +220,20 @@ def pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[floa
     return spec.quadratic(vecs), spec.rank, spec.cutoff, spec.pinv()
 
 
+def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: int) -> float:
+    """Rounding level of ``‖G̃ v‖`` along a unit direction ``v``: ``A (ε_M + γ_acc sqrt(k̃))`` (thm-score-error).
+
+    A dropped direction whose computed ``‖G̃ v‖`` exceeds this carries activation gradient the
+    arithmetic cannot account for: ``ŝ`` may then miss it, and the verdict cannot be "saturated".
+    """
+    u_in, u64 = unit_roundoff(dtype), unit_roundoff(torch.float64)
+    eps_m = FEATURE_ROUNDING_FACTOR * u_in * math.sqrt(k)
+    gamma_acc = ACCUMULATION_FACTOR * max(summands, 1) * u64
+    return ag_rms * (eps_m + gamma_acc * math.sqrt(k))
+
+
 def score_error(
-    spec: Spectrum, *, score: float, ag_rms: float, dtype: torch.dtype, units: int, k: int | None = None
+    spec: Spectrum, *, score: float, ag_rms: float, dtype: torch.dtype, summands: int, k: int | None = None
 ) -> float:
     r"""Rounding bound on ``|ŝ − s|`` (theory/numerics.md, ``thm-score-error``).
 
@@ -217,15 +241,17 @@ def score_error(
 
         e = C_g u_{in} A + \frac{A\,ε_M}{σ_{min} − ε_M} + \frac{A\,γ_{acc}\sqrt{k̃}}{σ_{min}}
             + \hat s\,\frac{η}{σ_{min}^2},
-        \qquad ε_M = C_φ u_{in} \sqrt{k̃},\; γ_{acc} = C_{acc}\sqrt{N}\,u_{64},\;
+        \qquad ε_M = C_φ u_{in} \sqrt{k̃},\; γ_{acc} = C_{acc} L\,u_{64},\;
         η = k̃\,(γ_{acc} + C_{res} u_{64}),
 
-    with ``A = AG_rms``, ``N`` the number of units and ``σ_min = sqrt(λ̃_min)`` the smallest kept
+    with ``A = AG_rms``, ``L`` the length of the float64 sums (largest batch in units plus the
+    number of batches) and ``σ_min = sqrt(λ̃_min)`` the smallest kept
     amplitude of the unit-diagonal Gram.  The terms: the gradient's own rounding (``Π`` is a
     contraction); the input rounding of the features, a perturbation of the scaled data
     matrix of norm ``≤ ε_M`` that tilts the projector by ``≤ ε_M/(σ_min − ε_M)`` (Wedin);
     the float64 accumulation of the cross-gradient, amplified by ``Σ̃^{-1/2}``; the
-    accumulation and eigensolve of ``Σ̃``, first order in ``η/λ̃_min``.  ``inf`` when
+    accumulation and eigensolve of ``Σ̃``, first order in ``η/λ̃_min`` (with the streamed triangular
+    factor, a backward error ``C_res sqrt(k̃) u64`` in the data instead: added to ``ε_M``, ``η = 0``).  ``inf`` when
     ``ε_M ≥ σ_min/2`` or ``η ≥ λ̃_min/2`` (first order no longer holds).
 
     Args:
@@ -233,7 +259,7 @@ def score_error(
         score: ``ŝ``.
         ag_rms: ``AG_rms``.
         dtype: the forward dtype (coarsest of the site tensors and gradients).
-        units: number of units ``N`` accumulated.
+        summands: the length ``L`` of the float64 sums (largest batch in units + number of batches).
         k: the Gram's size ``k̃`` (default: that of ``spec``).
 
     Returns:
@@ -245,8 +271,12 @@ def score_error(
     kk = int(k if k is not None else spec.scale.size)
     u_in, u64 = unit_roundoff(dtype), unit_roundoff(torch.float64)
     eps_m = FEATURE_ROUNDING_FACTOR * u_in * math.sqrt(kk)
-    gamma_acc = ACCUMULATION_FACTOR * math.sqrt(max(units, 1)) * u64
-    eta = kk * (gamma_acc + RESOLUTION_FACTOR * u64)
+    gamma_acc = ACCUMULATION_FACTOR * max(summands, 1) * u64
+    if spec.factored:  # Householder QR: a backward error C_res sqrt(k̃) u64 in the data, no Gram rounding
+        eps_m += RESOLUTION_FACTOR * math.sqrt(kk) * u64
+        eta = 0.0
+    else:
+        eta = kk * (gamma_acc + RESOLUTION_FACTOR * u64)
     lam_min = spec.lam_min
     sigma_min = math.sqrt(lam_min)
     if eps_m >= 0.5 * sigma_min or eta >= 0.5 * lam_min:

@@ -51,8 +51,9 @@ class SaturationResult:
             families, in the order of the block's tangent parameters).
         score_error: first-order rounding bound on ``|ŝ − s|`` (theory/numerics.md,
             ``thm-score-error``; ``inf`` when the Gram is too ill-conditioned for first order).
-        unresolved: dropped directions above the data resolution (``def-resolution``): when
-            nonzero, ``score`` is a lower bound and never grounds "saturated".
+        unresolved: dropped directions that may matter (``def-resolution``): above the data
+            resolution but below the factorization's, or carrying more activation gradient than
+            rounding explains; when nonzero, ``score`` is a lower bound and never grounds "saturated".
         noise_variance: ``v̂ = tr(Σ⁻ E[Xᵀ X])`` with ``X`` an example's cross-gradient (the
             plug-in bias of ``ŝ²`` is ``v̂ / n``; ``nan`` when not streamed).
         noise_ratio: ``n ŝ² / v̂``; the noise test calls the signal significant above
@@ -98,8 +99,9 @@ class SaturationResult:
         """The verdict on the probe's own empirical measure, numerical error only.
 
         ``DEGENERATE`` when ``T = {0}`` (never "saturated", T4); ``UNDETERMINED`` when
-        ``ŝ ≤ tol`` but a direction was unresolved (``ŝ`` is only a lower bound) or the
-        rounding bound is infinite; ``SATURATED`` when ``ŝ ≤ tol``; else ``IMPROVABLE``: the
+        ``ŝ ≤ tol`` but a direction was unresolved (``ŝ`` is only a lower bound), the
+        rounding bound is infinite, or ``2 tol ≥ AG_rms`` (the bound says nothing); ``SATURATED``
+        when ``ŝ ≤ tol`` otherwise; else ``IMPROVABLE``: the
         probe's loss decreases to first order (theory labels ``thm-iff``, ``thm-score-error``).
         This is what the theorem checker tests on the probe.
         """
@@ -108,8 +110,13 @@ class SaturationResult:
         if not math.isfinite(self.tol):
             return Verdict.UNDETERMINED
         if self.score <= self.tol:
-            return Verdict.UNDETERMINED if self.unresolved else Verdict.SATURATED
+            return Verdict.UNDETERMINED if self.unresolved or self._vacuous_bound else Verdict.SATURATED
         return Verdict.IMPROVABLE
+
+    @property
+    def _vacuous_bound(self) -> bool:
+        """``2 tol ≥ AG_rms``: "s ≤ ŝ + tol ≤ 2 tol" would say no more than ``s ≤ AG_rms`` always does."""
+        return self.tol > 0 and 2 * self.tol >= self.ag_rms
 
     @property
     def significant(self) -> bool | None:
@@ -154,10 +161,16 @@ class SaturationResult:
             return f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} and the noise test"
         if not math.isfinite(self.tol):
             return "the Gram is too ill-conditioned for the first-order rounding bound; rescale or drop features"
+        if self.probe_verdict is Verdict.UNDETERMINED and not self.unresolved:
+            return (
+                f"the rounding bound {self.tol:.3g} is not below AG_rms/2 = {self.ag_rms / 2:.3g}: the arithmetic "
+                f"cannot decide (features too ill-conditioned for this dtype)"
+            )
         if self.probe_verdict is Verdict.UNDETERMINED:
             return (
-                f"{self.unresolved} direction(s) of the Gram lie below what float64 resolves: s = "
-                f"{self.score:.3g} is only a lower bound (use fewer or better-conditioned features)"
+                f"{self.unresolved} dropped direction(s) of the Gram are unresolved (below what float64 resolves, "
+                f"or carrying activation gradient beyond rounding): s = {self.score:.3g} is only a lower bound "
+                f"(use fewer or better-conditioned features, or a higher-precision probe)"
             )
         need = self.examples_needed
         more = (

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.families import ResidualFamily, to_rows
-from depthsat_theory.statistics.linalg import NOISE_ALPHA, Spectrum, noise_threshold, score_error
+from depthsat_theory.statistics.linalg import NOISE_ALPHA, Spectrum, gradient_rounding, noise_threshold, score_error
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.vocabulary import Layout, Verdict
@@ -67,7 +67,8 @@ class TangentStatistics(StreamingStatistic):
     """Shared streaming state: counts, ‖g‖², max ‖g‖, ‖z‖², the forward dtype, tie pooling.
 
     State fields (:class:`~depthsat_theory.statistics.protocol.StreamingStatistic`):
-    ``n``, ``units``, ``g_sq``, ``z_sq`` (sums), ``g_max`` and ``forward_eps`` (maxima:
+    ``n``, ``units``, ``g_sq``, ``z_sq``, ``batches`` (sums), ``g_max``, ``batch_units_max`` (the
+    largest batch, in units: with ``batches`` the length of the float64 sums) and ``forward_eps`` (maxima:
     the machine epsilon of the coarsest dtype of the site tensors seen, so float16 wins over
     float32 and float32 over float64; bfloat16 is coarsest),
     and the child ``ties`` (:class:`~depthsat_theory.statistics.protocol.TiePool`).
@@ -85,7 +86,8 @@ class TangentStatistics(StreamingStatistic):
         scalar = torch.zeros((), dtype=torch.float64)
         for name in ("n", "units", "g_sq", "z_sq"):
             self.add_state(name, scalar, Reduction.SUM)
-        for name in ("g_max", "forward_eps"):
+        self.add_state("batches", scalar, Reduction.SUM)
+        for name in ("g_max", "forward_eps", "batch_units_max"):
             self.add_state(name, scalar, Reduction.MAX)
         self.ties = TiePool()
         self.add_child("ties", self.ties)
@@ -193,7 +195,15 @@ class TangentStatistics(StreamingStatistic):
             raise StatisticsError(
                 f"site tensors have per-example shape {tuple(z.shape[1:])}, the statistics were set up for {self.shape}"
             )
+        for name, t in (("z", z), ("g", g)):
+            big = float(t.detach().abs().max())
+            if 0.0 < big < 1e-150:
+                raise StatisticsError(
+                    f"{name} is below ~1e-150 everywhere: its squares underflow float64; rescale it "
+                    f"(s is homogeneous of degree 1 in g, and T is unchanged by rescaling z for the linear family)"
+                )
         st = self.states
+        st["batches"] += 1
         coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
         st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
         g64 = g.detach().to(torch.float64)
@@ -252,6 +262,15 @@ class TangentStatistics(StreamingStatistic):
                 "probe: s scales linearly in g, and T is unchanged by rescaling z for the linear family"
             )
 
+    def _count_units(self, added: int) -> None:
+        """Add a batch's ``added`` units (and keep the largest batch, for the rounding bound)."""
+        self.states["units"] += added
+        self.states["batch_units_max"] = torch.clamp_min(self.states["batch_units_max"], float(added))
+
+    def _summands(self) -> int:
+        """Length of the float64 sums: the largest batch in units plus the number of batches."""
+        return round(float(self.states["batch_units_max"]) + float(self.states["batches"]))
+
     def _finish(
         self,
         spec: Spectrum,
@@ -263,6 +282,7 @@ class TangentStatistics(StreamingStatistic):
         rank: int | None = None,
         q_trace: float = math.nan,
         alpha: float = NOISE_ALPHA,
+        grad_rows: np.ndarray | None = None,
     ) -> SaturationResult:
         """Assemble the :class:`SaturationResult` (theory/numerics.md: error bound and noise test).
 
@@ -275,12 +295,20 @@ class TangentStatistics(StreamingStatistic):
             rank: the tangent rank (default ``spec.rank``).
             q_trace: ``v̂ = tr(Σ⁻ E[XᵀX])`` of the noise test (``nan``: not streamed).
             alpha: level of the noise test.
+            grad_rows: the gradient as rows over the Gram's coordinates (``G`` ``(d, k)`` or ``b``
+                ``(1, p)``): dropped directions carrying more of it than rounding are unresolved.
         """
         self._require_examples()
         dtype = self.dtype or torch.float64
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
-        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, units=self.units)
+        summands = self._summands()
+        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands)
+        unresolved = spec.unresolved
+        if grad_rows is not None and spec.dropped.shape[1]:
+            level = gradient_rounding(ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size)
+            mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
+            unresolved = max(unresolved, int((mass > level).sum()))
         tol = err if tol is None else float(tol)
         raw = rho = float("nan")
         if self.pool_ties:
@@ -303,7 +331,7 @@ class TangentStatistics(StreamingStatistic):
             noise.update(
                 noise_ratio=n * score * score / q_trace,
                 score_squared_unbiased=s2u,
-                score_squared_se=math.sqrt(4 * q_trace * max(s2u, 0.0) / n + 2 * q_trace**2 / (n * (n - 1))),
+                score_squared_se=q_trace * math.sqrt(4 * max(s2u, 0.0) / (n * q_trace) + 2 / (n * (n - 1))),
             )
         elif q_trace == 0 or n < 2:  # g = 0 on every example, or one example: no noise to test
             noise.update(noise_ratio=math.inf if score > 0 and n >= 2 else 0.0)
@@ -329,7 +357,7 @@ class TangentStatistics(StreamingStatistic):
             dtype=str(dtype).replace("torch.", ""),
             gradient=b,
             score_error=err,
-            unresolved=spec.unresolved,
+            unresolved=unresolved,
             **noise,
         )
         res.saturated = res.verdict is Verdict.SATURATED
