@@ -398,15 +398,18 @@ def probes(
     if kind != "generic":
         assert family is not None  # checked above
         a = tangent_jacobian(family, z)
-        if kind == "saturated":  # remove every direction of the column-scaled A above 1e-10 σ_max
+        if kind == "saturated":  # remove every direction of the column-scaled A that float64 resolves
             norms = np.linalg.norm(a, axis=0)
             live = norms > 0
             gv = g.reshape(-1)
             if live.any():
                 u, sv, _ = np.linalg.svd(a[:, live] / norms[live], full_matrices=False)
-                u = u[:, sv > 1e-10 * sv[0]]
+                u = u[:, sv > 1e-15 * sv[0]]  # the engine keeps amplitudes down to ~1e-15 (theory/numerics.md)
+                before = float(np.linalg.norm(gv))
                 gv = gv - u @ (u.T @ gv)
                 gv = gv - u @ (u.T @ gv)  # second pass: orthogonal to rounding level
+                if float(np.linalg.norm(gv)) <= 1e-12 * before:  # T spans every field on this probe: g ⟂ T is 0
+                    gv = np.zeros_like(gv)
             g = gv.reshape(n, d)
         else:
             g = (a @ rng.normal(size=a.shape[1])).reshape(n, d)

@@ -76,9 +76,12 @@ def _close(a, b, path=""):
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
             _close(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and isinstance(b, float):
-        # ρ̂ is dimensionless; at rounding level (≈1e-12 when s = r̂) only an absolute check makes sense
-        tol = 1e-9 if path.endswith("realizability_defect") else 1e-13
-        assert a == pytest.approx(b, rel=1e-10, abs=tol), path
+        # ρ̂ is dimensionless; at rounding level (≈1e-12 when s = r̂) only an absolute check makes sense;
+        # the U-statistic of s² cancels n ŝ² against v̂, so near 0 it too is checked absolutely. Shards
+        # change only the order of float64 sums: the pseudo-inverse of an ill-conditioned Σ amplifies that
+        # to ~1e-10 relative (theory/numerics.md), far below what a lost or doubled shard would change.
+        tol = 1e-9 if path.endswith(("realizability_defect", "score_squared_unbiased", "score_squared_se")) else 1e-13
+        assert a == pytest.approx(b, rel=1e-8, abs=tol), path
     elif path.endswith(("world_size", "notes")):
         pass
     else:

@@ -545,11 +545,14 @@ def test_padding_errors(device):
     stats = statistics_for(parse_family("linear"), (6, 4), "sequence")
     with pytest.raises(SiteError, match="padded positions"):
         accumulate(leaky, ["block"], [(x, y, mask)], masked_mean, {"block": stats})
-    # a sequence-level family cannot have rows dropped
+    # a sequence-level family that does not mask padding itself cannot have rows dropped
+    # (attention masks its padded keys: tests/test_diagnose.py::test_attention_statistics_honour_the_padding_mask)
+    from depthsat_theory.families import GeneralFamily
+
     model = _CausalSeq().to(DT).to(device).eval()
-    att = statistics_for(parse_family("attention:4"), (6, 4), "sequence")
-    with pytest.raises(SiteError, match="sequence-level"):
-        accumulate(model, ["block"], [(x, y, mask)], masked_mean, {"block": att})
+    seq = GeneralFamily(lambda th, u: th[0] * u.cumsum(1), 1, name="cumsum", unit="tensor", layouts=("sequence",))
+    with pytest.raises(SiteError, match="cannot drop padded rows"):
+        accumulate(model, ["block"], [(x, y, mask)], masked_mean, {"block": statistics_for(seq, (6, 4), "sequence")})
     # an accumulator that takes mask= receives it, with g = 0 at padding
     seen = {}
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from depthsat_theory.diagnose.errors import CheckpointError
 from depthsat_theory.io import atomic_write
-from depthsat_theory.statistics import StreamingStatistic, TangentStatistics
+from depthsat_theory.statistics import StreamingStatistic, TangentStatistics, TiePool
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -179,7 +179,12 @@ def validate_header(path: str | os.PathLike, header: dict, sites: list[str]) -> 
 def _expected_tensors(key: str, st: StreamingStatistic) -> tuple[dict[str, Tensor], list[str]]:
     """``({tensor name: template}, [tie-pool prefixes])`` of one statistic's checkpoint entries."""
     fixed = {f"{key}/{name}": v for name, v in st.state_dict().items() if name in st.reductions()}
-    pools = [f"{key}/{cname}." for cname in st.variable_size_children()]
+    pools = []
+    for cname, child in st.variable_size_children().items():
+        if isinstance(child, TiePool):
+            pools.append(f"{key}/{cname}.")
+        else:  # a child merged by gathering whose tensors still have fixed shapes (the TSQR factor)
+            fixed.update({f"{key}/{cname}.{name}": v for name, v in child.state_dict().items()})
     return fixed, pools
 
 

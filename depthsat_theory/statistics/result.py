@@ -145,7 +145,8 @@ class SaturationResult:
     @property
     def examples_needed(self) -> int | None:
         """Probe size at which the noise test would reject ``s = 0`` if ``s² = ŝ²_U`` (``None``: no signal)."""
-        if not (self.score_squared_unbiased > 0 and self.noise_variance > 0):
+        # ŝ²_U cancels n ŝ² against v̂: below ~1e-8 of their scale its sign is rounding
+        if not (self.noise_variance > 0 and self.score_squared_unbiased > 1e-8 * self.noise_variance / self.n):
             return None
         return math.ceil(self.noise_threshold * self.noise_variance / self.score_squared_unbiased)
 

@@ -304,11 +304,13 @@ class TangentStatistics(StreamingStatistic):
         score = math.sqrt(max(score2, 0.0))
         summands = self._summands()
         err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands)
-        unresolved = spec.unresolved
+        # a dropped direction matters when it carries activation gradient beyond rounding: one that does
+        # not is indistinguishable from the model's or the Gram's rounding (theory/numerics.md)
+        unresolved = spec.unresolved if grad_rows is None else 0
         if grad_rows is not None and spec.dropped.shape[1]:
             level = gradient_rounding(ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size)
             mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
-            unresolved = max(unresolved, int((mass > level).sum()))
+            unresolved = int((mass > level).sum())
         tol = err if tol is None else float(tol)
         raw = rho = float("nan")
         if self.pool_ties:
