@@ -99,7 +99,12 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
         "return math.floor(self.noise_threshold",
         [KILL],
     ),
-    "tol not the bound": (TAN, "tol = err if tol is None else float(tol)", "tol = 0.0 if tol is None else float(tol)", [KILL, NUM]),
+    "tol not the bound": (
+        TAN,
+        "tol = err if tol is None else float(tol)",
+        "tol = 0.0 if tol is None else float(tol)",
+        [KILL, NUM],
+    ),
     "score not clipped at AG_rms": (
         TAN,
         "else min(score, ag_rms)\n",
