@@ -17,6 +17,7 @@ import torch
 
 from depthsat_theory import parse_family
 from depthsat_theory.statistics import resolve_spectrum, statistics_for
+from depthsat_theory.statistics.linalg import Spectrum, default_rtol, default_tol, pinv_quadratic, score_error
 from depthsat_theory.statistics.result import SaturationResult
 from depthsat_theory.vocabulary import Verdict
 from proofs_checks.t8_numerics import exact_score, near_threshold_probe
@@ -288,3 +289,124 @@ def test_significance_and_examples_needed():
     assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.0).examples_needed is None
     assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=-1.0).examples_needed is None
     assert _bare(noise_threshold=3.0, noise_variance=0.0, score_squared_unbiased=1.0).examples_needed is None
+
+
+# ----------------------------------------------------------------------------- closed forms of the error model
+U64 = U[torch.float64]
+
+
+def _spectrum(values, k: int) -> Spectrum:
+    """A resolved spectrum with the given kept eigenvalues of a ``k``-feature unit-diagonal Gram."""
+    values = np.asarray(values, dtype=np.float64)
+    return Spectrum(
+        scale=np.ones(k),
+        values=values,
+        vectors=np.eye(k)[:, : values.size],
+        lam_max=float(values.max()) if values.size else 0.0,
+        cutoff=0.0,
+        rtol=0.0,
+        unresolved=0,
+    )
+
+
+def test_score_error_closed_form_single_unit():
+    """One example, one feature: ``λ̃ = 1``, ``ŝ = AG_rms = |g|``, ``e = (64 + 4/(1 − 4u) + 4 + 12) u |g|`` (float64)."""
+    res = _result(
+        torch.tensor([[3.0]], dtype=torch.float64), torch.tensor([[2.0]], dtype=torch.float64), "linear-nobias"
+    )
+    u = U64
+    expected = 64 * u * 2 + 2 * 4 * u / (1 - 4 * u) + 2 * 4 * u + 2 * 12 * u  # γ_acc = 4 √1 u, η = 1 · (4u + 8u)
+    assert res.score == 2.0 and res.ag_rms == 2.0
+    assert res.score_error == pytest.approx(expected, rel=1e-12)
+    assert res.probe_verdict is Verdict.IMPROVABLE
+
+
+def test_score_error_closed_form_on_a_given_spectrum():
+    """``e`` of ``thm-score-error`` on a spectrum given by hand (rank 1 and 2, an explicit ``k̃``, ``N`` units)."""
+    a, s_hat, units = 1.5, 0.25, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        for values, k in (([0.5], 1), ([1.0, 0.25], 2), ([1.0, 0.25], 9)):
+            u = U[dtype]
+            eps_m, gamma = 4 * u * math.sqrt(k), 4 * 8 * U64  # √64 = 8
+            eta = k * (gamma + 8 * U64)
+            lam, sig = min(values), math.sqrt(min(values))
+            expected = 64 * u * a + a * eps_m / (sig - eps_m) + a * gamma * math.sqrt(k) / sig + s_hat * eta / lam
+            spec = _spectrum(values, len(values))
+            got = score_error(spec, score=s_hat, ag_rms=a, dtype=dtype, units=units, k=k)
+            assert got == pytest.approx(expected, rel=1e-12), (dtype, values, k)
+    assert score_error(_spectrum([], 3), score=1.0, ag_rms=1.0, dtype=torch.float16, units=10) == 0.0
+
+
+def test_score_error_is_infinite_exactly_where_first_order_fails():
+    """``inf`` iff ``ε_M ≥ σ_min/2`` or ``η ≥ λ̃_min/2``, the boundaries included (exact in binary)."""
+    # k̃ = 4: ε_M = 4 u √4 = 8 u exactly; σ_min = 16 u is the boundary
+    u = U[torch.float16]
+    at = _spectrum([1.0, (16 * u) ** 2], 2)
+    past = _spectrum([1.0, (16 * u) ** 2 * (1 + 2.0**-20)], 2)
+    kw = dict(score=1.0, ag_rms=1.0, dtype=torch.float16, units=4, k=4)
+    assert score_error(at, **kw) == math.inf
+    assert math.isfinite(score_error(past, **kw))
+    # k̃ = 4, N = 4: γ_acc = 8 u64, η = 4 (8 + 8) u64 = 64 u64 exactly; λ_min = 128 u64 is the boundary
+    kw = dict(score=1.0, ag_rms=1.0, dtype=torch.float64, units=4, k=4)
+    assert score_error(_spectrum([1.0, 128 * U64], 2), **kw) == math.inf
+    assert math.isfinite(score_error(_spectrum([1.0, 128 * U64 * (1 + 2.0**-20)], 2), **kw))
+
+
+@pytest.mark.parametrize(("dtype", "eps"), [(torch.float16, 1e-3), (torch.float64, 1e-7)])
+def test_ill_conditioned_gram_is_undetermined(dtype, eps):
+    """Nearly collinear features past first order: ``ε_M ≥ σ_min/2`` (float16) or ``η ≥ λ̃_min/2`` (float64).
+
+    Either alone makes the bound infinite and the verdict undetermined, whatever ``ŝ``.  With the
+    default cutoffs ``ε_M < σ_min/2`` always holds (``C_res = 2 C_φ`` and ``λ̃_max ≥ 1``), so the
+    float16 case keeps the small direction with an explicit ``rtol``.
+    """
+    z, g = _collinear(eps, dtype)
+    res = _result(z, g, rtol=1e-12 if dtype == torch.float16 else None)
+    sig_t = np.linalg.eigvalsh(_unit_diagonal_gram(z.double().numpy()))
+    k, u = 3, U[dtype]
+    eps_m, eta = 4 * u * math.sqrt(k), k * (4 * math.sqrt(z.shape[0]) * U64 + 8 * U64)
+    lam_min = sig_t.min()
+    if dtype == torch.float16:
+        assert eps_m >= math.sqrt(lam_min) / 2 and eta < lam_min / 2
+    else:
+        assert eps_m < math.sqrt(lam_min) / 2 and eta >= lam_min / 2
+    assert res.tangent_rank == 6  # kept: above the resolution cutoff
+    assert res.score_error == math.inf and res.probe_verdict is Verdict.UNDETERMINED
+    assert "ill-conditioned" in res.verdict_reason
+
+
+def _collinear(eps: float, dtype, n: int = 400):
+    rng = np.random.default_rng(13)
+    t, w = rng.standard_normal(n), rng.standard_normal(n)
+    z = torch.from_numpy(np.stack([t, t + eps * w], 1)).to(dtype)
+    return z, torch.from_numpy(rng.standard_normal((n, 2))).to(dtype)
+
+
+def _unit_diagonal_gram(z: np.ndarray) -> np.ndarray:
+    phi = np.concatenate([z, np.ones((z.shape[0], 1))], 1)
+    sig = phi.T @ phi / z.shape[0]
+    d = 1 / np.sqrt(np.diag(sig))
+    return sig * np.outer(d, d)
+
+
+def test_default_tol_and_the_gram_rtol_closed_forms():
+    """``default_tol = C_g u AG_rms``; the float64 Gram's rtol is ``C_res k̃ u64`` (also at ``k̃ = 1``)."""
+    assert default_tol(torch.float32, 2.0) == 64 * 2.0**-24 * 2.0
+    assert default_tol(torch.bfloat16, 0.5) == 64 * 2.0**-8 * 0.5
+    assert default_rtol(torch.float64, 1) == 8 * U64
+    assert default_rtol(torch.float64, 3) == 8 * 3 * U64
+    assert default_rtol(torch.float16, 1) == (8 * 2.0**-11) ** 2
+    assert default_rtol(torch.float32, 5) == pytest.approx((8 * math.sqrt(5) * 2.0**-24) ** 2, rel=1e-12)
+    assert resolve_spectrum(np.array([[2.0]]), dtype=torch.float64).rtol == 8 * U64
+    assert resolve_spectrum(np.array([[2.0]]), dtype=torch.float16).rtol == (8 * 2.0**-11) ** 2
+
+
+def test_pinv_quadratic_honours_an_explicit_rtol():
+    """``pinv_quadratic`` drops ``λ ≤ rtol λ_max`` of the unit-diagonal matrix, however large ``rtol`` is."""
+    mat = np.array([[4.0, 1.6], [1.6, 1.0]])  # unit-diagonal [[1, .8], [.8, 1]]: λ = 1.8, 0.2
+    vecs = np.array([[2.0, -1.0]])  # scaled: (1, −1), along the small eigenvector (1, −1)/√2
+    full, rank, cutoff, _ = pinv_quadratic(mat, vecs, 0.1)
+    assert rank == 2 and full == pytest.approx(2 / 0.2, rel=1e-12) and cutoff == pytest.approx(0.18, rel=1e-12)
+    cut, rank, cutoff, inv = pinv_quadratic(mat, vecs, 0.2)
+    assert rank == 1 and cut == pytest.approx(0.0, abs=1e-12) and cutoff == pytest.approx(0.36, rel=1e-12)
+    assert np.allclose(inv, np.array([[1 / 4, 1 / 2], [1 / 2, 1]]) / (2 * 1.8))  # D^{-1/2} q qᵀ/λ D^{-1/2}
