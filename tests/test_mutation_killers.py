@@ -17,7 +17,14 @@ import torch
 
 from depthsat_theory import parse_family
 from depthsat_theory.statistics import resolve_spectrum, statistics_for
-from depthsat_theory.statistics.linalg import Spectrum, default_rtol, default_tol, pinv_quadratic, score_error
+from depthsat_theory.statistics.linalg import (
+    Spectrum,
+    default_rtol,
+    default_tol,
+    noise_threshold,
+    pinv_quadratic,
+    score_error,
+)
 from depthsat_theory.statistics.result import SaturationResult
 from depthsat_theory.vocabulary import Verdict
 from proofs_checks.t8_numerics import exact_score, near_threshold_probe
@@ -410,3 +417,14 @@ def test_pinv_quadratic_honours_an_explicit_rtol():
     cut, rank, cutoff, inv = pinv_quadratic(mat, vecs, 0.2)
     assert rank == 1 and cut == pytest.approx(0.0, abs=1e-12) and cutoff == pytest.approx(0.36, rel=1e-12)
     assert np.allclose(inv, np.array([[1 / 4, 1 / 2], [1 / 2, 1]]) / (2 * 1.8))  # D^{-1/2} q qᵀ/λ D^{-1/2}
+
+
+def test_noise_threshold_range_and_value():
+    """``χ²_{1,1−α} = Φ⁻¹(1 − α/2)²`` (stdlib normal quantile) for ``α ∈ (0, 0.215]``; ``ValueError`` outside."""
+    from statistics import NormalDist
+
+    for alpha in (0.05, 0.215, 1e-6):
+        assert noise_threshold(alpha) == pytest.approx(NormalDist().inv_cdf(1 - alpha / 2) ** 2, rel=1e-9)
+    for alpha in (0.0, 0.2150001, 0.5, 1.0, -0.1):
+        with pytest.raises(ValueError, match=r"0 < alpha <= 0\.215"):
+            noise_threshold(alpha)
