@@ -428,3 +428,63 @@ def test_noise_threshold_range_and_value():
     for alpha in (0.0, 0.2150001, 0.5, 1.0, -0.1):
         with pytest.raises(ValueError, match=r"0 < alpha <= 0\.215"):
             noise_threshold(alpha)
+
+
+# ----------------------------------------------------------------------------- the assembled result (_finish)
+def test_every_field_of_the_result_against_a_dense_reference():
+    """A float64 probe with tied units: every number of the result by direct numpy (least squares, tie classes)."""
+    rng = np.random.default_rng(14)
+    n, d = 90, 2
+    base = rng.standard_normal((30, d))
+    z = base[rng.integers(0, 30, n)]  # 30 distinct units, each about 3 times
+    g = 0.7 * np.tanh(z[:, ::-1]) + rng.standard_normal((n, d))
+    stats = statistics_for(parse_family("linear"), (d,), "vector", pool_ties=True)
+    stats.update(torch.from_numpy(z), torch.from_numpy(g))
+    res = stats.result()
+    phi = np.concatenate([z, np.ones((n, 1))], 1)
+    fit = phi @ np.linalg.lstsq(phi, g, rcond=None)[0]  # Π g at the probe's units
+    s = math.sqrt(np.sum(fit * fit) / n)
+    a = math.sqrt(np.sum(g * g) / n)
+    keys = [tuple(r) for r in z]
+    means = {k: g[[i for i, kk in enumerate(keys) if kk == k]].mean(0) for k in set(keys)}
+    m_hat = np.array([means[k] for k in keys])
+    r = math.sqrt(np.sum(m_hat * m_hat) / n)
+    rho = math.sqrt(np.sum((m_hat - fit) ** 2) / n) / r
+    lev = np.einsum("ik,kl,il->i", phi, np.linalg.inv(phi.T @ phi / n), phi)
+    v = float(np.mean(np.sum(g * g, 1) * lev))
+    u_stat = (n * s * s - v) / (n - 1)
+    assert res.score == pytest.approx(s, rel=1e-10)
+    assert res.ag_rms == pytest.approx(a, rel=1e-12)
+    assert res.ag_max == pytest.approx(np.linalg.norm(g, axis=1).max(), rel=1e-12)
+    assert res.raw_score == pytest.approx(r, rel=1e-10)
+    assert res.realizability_defect == pytest.approx(rho, rel=1e-8)
+    assert res.relative_score == pytest.approx(s / a, rel=1e-10)
+    assert res.activation_scaled_score == pytest.approx(s * math.sqrt(np.sum(z * z) / n), rel=1e-10)
+    assert res.noise_variance == pytest.approx(v, rel=1e-9)
+    assert res.noise_ratio == pytest.approx(n * s * s / v, rel=1e-9)
+    assert res.score_squared_unbiased == pytest.approx(u_stat, rel=1e-9)
+    se = math.sqrt(4 * v * max(u_stat, 0.0) / n + 2 * v * v / (n * (n - 1)))
+    assert res.score_squared_se == pytest.approx(se, rel=1e-9)
+    assert (res.n, res.units, res.tangent_rank, res.tangent_dim) == (n, n, 6, 6)
+    assert (res.family, res.unit, res.dtype, res.alpha) == ("linear", "row", "float64", 0.05)
+    assert res.noise_threshold == pytest.approx(3.841458820694124, rel=1e-12)
+    assert res.tol == res.score_error and not res.degenerate
+    assert res.saturated is (res.verdict is Verdict.SATURATED)
+    assert np.allclose(res.gradient, np.concatenate([(g.T @ z / n).reshape(-1), g.mean(0)]), rtol=1e-12, atol=0)
+    explicit = stats.result(tol=0.5, alpha=0.2)
+    assert explicit.tol == 0.5 and explicit.score_error == res.score_error
+    assert explicit.alpha == 0.2 and explicit.noise_threshold == pytest.approx(1.6423744151498623, rel=1e-9)
+
+
+def test_small_probes_and_zero_gradients():
+    """One example: no noise to test (``n ŝ²/v̂`` reported 0: undetermined); ``g = 0``: saturated, ratio 0."""
+    one = _result(torch.tensor([[3.0, 1.0]], dtype=torch.float64), torch.tensor([[2.0, 0.0]], dtype=torch.float64))
+    assert one.noise_ratio == 0.0 and one.significant is False
+    assert one.probe_verdict is Verdict.IMPROVABLE and one.verdict is Verdict.UNDETERMINED
+    assert math.isnan(one.score_squared_unbiased)
+    z = torch.from_numpy(np.random.default_rng(15).standard_normal((20, 2)))
+    zero = _result(z, torch.zeros(20, 2, dtype=torch.float64))
+    assert zero.score == 0.0 and zero.noise_ratio == 0.0 and zero.verdict is Verdict.SATURATED
+    assert math.isnan(zero.relative_score)
+    two = _result(z[:2], torch.from_numpy(np.array([[1.0, 0.0], [0.0, 1.0]])))
+    assert two.n == 2 and math.isfinite(two.noise_ratio) and two.noise_ratio == pytest.approx(1.0, rel=1e-9)
