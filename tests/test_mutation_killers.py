@@ -488,3 +488,56 @@ def test_small_probes_and_zero_gradients():
     assert math.isnan(zero.relative_score)
     two = _result(z[:2], torch.from_numpy(np.array([[1.0, 0.0], [0.0, 1.0]])))
     assert two.n == 2 and math.isfinite(two.noise_ratio) and two.noise_ratio == pytest.approx(1.0, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- the deviation terms (bounds/terms.py)
+def test_deviation_terms_closed_forms():
+    """``thm-finite-sample``'s terms at non-trivial arguments, and their boundaries (theory/finite-sample.md)."""
+    from depthsat_theory.bounds.terms import (
+        deviation_halfwidth,
+        epsilon_n,
+        matrix_deviations,
+        relative_deviation,
+        split_delta,
+    )
+
+    assert split_delta(0.3, 5, True) == pytest.approx((0.02, 0.02, 0.02), rel=1e-12)
+    assert split_delta(0.3, 5, False) == pytest.approx((0.03, 0.03, 0.0), rel=1e-12)
+    n, u1, u2 = 500, 2.5, 4.0
+    assert epsilon_n(n, 3.0, 7.0, u1) == pytest.approx(math.sqrt(2 * 3 * u1 / n) + 2 * 7 * u1 / n, rel=1e-12)
+    for big_l, l1 in ((5.0, 5.0), (0.25, 1.0), (1.0, 1.0)):  # L_1 = max(L, 1)
+        expected = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+        assert relative_deviation(n, big_l, u2) == pytest.approx(expected, rel=1e-12)
+    dev = relative_deviation(n, 5.0, u2)
+    eps = epsilon_n(n, 3.0, 7.0, u1)
+    assert deviation_halfwidth(n, 3.0, 7.0, u1, 5.0, u2, 2.0) == pytest.approx((eps + 2 * dev) / math.sqrt(1 - dev))
+    assert deviation_halfwidth(10, 3.0, 7.0, u1, 5.0, u2, 2.0) == math.inf  # Δ_n ≥ 1
+    lo, hi = matrix_deviations(n, 2.0, 6.0, u2)
+    assert lo == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * u2 / (3 * n), rel=1e-12)
+    assert hi == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * 6 * u2 / (3 * n), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("mean", "bound_sq", "n", "u"), [(0.3, 4.0, 200, 3.0), (-0.1, 4.0, 200, 3.0), (1e-4, 1.0, 50, 1.0)]
+)
+def test_bernstein_upper_bound_solves_its_defining_equation(mean, bound_sq, n, u):
+    """``y`` is the root of ``y − √(2buy/n) − (max(mean, 0) + 2bu/(3n)) = 0`` (``Var Y ≤ b E Y``), capped at ``b``."""
+    from depthsat_theory.bounds.terms import bernstein_mean_upper
+
+    y = bernstein_mean_upper(mean, bound_sq, n, u)
+    e = max(mean, 0.0) + 2 * bound_sq * u / (3 * n)
+    assert y - math.sqrt(2 * bound_sq * u * y / n) - e == pytest.approx(0.0, abs=1e-12)
+    assert y > max(mean, 0.0)
+    assert bernstein_mean_upper(0.9, 1.0, 5, 3.0) == 1.0  # the cap: E Y ≤ b surely
+
+
+def test_matrix_variance_upper_degenerate_branches():
+    """``σ̄² = L`` when ``A = 1 − σ̂² a² ≤ 0`` (every ``t`` consistent), and never above ``L``."""
+    from depthsat_theory.bounds.terms import matrix_variance_upper
+
+    u2, u4 = 4.0, 3.0
+    a2 = 2 * u2 / 10  # a² at n = 10
+    assert matrix_variance_upper(1 / a2, 7.0, 10, u2, u4) == 7.0  # A = 0 exactly
+    assert matrix_variance_upper(2 / a2, 7.0, 10, u2, u4) == 7.0
+    assert matrix_variance_upper(7.0, 7.0, 1000, u2, u4) == 7.0  # A > 0 but the root exceeds L: capped
+    assert matrix_variance_upper(-1.0, 7.0, 10**6, u2, u4) == matrix_variance_upper(0.0, 7.0, 10**6, u2, u4)
