@@ -512,6 +512,10 @@ def test_deviation_terms_closed_forms():
     eps = epsilon_n(n, 3.0, 7.0, u1)
     assert deviation_halfwidth(n, 3.0, 7.0, u1, 5.0, u2, 2.0) == pytest.approx((eps + 2 * dev) / math.sqrt(1 - dev))
     assert deviation_halfwidth(10, 3.0, 7.0, u1, 5.0, u2, 2.0) == math.inf  # Δ_n ≥ 1
+    # Δ_n = 1 exactly in floating point (√(2u) + 2u/3 = 1 at u ≈ 0.3131, L_1 = 1, n = 1): still infinite
+    u_one = 0.31306822878312
+    assert math.sqrt(2 * u_one) + 2 * u_one / 3 == 1.0
+    assert deviation_halfwidth(1, 3.0, 7.0, u1, 0.5, u_one, 2.0) == math.inf
     lo, hi = matrix_deviations(n, 2.0, 6.0, u2)
     assert lo == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * u2 / (3 * n), rel=1e-12)
     assert hi == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * 6 * u2 / (3 * n), rel=1e-12)
@@ -536,8 +540,20 @@ def test_matrix_variance_upper_degenerate_branches():
     from depthsat_theory.bounds.terms import matrix_variance_upper
 
     u2, u4 = 4.0, 3.0
-    a2 = 2 * u2 / 10  # a² at n = 10
-    assert matrix_variance_upper(1 / a2, 7.0, 10, u2, u4) == 7.0  # A = 0 exactly
-    assert matrix_variance_upper(2 / a2, 7.0, 10, u2, u4) == 7.0
+    assert matrix_variance_upper(4.0, 7.0, 16, 2.0, u4) == 7.0  # a = √(2·2/16) = 1/2: A = 1 − 4/4 = 0 exactly
+    assert matrix_variance_upper(8.0, 7.0, 16, 2.0, u4) == 7.0  # A < 0
     assert matrix_variance_upper(7.0, 7.0, 1000, u2, u4) == 7.0  # A > 0 but the root exceeds L: capped
     assert matrix_variance_upper(-1.0, 7.0, 10**6, u2, u4) == matrix_variance_upper(0.0, 7.0, 10**6, u2, u4)
+
+
+@pytest.mark.parametrize("sig_hat2", [0.5, 2.0])
+def test_matrix_variance_upper_is_the_fixed_point(sig_hat2):
+    """Below ``L``, ``σ̄²`` satisfies ``√x = c/2 + √(c²/4 + e_0 + σ̂²(1 + Δ^+(x))²)`` with equality (also ``σ̂² < 1``)."""
+    from depthsat_theory.bounds.terms import matrix_variance_upper
+
+    n, big_l, u2, u4 = 4000, 50.0, 5.0, 3.0
+    x = matrix_variance_upper(sig_hat2, big_l, n, u2, u4)
+    c, e0 = big_l * math.sqrt(2 * u4 / n), 2 * big_l * big_l * u4 / (3 * n)
+    dplus = math.sqrt(2 * x * u2 / n) + 2 * big_l * u2 / (3 * n)
+    assert x < big_l
+    assert math.sqrt(x) == pytest.approx(c / 2 + math.sqrt(c * c / 4 + e0 + sig_hat2 * (1 + dplus) ** 2), rel=1e-12)
