@@ -31,13 +31,19 @@ NUM = "tests/test_numerics.py"
 BND = "tests/test_bounds.py"
 TNG = "tests/test_tangent.py"
 SCORE_ERROR_RETURN = "        + score * eta / lam_min\n    )\n"
+# the behavioural killers (a verdict on an instance with independent truth), named so that the
+# kill is theirs and not only the closed-form pin of score_error that runs first in the file
+HALF = KILL + "::test_half_precision_input_rounding_is_within_fifty_times_the_bound"
+PLANT = KILL + "::test_signal_at_ten_times_the_theorem_bound_is_improvable"
+CUTOFF = KILL + "::test_data_resolution_is_relative_to_the_largest_eigenvalue"
+SCALING = KILL + "::test_unit_diagonal_scaling_makes_a_tiny_feature_resolvable"
 
 # name: (file, original text, mutated text, tests that must kill it)
 MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
-    "score_error x 1/100": (LIN, SCORE_ERROR_RETURN, SCORE_ERROR_RETURN.replace(")", ") / 100"), [KILL, NUM]),
-    "score_error x 1000": (LIN, SCORE_ERROR_RETURN, SCORE_ERROR_RETURN.replace(")", ") * 1000"), [KILL, NUM]),
-    "cutoff x 1/k": (LIN, "cutoff = chosen * lmax if", "cutoff = chosen * lmax / k if", [KILL, NUM]),
-    "cutoff absolute": (LIN, "cutoff = chosen * lmax if", "cutoff = chosen if", [KILL, NUM]),
+    "score_error x 1/100": (LIN, SCORE_ERROR_RETURN, SCORE_ERROR_RETURN.replace(")", ") / 100"), [HALF]),
+    "score_error x 1000": (LIN, SCORE_ERROR_RETURN, SCORE_ERROR_RETURN.replace(")", ") * 1000"), [PLANT]),
+    "cutoff x 1/k": (LIN, "cutoff = chosen * lmax if", "cutoff = chosen * lmax / k if", [CUTOFF]),
+    "cutoff absolute": (LIN, "cutoff = chosen * lmax if", "cutoff = chosen if", [CUTOFF]),
     "data rtol x 1/k": (
         LIN,
         "return (RESOLUTION_FACTOR * math.sqrt(max(int(k), 1)) * unit_roundoff(dtype)) ** 2",
@@ -48,19 +54,19 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
         LIN,
         "np.linalg.eigh(mat * np.outer(scale, scale))",
         "np.linalg.eigh(mat)",
-        [KILL, NUM],
+        [SCALING],
     ),
     "no unit-diagonal scaling (factor)": (
         LIN,
         "np.linalg.svd(factor * scale[None, :], full_matrices=False)",
         "np.linalg.svd(factor, full_matrices=False)",
-        [KILL, NUM],
+        [SCALING],
     ),
     "no unit-diagonal scaling (scale = 1)": (
         LIN,
         "    scale[live] = 1.0 / np.sqrt(diag[live])\n",
         "    scale[live] = 1.0\n",
-        [KILL, NUM],
+        [SCALING],
     ),
     "saturated at equality excluded": (RES, "if self.score <= self.tol:", "if self.score < self.tol:", [KILL]),
     "unresolved ignored": (

@@ -471,6 +471,13 @@ def test_every_field_of_the_result_against_a_dense_reference():
     assert res.tol == res.score_error and not res.degenerate
     assert res.saturated is (res.verdict is Verdict.SATURATED)
     assert np.allclose(res.gradient, np.concatenate([(g.T @ z / n).reshape(-1), g.mean(0)]), rtol=1e-12, atol=0)
+    # every ratio is homogeneous of degree 0 in g: a probe with v̂ ≪ 1 gives the same noise test
+    small = statistics_for(parse_family("linear"), (d,), "vector")
+    small.update(torch.from_numpy(z), torch.from_numpy(g * 2.0**-12))
+    tiny = small.result()
+    assert tiny.noise_variance == pytest.approx(v * 2.0**-24, rel=1e-9) and tiny.noise_variance < 1
+    assert tiny.noise_ratio == pytest.approx(res.noise_ratio, rel=1e-9)
+    assert tiny.score_squared_unbiased == pytest.approx(u_stat * 2.0**-24, rel=1e-9)
     explicit = stats.result(tol=0.5, alpha=0.2)
     assert explicit.tol == 0.5 and explicit.score_error == res.score_error
     assert explicit.alpha == 0.2 and explicit.noise_threshold == pytest.approx(1.6423744151498623, rel=1e-9)
