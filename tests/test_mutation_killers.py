@@ -564,3 +564,16 @@ def test_matrix_variance_upper_is_the_fixed_point(sig_hat2):
     dplus = math.sqrt(2 * x * u2 / n) + 2 * big_l * u2 / (3 * n)
     assert x < big_l
     assert math.sqrt(x) == pytest.approx(c / 2 + math.sqrt(c * c / 4 + e0 + sig_hat2 * (1 + dplus) ** 2), rel=1e-12)
+
+
+def test_reported_score_never_exceeds_ag_rms():
+    """``s ≤ AG_rms`` holds exactly (``Π`` is a contraction): with ``n ≤ k̃`` (``ŝ = AG_rms`` exactly) the
+    computed ``ŝ`` lands an ulp above ``AG_rms`` on some probes, and the report clips it back."""
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        z = torch.randn(6, 16, generator=gen, dtype=torch.float64)
+        g = torch.randn(6, 16, generator=gen, dtype=torch.float64)
+        res = _result(z, g)
+        assert res.score <= res.ag_rms, seed
+        assert res.score == pytest.approx(res.ag_rms, rel=1e-12)  # every unit is its own tangent direction
+        assert res.relative_score <= 1.0
