@@ -478,6 +478,11 @@ def test_every_field_of_the_result_against_a_dense_reference():
     assert tiny.noise_variance == pytest.approx(v * 2.0**-24, rel=1e-9) and tiny.noise_variance < 1
     assert tiny.noise_ratio == pytest.approx(res.noise_ratio, rel=1e-9)
     assert tiny.score_squared_unbiased == pytest.approx(u_stat * 2.0**-24, rel=1e-9)
+    assert tiny.ag_rms < 1 and tiny.relative_score == pytest.approx(s / a, rel=1e-9)
+    # the cutoff reported is rtol · λ̃_max, rtol = (C_res √k̃ u64)² for a float64 probe (the factor)
+    lam_max = np.linalg.eigvalsh(_unit_diagonal_gram(z)).max()
+    assert res.rtol == pytest.approx((8 * math.sqrt(3) * U64) ** 2, rel=1e-12)
+    assert res.cutoff == pytest.approx(res.rtol * lam_max, rel=1e-9) and res.unresolved == 0
     explicit = stats.result(tol=0.5, alpha=0.2)
     assert explicit.tol == 0.5 and explicit.score_error == res.score_error
     assert explicit.alpha == 0.2 and explicit.noise_threshold == pytest.approx(1.6423744151498623, rel=1e-9)
@@ -577,3 +582,26 @@ def test_reported_score_never_exceeds_ag_rms():
         assert res.score <= res.ag_rms, seed
         assert res.score == pytest.approx(res.ag_rms, rel=1e-12)  # every unit is its own tangent direction
         assert res.relative_score <= 1.0
+
+
+def test_unresolved_directions_reach_the_result():
+    """``k̃ > 1024`` float64: the Gram (no factor) resolves ``λ/λ_max`` to ``C_res k̃ u64`` only; a direction of
+    amplitude ``≈ 2e-7`` is real (above the data resolution) but unresolved, and the result says so (a lower
+    bound ``ŝ`` above ``e`` still grounds "improvable", lem-lower-bound)."""
+    rng = np.random.default_rng(16)
+    n, d = 1100, 1030
+    z = rng.standard_normal((n, d))
+    z[:, 1] = z[:, 0] + 3e-7 * rng.standard_normal(n)
+    g = 0.5 * z + rng.standard_normal((n, d))
+    res = _result(torch.from_numpy(z), torch.from_numpy(g), "linear-nobias")
+    lam = np.linalg.eigvalsh(_unit_diagonal_gram_nobias(z))
+    assert (8 * math.sqrt(d) * U64) ** 2 < lam[0] / lam[-1] <= 8 * d * U64  # between the two resolutions
+    assert res.unresolved == 1 and res.rtol == pytest.approx(8 * d * U64, rel=1e-12)
+    assert res.tangent_rank == d * (d - 1)
+    assert res.score > res.score_error and res.probe_verdict is Verdict.IMPROVABLE
+
+
+def _unit_diagonal_gram_nobias(z: np.ndarray) -> np.ndarray:
+    sig = z.T @ z / z.shape[0]
+    dd = 1 / np.sqrt(np.diag(sig))
+    return sig * np.outer(dd, dd)
