@@ -30,6 +30,8 @@ from depthsat_theory.vocabulary import Verdict
 from proofs_checks.t8_numerics import exact_score, near_threshold_probe
 
 # theory/numerics.md: unit roundoffs and the constants C_res, C_g, C_φ, C_acc as the page states them
+# NB every pytest.approx here passes abs=0: its default absolute tolerance 1e-12 would make
+# comparisons of rounding-level quantities (e ≈ 1e-14, rtol ≈ 1e-15) vacuous
 U = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 C_RES, C_G, C_PHI, C_ACC = 8.0, 64.0, 4.0, 4.0
 
@@ -52,7 +54,8 @@ def _reference_bound(z: np.ndarray, g: np.ndarray, dtype: torch.dtype, bias: boo
     dinv = 1 / np.sqrt(np.diag(sig))
     sig_t = sig * np.outer(dinv, dinv)
     big_g = (g.T @ phi / n) * dinv
-    lam = np.linalg.eigvalsh(sig_t)
+    # amplitudes from the SVD of the scaled data matrix (def-resolution), accurate where eigh of Σ̃ is not
+    lam = np.linalg.svd(phi * dinv / math.sqrt(n), compute_uv=False) ** 2
     s_hat = math.sqrt(float(np.trace(big_g @ np.linalg.solve(sig_t, big_g.T))))
     a = math.sqrt(float(np.mean(np.sum(g * g, 1))))
     k, u_in, u64 = phi.shape[1], U[dtype], U[torch.float64]
@@ -81,8 +84,8 @@ def test_score_error_is_the_theorem_bound(dtype, spread):
     z, g = torch.from_numpy(z64).to(dtype), torch.from_numpy(g64).to(dtype)
     s_ref, e_ref = _reference_bound(z.double().numpy(), g.double().numpy(), dtype)
     res = _result(z, g)
-    assert res.score == pytest.approx(s_ref, rel=1e-9)
-    assert res.score_error == pytest.approx(e_ref, rel=1e-9)
+    assert res.score == pytest.approx(s_ref, rel=1e-9, abs=0)
+    assert res.score_error == pytest.approx(e_ref, rel=1e-8, abs=0)
     assert res.tol == res.score_error  # the threshold is the bound unless one is given
     assert res.dtype == str(dtype).replace("torch.", "")
 
@@ -111,7 +114,7 @@ def test_half_precision_input_rounding_is_within_fifty_times_the_bound(dtype, ep
     stored = exact_score(z.double().numpy(), g.double().numpy())  # what the half-precision pass produced
     res = _result(z, g)
     assert model <= 1e-12 * res.ag_rms
-    assert res.score == pytest.approx(stored, rel=1e-9)  # the engine scores the stored arrays accurately
+    assert res.score == pytest.approx(stored, rel=1e-9, abs=0)  # the engine scores the stored arrays accurately
     assert abs(res.score - model) <= res.score_error  # the bound covers the input rounding ...
     assert stored > res.score_error / 50  # ... and is not a hundred times too loose here
     assert res.verdict is Verdict.SATURATED and res.saturated
@@ -160,12 +163,12 @@ def test_data_resolution_is_relative_to_the_largest_eigenvalue(dtype, k):
     below = resolve_spectrum(_equicorrelation(k, _c_at(k, 0.8 * rtol)), dtype=dtype)
     above = resolve_spectrum(_equicorrelation(k, _c_at(k, 1.25 * rtol)), dtype=dtype)
     lam_max = 1 + (k - 1) * _c_at(k, 0.8 * rtol)
-    assert below.rtol == pytest.approx(rtol, rel=1e-12)
-    assert below.lam_max == pytest.approx(lam_max, rel=1e-12)
-    assert below.cutoff == pytest.approx(rtol * lam_max, rel=1e-12)
+    assert below.rtol == pytest.approx(rtol, rel=1e-12, abs=0)
+    assert below.lam_max == pytest.approx(lam_max, rel=1e-12, abs=0)
+    assert below.cutoff == pytest.approx(rtol * lam_max, rel=1e-12, abs=0)
     assert below.rank == 1 and below.unresolved == 0
     assert above.rank == k and above.unresolved == 0
-    assert above.lam_min == pytest.approx(1.25 * rtol * above.lam_max, rel=1e-6)
+    assert above.lam_min == pytest.approx(1.25 * rtol * above.lam_max, rel=1e-4, abs=0)
 
 
 @pytest.mark.parametrize("k", [2, 8])
@@ -174,7 +177,7 @@ def test_float64_gram_resolution_counts_unresolved_directions(k):
     rtol = C_RES * k * U[torch.float64]
     below = resolve_spectrum(_equicorrelation(k, _c_at(k, 0.5 * rtol)), dtype=torch.float64)
     above = resolve_spectrum(_equicorrelation(k, _c_at(k, 2 * rtol)), dtype=torch.float64)
-    assert below.rtol == pytest.approx(rtol, rel=1e-12)
+    assert below.rtol == pytest.approx(rtol, rel=1e-12, abs=0)
     assert below.rank == 1 and below.unresolved == k - 1
     assert above.rank == k and above.unresolved == 0
     # an explicit rtol counts nothing unresolved
@@ -191,7 +194,7 @@ def test_triangular_factor_resolves_to_the_data_resolution():
     for amp, rank in ((1e5, 2), (2.0, 2), (0.5, 1)):
         factor = np.array([[1.0, 1.0], [0.0, 2 * amp * math.sqrt(rtol)]])  # λ_min/λ_max ≈ amp² rtol
         spec = resolve_spectrum(factor.T @ factor, dtype=torch.float64, factor=factor)
-        assert spec.rtol == pytest.approx(rtol, rel=1e-12)
+        assert spec.rtol == pytest.approx(rtol, rel=1e-12, abs=0)
         assert spec.rank == rank and spec.unresolved == 0
 
 
@@ -210,9 +213,9 @@ def test_unit_diagonal_scaling_makes_a_tiny_feature_resolvable(dtype):
     z, g = torch.from_numpy(z64).to(dtype), torch.from_numpy(g64).to(dtype)
     truth = exact_score(z.double().numpy(), g.double().numpy())
     res = _result(z, g)
-    assert truth == pytest.approx(res.ag_rms, rel=1e-6)
+    assert truth == pytest.approx(res.ag_rms, rel=1e-6, abs=0)
     assert res.tangent_rank == 6
-    assert res.score == pytest.approx(truth, rel=1e-6)
+    assert res.score == pytest.approx(truth, rel=1e-6, abs=0)
     assert res.probe_verdict is Verdict.IMPROVABLE
 
 
@@ -227,7 +230,7 @@ def test_rescaling_a_feature_by_a_power_of_two_changes_nothing(dtype):
     scaled = z64 * np.array([2.0**40, 1.0, 2.0**-40])
     res = _result(torch.from_numpy(scaled).to(dtype), torch.from_numpy(g64).to(dtype))
     for key in ("score", "score_error", "rtol", "noise_variance"):
-        assert getattr(res, key) == pytest.approx(getattr(base, key), rel=1e-9), key
+        assert getattr(res, key) == pytest.approx(getattr(base, key), rel=1e-9, abs=0), key
     assert res.tangent_rank == base.tangent_rank == 12
 
 
@@ -324,7 +327,7 @@ def test_score_error_closed_form_single_unit():
     u = U64
     expected = 64 * u * 2 + 2 * 4 * u / (1 - 4 * u) + 2 * 4 * u + 2 * 12 * u  # γ_acc = 4 √1 u, η = 1 · (4u + 8u)
     assert res.score == 2.0 and res.ag_rms == 2.0
-    assert res.score_error == pytest.approx(expected, rel=1e-12)
+    assert res.score_error == pytest.approx(expected, rel=1e-12, abs=0)
     assert res.probe_verdict is Verdict.IMPROVABLE
 
 
@@ -340,7 +343,7 @@ def test_score_error_closed_form_on_a_given_spectrum():
             expected = 64 * u * a + a * eps_m / (sig - eps_m) + a * gamma * math.sqrt(k) / sig + s_hat * eta / lam
             spec = _spectrum(values, len(values))
             got = score_error(spec, score=s_hat, ag_rms=a, dtype=dtype, units=units, k=k)
-            assert got == pytest.approx(expected, rel=1e-12), (dtype, values, k)
+            assert got == pytest.approx(expected, rel=1e-12, abs=0), (dtype, values, k)
     assert score_error(_spectrum([], 3), score=1.0, ag_rms=1.0, dtype=torch.float16, units=10) == 0.0
 
 
@@ -403,7 +406,7 @@ def test_default_tol_and_the_gram_rtol_closed_forms():
     assert default_rtol(torch.float64, 1) == 8 * U64
     assert default_rtol(torch.float64, 3) == 8 * 3 * U64
     assert default_rtol(torch.float16, 1) == (8 * 2.0**-11) ** 2
-    assert default_rtol(torch.float32, 5) == pytest.approx((8 * math.sqrt(5) * 2.0**-24) ** 2, rel=1e-12)
+    assert default_rtol(torch.float32, 5) == pytest.approx((8 * math.sqrt(5) * 2.0**-24) ** 2, rel=1e-12, abs=0)
     assert resolve_spectrum(np.array([[2.0]]), dtype=torch.float64).rtol == 8 * U64
     assert resolve_spectrum(np.array([[2.0]]), dtype=torch.float16).rtol == (8 * 2.0**-11) ** 2
 
@@ -413,9 +416,13 @@ def test_pinv_quadratic_honours_an_explicit_rtol():
     mat = np.array([[4.0, 1.6], [1.6, 1.0]])  # unit-diagonal [[1, .8], [.8, 1]]: λ = 1.8, 0.2
     vecs = np.array([[2.0, -1.0]])  # scaled: (1, −1), along the small eigenvector (1, −1)/√2
     full, rank, cutoff, _ = pinv_quadratic(mat, vecs, 0.1)
-    assert rank == 2 and full == pytest.approx(2 / 0.2, rel=1e-12) and cutoff == pytest.approx(0.18, rel=1e-12)
+    assert (
+        rank == 2
+        and full == pytest.approx(2 / 0.2, rel=1e-12, abs=0)
+        and cutoff == pytest.approx(0.18, rel=1e-12, abs=0)
+    )
     cut, rank, cutoff, inv = pinv_quadratic(mat, vecs, 0.2)
-    assert rank == 1 and cut == pytest.approx(0.0, abs=1e-12) and cutoff == pytest.approx(0.36, rel=1e-12)
+    assert rank == 1 and cut == pytest.approx(0.0, abs=1e-12) and cutoff == pytest.approx(0.36, rel=1e-12, abs=0)
     assert np.allclose(inv, np.array([[1 / 4, 1 / 2], [1 / 2, 1]]) / (2 * 1.8))  # D^{-1/2} q qᵀ/λ D^{-1/2}
 
 
@@ -424,7 +431,7 @@ def test_noise_threshold_range_and_value():
     from statistics import NormalDist
 
     for alpha in (0.05, 0.215, 1e-6):
-        assert noise_threshold(alpha) == pytest.approx(NormalDist().inv_cdf(1 - alpha / 2) ** 2, rel=1e-9)
+        assert noise_threshold(alpha) == pytest.approx(NormalDist().inv_cdf(1 - alpha / 2) ** 2, rel=1e-9, abs=0)
     for alpha in (0.0, 0.2150001, 0.5, 1.0, -0.1):
         with pytest.raises(ValueError, match=r"0 < alpha <= 0\.215"):
             noise_threshold(alpha)
@@ -453,21 +460,21 @@ def test_every_field_of_the_result_against_a_dense_reference():
     lev = np.einsum("ik,kl,il->i", phi, np.linalg.inv(phi.T @ phi / n), phi)
     v = float(np.mean(np.sum(g * g, 1) * lev))
     u_stat = (n * s * s - v) / (n - 1)
-    assert res.score == pytest.approx(s, rel=1e-10)
-    assert res.ag_rms == pytest.approx(a, rel=1e-12)
-    assert res.ag_max == pytest.approx(np.linalg.norm(g, axis=1).max(), rel=1e-12)
-    assert res.raw_score == pytest.approx(r, rel=1e-10)
-    assert res.realizability_defect == pytest.approx(rho, rel=1e-8)
-    assert res.relative_score == pytest.approx(s / a, rel=1e-10)
-    assert res.activation_scaled_score == pytest.approx(s * math.sqrt(np.sum(z * z) / n), rel=1e-10)
-    assert res.noise_variance == pytest.approx(v, rel=1e-9)
-    assert res.noise_ratio == pytest.approx(n * s * s / v, rel=1e-9)
-    assert res.score_squared_unbiased == pytest.approx(u_stat, rel=1e-9)
+    assert res.score == pytest.approx(s, rel=1e-10, abs=0)
+    assert res.ag_rms == pytest.approx(a, rel=1e-12, abs=0)
+    assert res.ag_max == pytest.approx(np.linalg.norm(g, axis=1).max(), rel=1e-12, abs=0)
+    assert res.raw_score == pytest.approx(r, rel=1e-10, abs=0)
+    assert res.realizability_defect == pytest.approx(rho, rel=1e-8, abs=0)
+    assert res.relative_score == pytest.approx(s / a, rel=1e-10, abs=0)
+    assert res.activation_scaled_score == pytest.approx(s * math.sqrt(np.sum(z * z) / n), rel=1e-10, abs=0)
+    assert res.noise_variance == pytest.approx(v, rel=1e-9, abs=0)
+    assert res.noise_ratio == pytest.approx(n * s * s / v, rel=1e-9, abs=0)
+    assert res.score_squared_unbiased == pytest.approx(u_stat, rel=1e-9, abs=0)
     se = math.sqrt(4 * v * max(u_stat, 0.0) / n + 2 * v * v / (n * (n - 1)))
-    assert res.score_squared_se == pytest.approx(se, rel=1e-9)
+    assert res.score_squared_se == pytest.approx(se, rel=1e-9, abs=0)
     assert (res.n, res.units, res.tangent_rank, res.tangent_dim) == (n, n, 6, 6)
     assert (res.family, res.unit, res.dtype, res.alpha) == ("linear", "row", "float64", 0.05)
-    assert res.noise_threshold == pytest.approx(3.841458820694124, rel=1e-12)
+    assert res.noise_threshold == pytest.approx(3.841458820694124, rel=1e-12, abs=0)
     assert res.tol == res.score_error and not res.degenerate
     assert res.saturated is (res.verdict is Verdict.SATURATED)
     assert np.allclose(res.gradient, np.concatenate([(g.T @ z / n).reshape(-1), g.mean(0)]), rtol=1e-12, atol=0)
@@ -475,17 +482,17 @@ def test_every_field_of_the_result_against_a_dense_reference():
     small = statistics_for(parse_family("linear"), (d,), "vector")
     small.update(torch.from_numpy(z), torch.from_numpy(g * 2.0**-12))
     tiny = small.result()
-    assert tiny.noise_variance == pytest.approx(v * 2.0**-24, rel=1e-9) and tiny.noise_variance < 1
-    assert tiny.noise_ratio == pytest.approx(res.noise_ratio, rel=1e-9)
-    assert tiny.score_squared_unbiased == pytest.approx(u_stat * 2.0**-24, rel=1e-9)
-    assert tiny.ag_rms < 1 and tiny.relative_score == pytest.approx(s / a, rel=1e-9)
+    assert tiny.noise_variance == pytest.approx(v * 2.0**-24, rel=1e-9, abs=0) and tiny.noise_variance < 1
+    assert tiny.noise_ratio == pytest.approx(res.noise_ratio, rel=1e-9, abs=0)
+    assert tiny.score_squared_unbiased == pytest.approx(u_stat * 2.0**-24, rel=1e-9, abs=0)
+    assert tiny.ag_rms < 1 and tiny.relative_score == pytest.approx(s / a, rel=1e-9, abs=0)
     # the cutoff reported is rtol · λ̃_max, rtol = (C_res √k̃ u64)² for a float64 probe (the factor)
     lam_max = np.linalg.eigvalsh(_unit_diagonal_gram(z)).max()
-    assert res.rtol == pytest.approx((8 * math.sqrt(3) * U64) ** 2, rel=1e-12)
-    assert res.cutoff == pytest.approx(res.rtol * lam_max, rel=1e-9) and res.unresolved == 0
+    assert res.rtol == pytest.approx((8 * math.sqrt(3) * U64) ** 2, rel=1e-12, abs=0)
+    assert res.cutoff == pytest.approx(res.rtol * lam_max, rel=1e-9, abs=0) and res.unresolved == 0
     explicit = stats.result(tol=0.5, alpha=0.2)
     assert explicit.tol == 0.5 and explicit.score_error == res.score_error
-    assert explicit.alpha == 0.2 and explicit.noise_threshold == pytest.approx(1.6423744151498623, rel=1e-9)
+    assert explicit.alpha == 0.2 and explicit.noise_threshold == pytest.approx(1.6423744151498623, rel=1e-9, abs=0)
 
 
 def test_small_probes_and_zero_gradients():
@@ -499,7 +506,7 @@ def test_small_probes_and_zero_gradients():
     assert zero.score == 0.0 and zero.noise_ratio == 0.0 and zero.verdict is Verdict.SATURATED
     assert math.isnan(zero.relative_score)
     two = _result(z[:2], torch.from_numpy(np.array([[1.0, 0.0], [0.0, 1.0]])))
-    assert two.n == 2 and math.isfinite(two.noise_ratio) and two.noise_ratio == pytest.approx(1.0, rel=1e-9)
+    assert two.n == 2 and math.isfinite(two.noise_ratio) and two.noise_ratio == pytest.approx(1.0, rel=1e-9, abs=0)
 
 
 # ----------------------------------------------------------------------------- the deviation terms (bounds/terms.py)
@@ -513,13 +520,13 @@ def test_deviation_terms_closed_forms():
         split_delta,
     )
 
-    assert split_delta(0.3, 5, True) == pytest.approx((0.02, 0.02, 0.02), rel=1e-12)
-    assert split_delta(0.3, 5, False) == pytest.approx((0.03, 0.03, 0.0), rel=1e-12)
+    assert split_delta(0.3, 5, True) == pytest.approx((0.02, 0.02, 0.02), rel=1e-12, abs=0)
+    assert split_delta(0.3, 5, False) == pytest.approx((0.03, 0.03, 0.0), rel=1e-12, abs=0)
     n, u1, u2 = 500, 2.5, 4.0
-    assert epsilon_n(n, 3.0, 7.0, u1) == pytest.approx(math.sqrt(2 * 3 * u1 / n) + 2 * 7 * u1 / n, rel=1e-12)
+    assert epsilon_n(n, 3.0, 7.0, u1) == pytest.approx(math.sqrt(2 * 3 * u1 / n) + 2 * 7 * u1 / n, rel=1e-12, abs=0)
     for big_l, l1 in ((5.0, 5.0), (0.25, 1.0), (1.0, 1.0)):  # L_1 = max(L, 1)
         expected = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
-        assert relative_deviation(n, big_l, u2) == pytest.approx(expected, rel=1e-12)
+        assert relative_deviation(n, big_l, u2) == pytest.approx(expected, rel=1e-12, abs=0)
     dev = relative_deviation(n, 5.0, u2)
     eps = epsilon_n(n, 3.0, 7.0, u1)
     assert deviation_halfwidth(n, 3.0, 7.0, u1, 5.0, u2, 2.0) == pytest.approx((eps + 2 * dev) / math.sqrt(1 - dev))
@@ -529,8 +536,8 @@ def test_deviation_terms_closed_forms():
     assert math.sqrt(2 * u_one) + 2 * u_one / 3 == 1.0
     assert deviation_halfwidth(1, 3.0, 7.0, u1, 0.5, u_one, 2.0) == math.inf
     lo, hi = matrix_deviations(n, 2.0, 6.0, u2)
-    assert lo == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * u2 / (3 * n), rel=1e-12)
-    assert hi == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * 6 * u2 / (3 * n), rel=1e-12)
+    assert lo == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * u2 / (3 * n), rel=1e-12, abs=0)
+    assert hi == pytest.approx(math.sqrt(2 * 2 * u2 / n) + 2 * 6 * u2 / (3 * n), rel=1e-12, abs=0)
 
 
 @pytest.mark.parametrize(
@@ -568,7 +575,9 @@ def test_matrix_variance_upper_is_the_fixed_point(sig_hat2):
     c, e0 = big_l * math.sqrt(2 * u4 / n), 2 * big_l * big_l * u4 / (3 * n)
     dplus = math.sqrt(2 * x * u2 / n) + 2 * big_l * u2 / (3 * n)
     assert x < big_l
-    assert math.sqrt(x) == pytest.approx(c / 2 + math.sqrt(c * c / 4 + e0 + sig_hat2 * (1 + dplus) ** 2), rel=1e-12)
+    assert math.sqrt(x) == pytest.approx(
+        c / 2 + math.sqrt(c * c / 4 + e0 + sig_hat2 * (1 + dplus) ** 2), rel=1e-12, abs=0
+    )
 
 
 def test_reported_score_never_exceeds_ag_rms():
@@ -580,7 +589,7 @@ def test_reported_score_never_exceeds_ag_rms():
         g = torch.randn(6, 16, generator=gen, dtype=torch.float64)
         res = _result(z, g)
         assert res.score <= res.ag_rms, seed
-        assert res.score == pytest.approx(res.ag_rms, rel=1e-12)  # every unit is its own tangent direction
+        assert res.score == pytest.approx(res.ag_rms, rel=1e-12, abs=0)  # every unit is its own tangent direction
         assert res.relative_score <= 1.0
 
 
@@ -596,7 +605,7 @@ def test_unresolved_directions_reach_the_result():
     res = _result(torch.from_numpy(z), torch.from_numpy(g), "linear-nobias")
     lam = np.linalg.eigvalsh(_unit_diagonal_gram_nobias(z))
     assert (8 * math.sqrt(d) * U64) ** 2 < lam[0] / lam[-1] <= 8 * d * U64  # between the two resolutions
-    assert res.unresolved == 1 and res.rtol == pytest.approx(8 * d * U64, rel=1e-12)
+    assert res.unresolved == 1 and res.rtol == pytest.approx(8 * d * U64, rel=1e-12, abs=0)
     assert res.tangent_rank == d * (d - 1)
     assert res.score > res.score_error and res.probe_verdict is Verdict.IMPROVABLE
 
