@@ -614,3 +614,11 @@ def _unit_diagonal_gram_nobias(z: np.ndarray) -> np.ndarray:
     sig = z.T @ z / z.shape[0]
     dd = 1 / np.sqrt(np.diag(sig))
     return sig * np.outer(dd, dd)
+
+
+def test_one_feature_factor_and_zero_gram():
+    """``k̃ = 1`` with a factor: rtol ``(C_res u64)²``; a zero Gram keeps nothing, with cutoff 0 (``T = {0}``)."""
+    one = resolve_spectrum(np.array([[4.0]]), dtype=torch.float64, factor=np.array([[2.0]]))
+    assert one.rtol == (8 * U64) ** 2 and one.rank == 1 and one.lam_max == 1.0
+    zero = resolve_spectrum(np.zeros((3, 3)), dtype=torch.float32)
+    assert zero.rank == 0 and zero.cutoff == 0.0 and zero.lam_max == 0.0 and zero.unresolved == 0
