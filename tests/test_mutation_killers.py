@@ -622,3 +622,14 @@ def test_one_feature_factor_and_zero_gram():
     assert one.rtol == (8 * U64) ** 2 and one.rank == 1 and one.lam_max == 1.0
     zero = resolve_spectrum(np.zeros((3, 3)), dtype=torch.float32)
     assert zero.rank == 0 and zero.cutoff == 0.0 and zero.lam_max == 0.0 and zero.unresolved == 0
+
+
+def test_spectrum_order_and_dtype_check():
+    """Kept eigenvalues come in descending order (``Spectrum.values``); a non-floating dtype has no roundoff."""
+    from depthsat_theory.statistics.linalg import unit_roundoff
+
+    spec = resolve_spectrum(np.array([[1.0, 0.5, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+    assert np.allclose(spec.values, [1.5, 1.0, 0.5], rtol=1e-12, atol=0)
+    assert spec.values[0] == spec.lam_max and spec.lam_min == spec.values[-1]
+    with pytest.raises(TypeError, match="non-floating dtype"):
+        unit_roundoff(torch.int64)
