@@ -343,7 +343,7 @@ def test_score_error_closed_form_single_unit():
 
 
 def test_score_error_closed_form_on_a_given_spectrum():
-    """``e`` of ``thm-score-error`` on a Gram spectrum given by hand (rank 1 and 2, an explicit ``k̃``, ``L`` summands)."""
+    """``e`` of ``thm-score-error`` on a Gram spectrum given by hand (rank 1 and 2, explicit ``k̃`` and ``L``)."""
     a, s_hat, summands = 1.5, 0.25, 64
     for dtype in (torch.float32, torch.bfloat16):
         for values, k in (([0.5], 1), ([1.0, 0.25], 2), ([1.0, 0.25], 9)):
