@@ -90,8 +90,8 @@ def default_rtol(dtype: torch.dtype, k: int) -> float:
         \mathrm{rtol} = \max\bigl((C_{res}\sqrt{k}\,u_{in})^2,\; C_{res}\,k\,u_{64}\bigr),
 
     the larger of the data resolution and what a float64 Gram resolves
-    (theory/numerics.md, ``def-resolution``): about ``2e-12`` for float32 at ``k = 65``
-    (amplitudes ``≈ 1.5e-6`` of the largest), ``4e-14`` for float64.  Eigenvalues
+    (theory/numerics.md, ``def-resolution``): about ``1.5e-11`` for float32 at ``k = 65``
+    (amplitudes ``≈ 3.8e-6`` of the largest), ``5.8e-14`` for float64.  Eigenvalues
     ``λ ≤ rtol · λ_max`` of the unit-diagonal Gram are dropped.
     """
     return max(_data_rtol(dtype, k), _gram_rtol(k))
