@@ -64,7 +64,8 @@ class GeneralStatistics(TangentStatistics):
             return self.family.functional(theta, z64, layout)
 
         vjp_fn = torch.func.vjp(h, theta0)[1]
-        b_sum = self.states["b"].to(z.device) + vjp_fn(g64)[0]
+        per_ex = self._per_example_gradients(z, g, mask)  # b_x per example: b and the noise moment
+        b_sum = self.states["b"].to(z.device) + per_ex.sum(0)
 
         def gram_column(v: Tensor) -> Tensor:  # Aᵀ(A v): one jvp and one vjp
             return vjp_fn(torch.func.jvp(h, (theta0,), (v,))[1])[0]
@@ -80,7 +81,6 @@ class GeneralStatistics(TangentStatistics):
             )
         self.states["b"] = b_sum
         self.states["k_mat"] = self.states["k_mat"].to(z.device) + 0.5 * (cols + cols.T)
-        per_ex = self._per_example_gradients(z, g, mask)
         self.states["q_sum"] = self.states["q_sum"].to(z.device) + per_ex.T @ per_ex
         if mask is not None:
             self._count_units(int(mask.sum()))
