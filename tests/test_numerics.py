@@ -293,3 +293,84 @@ def test_extreme_scales_are_one_line_errors_or_finite():
         _result(x, x * 1e-161)
     big = _result(torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64) * 1e77)
     assert math.isfinite(big.score) and math.isfinite(big.score_squared_se)
+
+
+def _lstsq_score(rows: np.ndarray, g_rows: np.ndarray, n_examples: int, rcond: float) -> float:
+    """``‖Π g‖`` on the probe measure by a float64 numpy SVD fit of ``g`` on ``[rows, 1]`` (no engine code)."""
+    design = np.concatenate([rows, np.ones((rows.shape[0], 1))], 1)
+    u, sv, _ = np.linalg.svd(design, full_matrices=False)
+    keep = sv > rcond * sv[0]
+    fit = u[:, keep] @ (u[:, keep].T @ g_rows)
+    return float(np.sqrt((fit * fit).sum() / n_examples))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_post_layernorm_site_has_exactly_the_layernorm_dependency(dtype):
+    """Reproducer (MiniLM layer 0 reported rank 383 of 384 under the old Gram cutoff).
+
+    A post-LN row ``y = γ ⊙ x̂ + β`` satisfies ``Σ_i (y_i − β_i)/γ_i = 0`` exactly, so ``[y, 1]`` has
+    rank ``d`` and the linear tangent space has dimension ``d²`` (of ``p = d(d+1)``); without the
+    LayerNorm the rank is full. The score matches a float64 SVD fit that drops only that dependency.
+    """
+    d, n = 12, 600
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64) * torch.linspace(0.2, 3.0, d, dtype=torch.float64)
+    ln = torch.nn.LayerNorm(d, dtype=torch.float64)
+    with torch.no_grad():
+        ln.weight.copy_(torch.rand(d, generator=gen, dtype=torch.float64) + 0.5)
+        ln.bias.copy_(torch.randn(d, generator=gen, dtype=torch.float64))
+        y = ln(x)
+    g = torch.tanh(y @ torch.randn(d, d, generator=gen, dtype=torch.float64)) + 0.3 * torch.randn(n, d, generator=gen)
+    z, g = y.to(dtype), g.to(dtype)
+    res = _result(z, g)
+    assert res.tangent_dim == d * (d + 1) and res.tangent_rank == d * d
+    ref = _lstsq_score(z.double().numpy(), g.double().numpy(), n, rcond=1e-5)
+    assert abs(res.score - ref) <= res.score_error
+    ctrl = _result(x.to(dtype), g)
+    assert ctrl.tangent_rank == d * (d + 1)
+
+
+class _Bottleneck(torch.nn.Module):
+    """A ResNet bottleneck block (1×1 reduce, 3×3, 1×1 expand, batch norm, identity skip)."""
+
+    def __init__(self, c: int, mid: int):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(c, mid, 1, bias=False),
+            torch.nn.BatchNorm2d(mid),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(mid, mid, 3, padding=1, bias=False),
+            torch.nn.BatchNorm2d(mid),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(mid, c, 1, bias=False),
+            torch.nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+def test_bottleneck_resnet_site_matches_a_float64_least_squares_fit():
+    """Reproducer (a Bottleneck ResNet site scored 6% low): a float32 bottleneck site after ReLU.
+
+    Truth: the float64 SVD fit of the site's activation gradient on its pixel rows (plus the bias
+    column) with a cutoff far below the float32 data resolution's effect on the score.
+    """
+    torch.manual_seed(0)
+    c = 16
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, c, 3, padding=1), _Bottleneck(c, 4), _Bottleneck(c, 4))
+    head = torch.nn.Sequential(torch.nn.Conv2d(c, 5, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    net.eval()
+    x, t = torch.randn(48, 3, 6, 6), torch.randint(0, 5, (48,))
+    z = net(x).detach().requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(head(z), t, reduction="sum")
+    (g,) = torch.autograd.grad(loss, z)
+    stats = statistics_for(parse_family("conv1x1"), tuple(z.shape[1:]), "image")
+    stats.update(z.detach(), g)
+    res = stats.result()
+    rows = z.detach().double().permute(0, 2, 3, 1).reshape(-1, c).numpy()
+    g_rows = g.double().permute(0, 2, 3, 1).reshape(-1, c).numpy()
+    ref = _lstsq_score(rows, g_rows, x.shape[0], rcond=1e-5)
+    assert res.ag_rms == pytest.approx(float(np.sqrt((g_rows**2).sum() / x.shape[0])), rel=1e-6)
+    assert res.tangent_rank == c * (c + 1)
+    assert abs(res.score - ref) <= res.score_error + 1e-6 * ref
