@@ -884,3 +884,43 @@ def test_empirical_bernstein_interval_is_labelled_narrower_and_covers():
     bare = ProbeMoments.from_arrays(phi, g, np.full(n_pop, 10), keep=False)
     fb = interval_from_moments(bare, delta, grad_max=gam, leverage_max=big_l, matrix_bound="empirical-bernstein")
     assert fb.constants["matrix_variance"].value == big_l and fb.constants["matrix_variance"].source == "derived"
+
+
+def _lower_end_by_hand(n, s, v, gam, big_l, dim, delta):
+    """``ŝ √(1 − Δ_n) − ε_n`` written out from theory/finite-sample.md (δ split over three events)."""
+    u1, u2 = math.log(6 / delta), math.log(6 * dim / delta)
+    l1 = max(big_l, 1.0)
+    dev = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+    if dev >= 1:
+        return -math.inf
+    r = gam * math.sqrt(big_l)
+    return s * math.sqrt(1 - dev) - (math.sqrt(2 * v * u1 / n) + 2 * r * u1 / n)
+
+
+def test_n_to_certify_is_the_first_probe_size_whose_lower_end_is_positive():
+    """The plan of an uncertified interval: at ``n*`` the hand-written lower end is > 0, at ``n* − 1`` not;
+    a fresh probe of ``2 n*`` examples from the same population is certified improvable."""
+    rng = np.random.default_rng(5)
+
+    def draw(n):
+        z = rng.uniform(-1, 1, size=(n, 1))
+        return z, 0.3 * z + rng.uniform(-1, 1, size=(n, 1))
+
+    z, g = draw(300)
+    iv = interval_from_probe(z, g, parse_family("linear"), delta=0.1, bootstrap=0, grad_max=1.3, leverage_max=4.0)
+    assert iv.score_lower == 0 and iv.n_to_certify is not None
+    n_star, s, v = iv.n_to_certify, iv.score, iv.variance_plugin
+    args = (s, v, 1.3, 4.0, 2, 0.1)  # D = min(k̃, ⌊L⌋) = 2
+    assert _lower_end_by_hand(n_star, *args) > 0 >= _lower_end_by_hand(n_star - 1, *args)
+    big = interval_from_probe(
+        *draw(2 * n_star), parse_family("linear"), delta=0.1, bootstrap=0, grad_max=1.3, leverage_max=4.0
+    )
+    assert big.score_lower > 0 and big.certificate is Certificate.IMPROVABLE
+
+
+def test_n_to_certify_is_none_without_signal():
+    z = np.linspace(-1, 1, 64)[:, None]
+    iv = interval_from_probe(
+        z, np.zeros_like(z), parse_family("linear"), delta=0.1, bootstrap=0, grad_max=1.0, leverage_max=4.0
+    )
+    assert iv.score == 0 and iv.n_to_certify is None

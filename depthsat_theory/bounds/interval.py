@@ -47,6 +47,7 @@ __all__ = [
     "ag_rms_upper",
     "bootstrap_interval",
     "interval_from_moments",
+    "n_to_certify",
     "unbiased_score_squared",
 ]
 
@@ -123,6 +124,10 @@ class ScoreInterval:
         bootstrap_interval: ``None`` or a dict (``lower``, ``upper``, ``method``,
             ``resamples``, ``label``): approximate, not a guarantee.
         looseness: ``(score_upper − score_lower)`` over the bootstrap interval's width.
+        n_to_certify: the probe size at which this interval's lower end would exceed 0 if
+            ``ŝ_λ``, ``v̂`` and the constants ``γ, L, D`` stayed as measured (worst-case matrix
+            step, ``V = v̂``): a plan for "certified improvable", not a guarantee; ``None``
+            when ``ŝ_λ = 0`` or beyond ``10¹⁵`` examples (see :func:`n_to_certify`).
         tangent_rank: numerical rank of ``Σ̂``.
         notes: further remarks.
     """
@@ -154,6 +159,7 @@ class ScoreInterval:
     ag_certificate: Certificate | str
     bootstrap_interval: dict | None
     looseness: float | None
+    n_to_certify: int | None
     tangent_rank: int
     notes: list[str]
 
@@ -326,9 +332,54 @@ def interval_from_moments(
         ag_certificate=_ag_certificate(ag_up, eps_target),
         bootstrap_interval=boot,
         looseness=loose,
+        n_to_certify=n_to_certify(s_hat, est.v_hat, const, delta / candidates),
         tangent_rank=est.rank,
         notes=notes,
     )
+
+
+_N_PLAN_MAX = 10**15
+
+
+def n_to_certify(s_hat: float, v_hat: float, const: dict[str, Constant], delta: float) -> int | None:
+    """Smallest ``n`` with ``ŝ √(1 − Δ_n) − ε_n > 0`` if ``ŝ``, ``v̂`` and the constants stayed as measured.
+
+    The interval of ``thm-finite-sample`` with the worst-case matrix step and ``δ`` split over
+    three events (``V`` from the probe) or two (``V`` given); ``V`` is the user's bound or the
+    plug-in ``v̂`` (the empirical-Bernstein bound tends to it as ``n`` grows). The lower end is
+    increasing in ``n``, so the root is found by doubling and bisection.
+
+    Args:
+        s_hat: ``ŝ_λ ≥ 0`` (loss units per unit step).
+        v_hat: ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖_F²``.
+        const: the interval's resolved constants (``grad_max``, ``leverage_max``, ``whitened_max``, ``dim``).
+        delta: the level of this one interval (``δ/m`` after the union bound).
+
+    Returns:
+        The probe size (examples), or ``None`` when ``ŝ = 0`` or above ``10¹⁵``.
+    """
+    if not s_hat > 0:
+        return None
+    given_v = "variance" in const and const["variance"].source == "user"
+    var = const["variance"].value if given_v else v_hat
+    d1, d2, _ = split_delta(delta, 1, not given_v)
+    u1, u2 = math.log(2 / d1), math.log(2 * const["dim"].value / d2)
+    big_l, r = const["leverage_max"].value, const["whitened_max"].value
+
+    def certifies(n: int) -> bool:
+        dev = relative_deviation(n, big_l, u2)
+        return dev < 1 and s_hat * math.sqrt(1 - dev) - epsilon_n(n, var, r, u1) > 0
+
+    hi = 1
+    while not certifies(hi):
+        if hi > _N_PLAN_MAX:
+            return None
+        hi *= 2
+    lo = hi // 2  # certifies(lo) is False (or lo = 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if certifies(mid) else (mid, hi)
+    return hi
 
 
 def _steps(

@@ -167,6 +167,9 @@ class Diagnosis:
         noisy = [sd for sd in self.sites if sd.result.verdict is Verdict.UNDETERMINED]
         if noisy:
             cols += ["n to decide"]
+        uncertified = [sd for sd in self.sites if sd.interval is not None and sd.interval.score_lower == 0]
+        if uncertified:
+            cols += ["n to certify"]
         for c in cols:
             t.add_column(c, justify="left" if c in ("site", "verdict") else "right", no_wrap=c != "verdict")
         for sd in self.sites:
@@ -191,6 +194,10 @@ class Diagnosis:
             if noisy:
                 need = r.examples_needed if r.verdict is Verdict.UNDETERMINED else None
                 row += ["—" if need is None else str(need)]
+            if uncertified:
+                iv = sd.interval
+                plan = None if iv is None or iv.score_lower > 0 else iv.n_to_certify
+                row += ["—" if plan is None else str(plan)]
             t.add_row(*row)
         return t
 
