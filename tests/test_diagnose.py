@@ -393,6 +393,8 @@ def test_checkpoint_resume_after_interrupt_in_process(tmp_path):
     # a mismatched configuration is rejected
     with pytest.raises(CheckpointError, match=r"another configuration.*family"):
         diagnose(model, classification_loss, batches, family="poly:2", delta=0.1, realizability=True, checkpoint=ck)
+    with pytest.raises(CheckpointError, match=r"another configuration.*batch_dim"):
+        diagnose(model, classification_loss, batches, delta=0.1, realizability=True, checkpoint=ck, batch_dim=0)
     with pytest.raises(CheckpointError, match="already holds 10 batches"):
         diagnose(model, classification_loss, batches[:3], delta=0.1, realizability=True, checkpoint=ck)
     (tmp_path / "junk").write_bytes(b"not a checkpoint")

@@ -383,6 +383,7 @@ class _Run:
             "delta": self.delta,
             "realizability": self.realizability,
             "reduction": self.probe_options["reduction"],
+            "batch_dim": self.probe_options["batch_dim"],
             "world_size": world,
             "rank": rank,
             "layouts": {s: self.layouts.get(s) for s in self.sites},
