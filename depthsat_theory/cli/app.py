@@ -33,6 +33,9 @@ app = typer.Typer(
 )
 
 
+DEVICE_HELP = "Where the model runs: cpu, cuda (cuda:N) or auto (cuda when available)."
+
+
 def _split(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
@@ -283,7 +286,12 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
 # ----------------------------------------------------------------------------- diagnose
 @app.command("diagnose")
 def diagnose_cmd(
-    model: str = typer.Option(..., "--model", help="Model: mlp, cnn, gpt (trained here, cached), or a zoo name."),
+    model: str = typer.Option(
+        ...,
+        "--model",
+        help="Model: mlp, cnn, gpt (trained here, cached), a zoo name, hf:PATH (a local Hugging Face causal LM "
+        "checkpoint folder) or package.module:attr (a factory returning (model, loss_fn, batches)).",
+    ),
     sites: str | None = typer.Option(None, "--sites", help="Comma-separated site module names (default: discovered)."),
     family: str = typer.Option("linear", "--family", help=f"Residual family spec: {family_specs()}."),
     delta: float | None = typer.Option(None, "--delta", help="Add (1-δ) intervals, union-bounded over the sites."),
@@ -299,6 +307,10 @@ def diagnose_cmd(
     plot: Path | None = typer.Option(None, "--plot", help="Write PATH.png and PATH.svg: score against depth."),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Save partial statistics here; resume from it."),
     checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Batches between checkpoint writes."),
+    text: Path | None = typer.Option(
+        None, "--text", help="hf:PATH only: probe text file, one window per 4 consecutive lines (default: the KJV)."
+    ),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
@@ -311,7 +323,7 @@ def diagnose_cmd(
     try:
         check_output_path("--json", json_path)
         check_output_path("--plot", plot)
-        target = diagnose_target(model, seed, n_batches, batch_size)
+        target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
             res = diagnose(
@@ -326,7 +338,7 @@ def diagnose_cmd(
                 checkpoint=checkpoint,
                 description=target.description,
                 checkpoint_every=checkpoint_every,
-                config={"model": model, "seed": seed, "batch_size": batch_size},
+                config={"model": model, "seed": seed, "batch_size": batch_size, "device": str(target.device)},
                 progress=lambda k, tot: bar.update(task, completed=k, total=tot),
                 **target.extra,
             )

@@ -49,6 +49,7 @@ DIAGNOSE_FLAGS: dict[str, str] = {
     "user.model": "--model",
     "user.seed": "--seed",
     "user.batch_size": "--batch-size",
+    "user.device": "--device",
 }
 
 #: the options of ``depthsat score`` that act only on the interval, with their defaults
