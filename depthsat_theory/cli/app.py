@@ -233,6 +233,7 @@ def audit(
     ),
     site: str | None = typer.Option(None, "--site", help="Site name for --model (e.g. blocks.1)."),
     seed: int = typer.Option(0, "--seed", help="Training seed of --model."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Audit a residual family: function preservation, tangent rank, regularity, certificate, score."""
@@ -246,13 +247,13 @@ def audit(
             raise UserError("give either --probe or --model/--site, not both")
         if (model is None) != (site is None):
             raise UserError("--model and --site go together (e.g. --model mlp --site blocks.1)")
-        rep = _audit(family, probe, model, site, seed)
+        rep = _audit(family, probe, model, site, seed, device)
     except (UserError, AuditError, FamilyError, StatisticsError, SiteError, NotFunctionPreservingError) as exc:
         render.fail(exc)
     render.print_audit(rep, report_table(rep), as_json=as_json)
 
 
-def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int) -> Any:
+def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int, device: str) -> Any:
     """The audit report on a probe file, at a site of a trained model, or on the synthetic probe."""
     from depthsat_theory.audit import audit_family, audit_model, load_family, synthetic_probe
     from depthsat_theory.tasks import KINDS, trained_task
@@ -264,15 +265,16 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
     if model is not None and site is not None:
         if model not in KINDS:
             raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
+        dev = _device(device)
         fam = load_family(family)
         task = trained_task(model, seed)
-        net: Any = task.model
+        net: Any = task.model.to(dev)
         return audit_model(
             fam,
             net,
             site,
-            task.inputs,
-            task.targets,
+            task.inputs.to(dev),
+            task.targets.to(dev),
             task.loss,
             layout=task.layout,
             sites=net.site_names(),
@@ -281,6 +283,17 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
     fam = load_family(family)
     z, g, layout, label = synthetic_probe(fam)
     return audit_family(fam, z, g, layout=layout, probe=label)
+
+
+def _device(device: str) -> torch.device:
+    """``--device`` as a ``torch.device`` (:func:`~depthsat_theory.tasks.custom.resolve_device`)."""
+    from depthsat_theory.cli.inputs import MODEL_FLAGS
+    from depthsat_theory.tasks.custom import ModelSpecError, resolve_device
+
+    try:
+        return resolve_device(device)
+    except ModelSpecError as exc:
+        raise UserError(respell(str(exc), MODEL_FLAGS)) from None
 
 
 # ----------------------------------------------------------------------------- diagnose
