@@ -291,9 +291,7 @@ def _hf_load(transformers: Any, path: Path, spec: str) -> tuple[nn.Module, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelSpecError(f"spec {spec!r}: config.json is not a Hugging Face config ({exc})") from None
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), local_files_only=True, dtype=torch.float32
-        )
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
     except ValueError as exc:
         raise ModelSpecError(
             f"spec {spec!r}: a {config.model_type!r} checkpoint is not a causal language model "
@@ -347,7 +345,7 @@ def _hf_model(
     except ValueError as exc:
         raise ModelSpecError(f"spec {spec!r} on {source}: {exc}") from None
     sites = decoder_layer_sites(model)
-    cfg = model.config
+    cfg: Any = model.config
     desc = (
         f"{cfg.model_type} causal LM from {path} ({len(sites)} decoder layers x {cfg.hidden_size}, float32) on {n} "
         f"windows of {lines_per_example} consecutive lines of {source} (<= {max_tokens} tokens, right-padded); "
