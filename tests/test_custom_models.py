@@ -262,7 +262,51 @@ def test_cli_bad_model_specs_are_one_line_exit_2_nothing_written(tmp_path, monke
     assert not out_json.exists()
 
 
-def test_cli_audit_device_flag(tmp_path, model_cache, monkeypatch):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["audit", "linear", "--model", "mlp", "--site", "blocks.1", "--device", "tpu"],
+        ["check", "--instances", "1", "--device", "tpu", "-q"],
+    ],
+)
+def test_cli_device_flag_errors(argv, tmp_path, model_cache, monkeypatch):
     monkeypatch.setenv("DEPTHSAT_CACHE", model_cache)
-    bad = runner.invoke(app, ["audit", "linear", "--model", "mlp", "--site", "blocks.1", "--device", "tpu"])
-    assert bad.exit_code == 2 and "--device 'tpu' is not one of" in bad.output
+    monkeypatch.chdir(tmp_path)
+    bad = runner.invoke(app, argv)
+    lines = [ln for ln in bad.output.splitlines() if ln.startswith("error:")]
+    assert bad.exit_code == 2 and len(lines) == 1 and "--device 'tpu' is not one of" in lines[0], bad.output
+    assert not (tmp_path / "depthsat-report.json").exists()
+
+
+def test_cli_audit_on_a_model_runs_on_the_device(model_cache, monkeypatch, device):
+    monkeypatch.setenv("DEPTHSAT_CACHE", model_cache)
+    base = ["audit", "linear", "--model", "mlp", "--site", "blocks.1", "--json"]
+    ref, got = runner.invoke(app, base), runner.invoke(app, [*base, "--device", str(device)])
+    assert ref.exit_code == 0 and got.exit_code == 0, got.output
+    a, b = json.loads(ref.stdout), json.loads(got.stdout)
+    assert a["score"] == pytest.approx(b["score"], rel=1e-9) and a["tangent_rank"] == b["tangent_rank"]
+
+
+def test_cli_hf_checkpoint_padded_windows_score_as_unpadded_examples(tmp_path):
+    """Short lines: the windows have different lengths and are right-padded in their batch; the
+    statistics must equal those of the examples run one at a time (no padding at all)."""
+    model = tiny_causal_lm("llama")
+    save_checkpoint(model, tmp_path / "ckpt")
+    n = 5
+    lines = [v.split(",")[0][: 6 + 5 * i] for i, v in enumerate(VERSES[: n + K])]  # distinct lengths
+    (tmp_path / "probe.txt").write_text("\n".join(lines))
+    argv = ["diagnose", "--model", f"hf:{tmp_path / 'ckpt'}", "--text", str(tmp_path / "probe.txt")]
+    argv += ["--batches", "1", "--batch-size", str(n), "--json", str(tmp_path / "d.json"), "-q"]
+    out = runner.invoke(app, argv)
+    assert out.exit_code == 0, out.output
+    got = json.loads((tmp_path / "d.json").read_text())
+    tok = char_tokenizer()
+    singles = []
+    for s in range(n):
+        ids = torch.tensor([tok("\n".join(lines[s : s + K]))["input_ids"]])
+        singles.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids))
+    assert len({b[1].shape[1] for b in singles}) > 1  # the batched run is padded
+    ref = diagnose(model, _next_token_loss, singles, sites=_sites("llama"), family="linear")
+    for site, want in zip(got["sites"], ref.sites, strict=True):
+        for key in ("score", "ag_rms", "ag_max"):
+            assert site[key] == pytest.approx(getattr(want.result, key), rel=1e-5), (site["site"], key)

@@ -117,8 +117,7 @@ def audit_model(
     fam.check_site(shape, layout)
     with torch.no_grad():
         ref = model(inputs)
-    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    block = guarded(spec, "building its block", lambda: fam.block(shape, layout, dtype=torch.float64, device=dev))
+    block = guarded(spec, "building its block", lambda: fam.block(shape, layout, dtype=torch.float64))
     stats = statistics_for(fam, shape, layout)  # T1's b, accumulated once the audit has passed
     ins = guarded(
         spec,

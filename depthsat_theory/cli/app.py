@@ -66,6 +66,7 @@ def check(
     cache_dir: Path | None = typer.Option(
         None, "--cache-dir", help="Cache of trained weights (default $DEPTHSAT_CACHE or ~/.cache/depthsat)."
     ),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP + " Models are trained on the CPU."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Verify the iff theorem (T2) on random insertions into trained models and constructions."""
@@ -80,6 +81,7 @@ def check(
         kinds=_split(kinds),
         construction_fraction=construction_fraction,
         cache_dir=str(cache),
+        device=device,
     )
     try:
         try:

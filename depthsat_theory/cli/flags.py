@@ -38,6 +38,7 @@ CHECK_FLAGS: dict[str, str] = {
     "optimizers": "--optimizers",
     "kinds": "--models",
     "seed": "--seed",
+    "device": "--device",
 }
 
 #: CLI flag of the arguments :func:`~depthsat_theory.diagnose.diagnose` names in its errors, and of the
