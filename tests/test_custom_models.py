@@ -310,3 +310,38 @@ def test_cli_hf_checkpoint_padded_windows_score_as_unpadded_examples(tmp_path):
     for site, want in zip(got["sites"], ref.sites, strict=True):
         for key in ("score", "ag_rms", "ag_max"):
             assert site[key] == pytest.approx(getattr(want.result, key), rel=1e-5), (site["site"], key)
+
+
+def test_causal_lm_batches_labels_padding_and_draw():
+    from depthsat_theory.tasks.zoo import causal_lm_batches
+
+    tok = char_tokenizer()
+    lines = ["ab", "cde", "f", "ghij", "k"]
+    batches = causal_lm_batches(tok, lines, n=3, batch_size=2, seed=0, lines_per_example=2, max_tokens=4)
+    assert [b[1].shape[0] for b in batches] == [2, 1]
+    seen = set()
+    for x, labels in batches:
+        for ids, mask, lab in zip(x["input_ids"], x["attention_mask"], labels, strict=True):
+            real = ids[mask.bool()].tolist()
+            text = tok.decode(real).replace(" ", "")
+            seen.add(text)
+            assert len(real) <= 4 and mask[: len(real)].all() and not mask[len(real) :].any()  # right-padded
+            assert (ids[len(real) :] == tok.pad_token_id).all()
+            want = real[1:] + [-100] * (ids.shape[0] - len(real) + 1)  # next token; -100 at the end and padding
+            assert lab.tolist() == want
+    windows = {"\n".join(lines[s : s + 2])[:4].replace(" ", "") for s in range(3)}  # 3 starts of 5 - 2
+    assert seen == windows
+    with pytest.raises(ValueError, match="5 lines are too few"):
+        causal_lm_batches(tok, lines, n=4, batch_size=2, seed=0, lines_per_example=2, max_tokens=4)
+
+
+def test_integrations_package_imports_neither_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, depthsat_theory.integrations as i; "
+        "assert not {'transformers', 'lightning'} & set(sys.modules), sorted(sys.modules); "
+        "assert i.SaturationMonitor and i.TrainerSaturationCallback and i.LightningSaturationCallback"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
