@@ -345,3 +345,27 @@ def test_integrations_package_imports_neither_framework():
         "assert i.SaturationMonitor and i.TrainerSaturationCallback and i.LightningSaturationCallback"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cli_audit_factory_model_matches_closed_form(tmp_path, monkeypatch):
+    ref = _write_factory(tmp_path, monkeypatch, "my_factory_d")
+    out = runner.invoke(app, ["audit", "linear", "--model", "my_factory_d:make", "--site", "blocks.1", "--json"])
+    assert out.exit_code == 0, out.output
+    rep = json.loads(out.stdout)
+    net, _, batches = ref.make()
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    assert rep["score"] == pytest.approx(_closed_form_scores(net, x, y)[1], rel=1e-9)
+    assert rep["function_preserving"] and rep["model_deviation"] == 0.0 and rep["n"] == 40
+
+
+def test_cli_audit_refuses_keyword_batches_and_unknown_sites(tmp_path, monkeypatch):
+    _write_factory(tmp_path, monkeypatch, "my_factory_e")
+    save_checkpoint(tiny_causal_lm("llama", layers=1), tmp_path / "ckpt")
+    cases = [
+        (["--model", f"hf:{tmp_path / 'ckpt'}", "--site", "model.layers.0"], "audit needs (inputs, targets) tensor"),
+        (["--model", "my_factory_e:make", "--site", "blocks.7"], "unknown site 'blocks.7'; valid sites: blocks.0"),
+    ]
+    for args, needle in cases:
+        out = runner.invoke(app, ["audit", "linear", *args])
+        lines = [ln for ln in out.output.splitlines() if ln.startswith("error:")]
+        assert out.exit_code == 2 and len(lines) == 1 and needle in lines[0], out.output

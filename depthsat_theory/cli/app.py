@@ -6,6 +6,7 @@ Errors in user input end with a one-line ``error: …`` on stderr and exit statu
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -231,7 +232,10 @@ def audit(
         None, "--probe", help="NPZ with z and g (n × d); default: a documented synthetic probe."
     ),
     model: str | None = typer.Option(
-        None, "--model", help="Audit at a site of a trained model: mlp, cnn or gpt (needs --site)."
+        None,
+        "--model",
+        help="Audit at a site of a model (needs --site): mlp, cnn, gpt, a zoo name or package.module:attr "
+        "with (inputs, targets) tensor batches.",
     ),
     site: str | None = typer.Option(None, "--site", help="Site name for --model (e.g. blocks.1)."),
     seed: int = typer.Option(0, "--seed", help="Training seed of --model."),
@@ -265,26 +269,51 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
         fam = load_family(family, d=z.shape[1])
         return audit_family(fam, z, g, layout=Layout.VECTOR, probe=f"{probe} ({z.shape[0]} × {z.shape[1]})")
     if model is not None and site is not None:
-        if model not in KINDS:
-            raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
-        dev = _device(device)
         fam = load_family(family)
-        task = trained_task(model, seed)
-        net: Any = task.model.to(dev)
-        return audit_model(
-            fam,
-            net,
-            site,
-            task.inputs.to(dev),
-            task.targets.to(dev),
-            task.loss,
-            layout=task.layout,
-            sites=net.site_names(),
-            probe=f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}",
-        )
+        if model in KINDS:  # the whole probe set of a model trained here
+            dev = _device(device)
+            task = trained_task(model, seed)
+            net: Any = task.model.to(dev)
+            x, y, loss, layout, names = task.inputs.to(dev), task.targets.to(dev), task.loss, task.layout, None
+            label = f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}"
+        else:
+            net, x, y, loss, layout, names, label = _audit_target(model, seed, device, site)
+        return audit_model(fam, net, site, x, y, loss, layout=layout, sites=names or _site_names(net, x), probe=label)
     fam = load_family(family)
-    z, g, layout, label = synthetic_probe(fam)
-    return audit_family(fam, z, g, layout=layout, probe=label)
+    z, g, probe_layout, probe_label = synthetic_probe(fam)
+    return audit_family(fam, z, g, layout=probe_layout, probe=probe_label)
+
+
+def _audit_target(model: str, seed: int, device: str, site: str) -> tuple:
+    """A zoo model or factory for ``audit --model``: a float64 copy, its probe batches joined into one tensor pair.
+
+    The audit inserts float64 blocks and compares float64 outputs, so a float32 model is audited
+    as a float64 copy (floating inputs and targets converted too).
+    """
+    target = diagnose_target(model, seed, None, None, device=device)
+    pairs = [b for b in target.batches if isinstance(b, (tuple, list)) and len(b) == 2]
+    if len(pairs) != len(target.batches) or not all(isinstance(t, torch.Tensor) for b in pairs for t in b):
+        raise UserError(
+            f"--model {model}: audit needs (inputs, targets) tensor batches; keyword (Hugging Face) or masked "
+            f"batches are for depthsat diagnose"
+        )
+    x, y = (torch.cat([b[i] for b in pairs]) for i in (0, 1))
+    x, y = (t.to(torch.float64) if t.is_floating_point() else t for t in (x, y))
+    net = copy.deepcopy(target.model).to(torch.float64)
+    label = f"{target.description} (audited in float64), {x.shape[0]} examples, site {site}"
+    return net, x, y, target.loss_fn, target.layout, target.sites, label
+
+
+def _site_names(net: Any, x: torch.Tensor) -> list[str] | None:
+    """The model's valid sites for the audit: its ``site_names()``, else discovered, else ``None`` (any module)."""
+    from depthsat_theory.diagnose import DiagnoseError, discover_sites
+
+    if callable(getattr(net, "site_names", None)):
+        return list(net.site_names())
+    try:
+        return discover_sites(net, x)
+    except DiagnoseError:
+        return None
 
 
 def _device(device: str) -> torch.device:
