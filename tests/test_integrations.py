@@ -8,6 +8,7 @@ written here), and that the trained weights are bitwise those of the same run wi
 
 from __future__ import annotations
 
+import copy
 import csv
 
 import pytest
@@ -228,17 +229,21 @@ def test_lightning_callback_logs_to_csv_the_diagnosis_at_each_measured_step(tmp_
 
 
 # ----------------------------------------------------------------------------- the monitor itself
-def test_monitor_schedule_mode_rng_and_errors():
+def test_monitor_schedule_mode_rng_device_and_errors(device):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), _Block(4), nn.Linear(4, 2)).train()
     x, y = torch.randn(10, 3), torch.randint(0, 2, (10,))
-    mon = SaturationMonitor([(x, y)], _per_example_ce, every=5, sites=["1"])
+    want = _expected(copy.deepcopy(net), _per_example_ce, [(x, y)], ["1"])["1"]
+    net.to(device)
+    mon = SaturationMonitor([(x, y)], _per_example_ce, every=5, sites=["1"])  # the probe stays on the CPU here
     assert [s for s in range(1, 16) if mon.due(s)] == [5, 10, 15] and not mon.due(0)
     state = torch.random.get_rng_state()
     metrics = mon.measure(net, 5)
     assert torch.equal(state, torch.random.get_rng_state()) and net.training and not mon.due(5)
     assert all(p.grad is None for p in net.parameters())  # no parameter gradient formed
     assert metrics == saturation_metrics(mon.diagnosis) and set(metrics) == {f"depthsat/1/{m}" for m in METRICS}
+    for m in METRICS:  # the same numbers as on the CPU (the CPU reference was taken before the move)
+        assert metrics[f"depthsat/1/{m}"] == pytest.approx(want[m], rel=1e-5), m
     with pytest.raises(ValueError, match="every must be >= 1"):
         SaturationMonitor([(x, y)], _per_example_ce, every=0)
     with pytest.raises(ValueError, match="batches is empty"):
