@@ -6,7 +6,6 @@ Errors in user input end with a one-line ``error: …`` on stderr and exit statu
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -19,7 +18,16 @@ import typer
 from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
 from depthsat_theory.cli import render
 from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
-from depthsat_theory.cli.inputs import UserError, check_output_path, check_writable, diagnose_target, load_probe
+from depthsat_theory.cli.inputs import (
+    UserError,
+    audit_target,
+    check_output_path,
+    check_writable,
+    diagnose_target,
+    load_probe,
+    model_sites,
+    parse_device,
+)
 from depthsat_theory.families import FamilyError, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.vocabulary import Layout
@@ -271,60 +279,17 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
     if model is not None and site is not None:
         fam = load_family(family)
         if model in KINDS:  # the whole probe set of a model trained here
-            dev = _device(device)
+            dev = parse_device(device)
             task = trained_task(model, seed)
             net: Any = task.model.to(dev)
             x, y, loss, layout, names = task.inputs.to(dev), task.targets.to(dev), task.loss, task.layout, None
             label = f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}"
         else:
-            net, x, y, loss, layout, names, label = _audit_target(model, seed, device, site)
-        return audit_model(fam, net, site, x, y, loss, layout=layout, sites=names or _site_names(net, x), probe=label)
+            net, x, y, loss, layout, names, label = audit_target(model, seed, device, site)
+        return audit_model(fam, net, site, x, y, loss, layout=layout, sites=names or model_sites(net, x), probe=label)
     fam = load_family(family)
     z, g, probe_layout, probe_label = synthetic_probe(fam)
     return audit_family(fam, z, g, layout=probe_layout, probe=probe_label)
-
-
-def _audit_target(model: str, seed: int, device: str, site: str) -> tuple:
-    """A zoo model or factory for ``audit --model``: a float64 copy, its probe batches joined into one tensor pair.
-
-    The audit inserts float64 blocks and compares float64 outputs, so a float32 model is audited
-    as a float64 copy (floating inputs and targets converted too).
-    """
-    target = diagnose_target(model, seed, None, None, device=device)
-    pairs = [b for b in target.batches if isinstance(b, (tuple, list)) and len(b) == 2]
-    if len(pairs) != len(target.batches) or not all(isinstance(t, torch.Tensor) for b in pairs for t in b):
-        raise UserError(
-            f"--model {model}: audit needs (inputs, targets) tensor batches; keyword (Hugging Face) or masked "
-            f"batches are for depthsat diagnose"
-        )
-    x, y = (torch.cat([b[i] for b in pairs]) for i in (0, 1))
-    x, y = (t.to(torch.float64) if t.is_floating_point() else t for t in (x, y))
-    net = copy.deepcopy(target.model).to(torch.float64)
-    label = f"{target.description} (audited in float64), {x.shape[0]} examples, site {site}"
-    return net, x, y, target.loss_fn, target.layout, target.sites, label
-
-
-def _site_names(net: Any, x: torch.Tensor) -> list[str] | None:
-    """The model's valid sites for the audit: its ``site_names()``, else discovered, else ``None`` (any module)."""
-    from depthsat_theory.diagnose import DiagnoseError, discover_sites
-
-    if callable(getattr(net, "site_names", None)):
-        return list(net.site_names())
-    try:
-        return discover_sites(net, x)
-    except DiagnoseError:
-        return None
-
-
-def _device(device: str) -> torch.device:
-    """``--device`` as a ``torch.device`` (:func:`~depthsat_theory.tasks.custom.resolve_device`)."""
-    from depthsat_theory.cli.inputs import MODEL_FLAGS
-    from depthsat_theory.tasks.custom import ModelSpecError, resolve_device
-
-    try:
-        return resolve_device(device)
-    except ModelSpecError as exc:
-        raise UserError(respell(str(exc), MODEL_FLAGS)) from None
 
 
 # ----------------------------------------------------------------------------- diagnose

@@ -1,23 +1,35 @@
-"""What the CLI reads: probe files, output paths and the model/batches of ``diagnose --model``.
+"""What the CLI reads: probe files, output paths, devices and the model/batches of ``diagnose``/``audit --model``.
 
 Every problem is a :class:`UserError` naming the flag, reported as one line.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from depthsat_theory.cli.flags import respell
 
 if TYPE_CHECKING:
     from depthsat_theory.tasks.custom import ResolvedModel
 
-__all__ = ["MODEL_FLAGS", "UserError", "check_output_path", "check_writable", "diagnose_target", "load_probe"]
+__all__ = [
+    "MODEL_FLAGS",
+    "UserError",
+    "audit_target",
+    "check_output_path",
+    "check_writable",
+    "diagnose_target",
+    "load_probe",
+    "model_sites",
+    "parse_device",
+]
 
 
 class UserError(Exception):
@@ -145,5 +157,57 @@ def diagnose_target(
 
     try:
         return resolve_model(name, device=device, seed=seed, n_batches=n_batches, batch_size=batch_size, text=text)
+    except ModelSpecError as exc:
+        raise UserError(respell(str(exc), MODEL_FLAGS)) from None
+
+
+def audit_target(model: str, seed: int, device: str, site: str) -> tuple:
+    """A zoo model or factory for ``audit --model``: a float64 copy, its probe batches joined into one tensor pair.
+
+    The audit inserts float64 blocks and compares float64 outputs, so a float32 model is audited
+    as a float64 copy (floating inputs and targets converted too).
+
+    Returns:
+        ``(model, inputs, targets, loss_fn, layout, sites, probe description)``.
+
+    Raises:
+        UserError: what :func:`diagnose_target` refuses, or batches that are not ``(inputs, targets)`` tensors.
+    """
+    target = diagnose_target(model, seed, None, None, device=device)
+    pairs = [b for b in target.batches if isinstance(b, (tuple, list)) and len(b) == 2]
+    if len(pairs) != len(target.batches) or not all(isinstance(t, torch.Tensor) for b in pairs for t in b):
+        raise UserError(
+            f"--model {model}: audit needs (inputs, targets) tensor batches; keyword (Hugging Face) or masked "
+            f"batches are for depthsat diagnose"
+        )
+    x, y = (torch.cat([b[i] for b in pairs]) for i in (0, 1))
+    x, y = (t.to(torch.float64) if t.is_floating_point() else t for t in (x, y))
+    net = copy.deepcopy(target.model).to(torch.float64)
+    label = f"{target.description} (audited in float64), {x.shape[0]} examples, site {site}"
+    return net, x, y, target.loss_fn, target.layout, target.sites, label
+
+
+def model_sites(net: Any, x: torch.Tensor) -> list[str] | None:
+    """The model's valid sites for the audit: its ``site_names()``, else discovered, else ``None`` (any module)."""
+    from depthsat_theory.diagnose import DiagnoseError, discover_sites
+
+    if callable(getattr(net, "site_names", None)):
+        return list(net.site_names())
+    try:
+        return discover_sites(net, x)
+    except DiagnoseError:
+        return None
+
+
+def parse_device(device: str) -> torch.device:
+    """``--device`` as a ``torch.device`` (:func:`~depthsat_theory.tasks.custom.resolve_device`).
+
+    Raises:
+        UserError: an unknown device, or CUDA where there is none.
+    """
+    from depthsat_theory.tasks.custom import ModelSpecError, resolve_device
+
+    try:
+        return resolve_device(device)
     except ModelSpecError as exc:
         raise UserError(respell(str(exc), MODEL_FLAGS)) from None
