@@ -309,9 +309,12 @@ def diagnose_cmd(
     batch_size: int | None = typer.Option(
         None,
         "--batch-size",
-        help="Examples per probe batch (default: 64 for mlp/cnn/gpt, the zoo model's own otherwise).",
+        help="Examples per probe batch (default: 64 for mlp/cnn/gpt, the zoo model's own, 4 for hf:PATH; "
+        "a factory makes its own).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models."),
+    seed: int = typer.Option(
+        0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models; probe seed of hf:PATH."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the diagnosis as JSON (atomically)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PATH.png and PATH.svg: score against depth."),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Save partial statistics here; resume from it."),
