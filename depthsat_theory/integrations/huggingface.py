@@ -13,7 +13,8 @@ and to every ``report_to`` integration (TensorBoard, CSV, W&B, ...), on the main
 callback's ``on_log`` sees the logs dict only after ``log_history`` and the reporting callbacks
 registered before it have consumed it, so it cannot add values cleanly; hence :meth:`attach`.)
 Under ``accelerate``/``torchrun`` every process measures and the probe is sharded over the
-processes, the sums all-reduced (:mod:`depthsat_theory.diagnose.distributed`).
+processes, the sums all-reduced (:mod:`depthsat_theory.diagnose.distributed`; tested under
+``torchrun``, not yet inside a multi-process Trainer).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ The values go to every logger of the trainer (``trainer.loggers``: CSV, TensorBo
 ``log_metrics(metrics, step=trainer.global_step)``, at exactly the measured step (``pl_module.log``
 would be subject to ``log_every_n_steps``); the loggers write on rank zero only. Under DDP every
 rank measures and the probe is sharded over the ranks, the sums all-reduced
-(:mod:`depthsat_theory.diagnose.distributed`). The diagnosed model is the ``LightningModule``
+(:mod:`depthsat_theory.diagnose.distributed`; tested under ``torchrun``, not yet inside a
+multi-process Trainer). The diagnosed model is the ``LightningModule``
 itself (sites are its module names, e.g. ``net.blocks.0``), called as ``pl_module(inputs)``.
 """
 
