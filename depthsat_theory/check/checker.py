@@ -151,6 +151,9 @@ class CheckConfig:
         cache_dir: where trained weights are cached (``None``: no cache).
         cnn_probe_size: the CNN's probe is its first ``cnn_probe_size`` probe images
             (float64 convolutions dominate the run time on CPU).
+        device: where the models and probes run (``cpu``, ``cuda``, ``cuda:N``, ``auto``:
+            :func:`~depthsat_theory.tasks.custom.resolve_device`); the models are trained (and
+            cached) on the CPU whatever the device.
     """
 
     instances: int = 300
@@ -162,9 +165,13 @@ class CheckConfig:
     step_scale: float = 1e-3
     cache_dir: str | None = None
     cnn_probe_size: int = 128
+    device: str = "cpu"
 
     def validate(self) -> None:
         """Raise ``ValueError`` with a specific message on bad settings."""
+        from depthsat_theory.tasks.custom import resolve_device
+
+        resolve_device(self.device)  # a ModelSpecError (a ValueError) naming device
         if self.instances < 1:
             raise ValueError(f"instances must be >= 1, got {self.instances}")
         if not 0.0 <= self.construction_fraction <= 1.0:
@@ -216,11 +223,20 @@ class _Instance:
     site: str = ""
 
 
+def _on_device(task: Task, device: torch.device) -> Task:
+    """``task`` with its model (in place) and probe tensors on ``device``."""
+    task.model.to(device)
+    return dataclasses.replace(task, inputs=task.inputs.to(device), targets=task.targets.to(device))
+
+
 def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, CheckContext]:
+    from depthsat_theory.tasks.custom import resolve_device
+
+    dev = resolve_device(cfg.device)
     out: dict[str, CheckContext] = {}
     for kind in cfg.kinds:
         if kind in needed or (kind == LSQ_BASE and LSQ_CONTEXT in needed):
-            task = trained_task(kind, cfg.seed, cache_dir=cfg.cache_dir)
+            task = _on_device(trained_task(kind, cfg.seed, cache_dir=cfg.cache_dir), dev)
             if KIND_LAYOUTS[kind] == Layout.IMAGE:  # float64 convolutions dominate the run time
                 task = dataclasses.replace(
                     task, inputs=task.inputs[: cfg.cnn_probe_size], targets=task.targets[: cfg.cnn_probe_size]
@@ -230,11 +246,13 @@ def _contexts(cfg: CheckConfig, needed: set[str]) -> dict[str, CheckContext]:
     if LSQ_CONTEXT in needed:
         base = out[LSQ_BASE].task if LSQ_BASE in out else trained_task(LSQ_BASE, cfg.seed, cache_dir=cfg.cache_dir)
         task, sites = lsq_readout(base)
+        task = _on_device(task, dev)
         out[LSQ_CONTEXT] = CheckContext(
             LSQ_CONTEXT, task, sites, dict.fromkeys(sites, LSQ_FAMILIES), construction="lsq-readout"
         )
     if ODD_CONTEXT in needed:
         task, sites = odd_network(cfg.seed)
+        task = _on_device(task, dev)
         out[ODD_CONTEXT] = CheckContext(
             ODD_CONTEXT, task, sites, dict.fromkeys(sites, ODD_FAMILIES), construction="odd"
         )
@@ -422,6 +440,7 @@ def run_check(cfg: CheckConfig, *, progress=None) -> dict:
             "step_scale": cfg.step_scale,
             "tol_rule": "tol = score_error, the rounding bound of theory/numerics.md (thm-score-error)",
             "dtype": "float64",
+            "device": cfg.device,
         },
         "models": {
             c.name: {

@@ -18,7 +18,16 @@ import typer
 from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
 from depthsat_theory.cli import render
 from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
-from depthsat_theory.cli.inputs import UserError, check_output_path, check_writable, diagnose_target, load_probe
+from depthsat_theory.cli.inputs import (
+    UserError,
+    audit_target,
+    check_output_path,
+    check_writable,
+    diagnose_target,
+    load_probe,
+    model_sites,
+    parse_device,
+)
 from depthsat_theory.families import FamilyError, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.vocabulary import Layout
@@ -31,6 +40,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="First-order residual depth saturation: checks, scores and diagnostics.",
 )
+
+
+DEVICE_HELP = "Where the model runs: cpu, cuda (cuda:N) or auto (cuda when available)."
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -63,6 +75,7 @@ def check(
     cache_dir: Path | None = typer.Option(
         None, "--cache-dir", help="Cache of trained weights (default $DEPTHSAT_CACHE or ~/.cache/depthsat)."
     ),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP + " Models are trained on the CPU."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Verify the iff theorem (T2) on random insertions into trained models and constructions."""
@@ -77,6 +90,7 @@ def check(
         kinds=_split(kinds),
         construction_fraction=construction_fraction,
         cache_dir=str(cache),
+        device=device,
     )
     try:
         try:
@@ -226,10 +240,14 @@ def audit(
         None, "--probe", help="NPZ with z and g (n × d); default: a documented synthetic probe."
     ),
     model: str | None = typer.Option(
-        None, "--model", help="Audit at a site of a trained model: mlp, cnn or gpt (needs --site)."
+        None,
+        "--model",
+        help="Audit at a site of a model (needs --site): mlp, cnn, gpt, a zoo name or package.module:attr "
+        "with (inputs, targets) tensor batches.",
     ),
     site: str | None = typer.Option(None, "--site", help="Site name for --model (e.g. blocks.1)."),
     seed: int = typer.Option(0, "--seed", help="Training seed of --model."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Audit a residual family: function preservation, tangent rank, regularity, certificate, score."""
@@ -243,13 +261,13 @@ def audit(
             raise UserError("give either --probe or --model/--site, not both")
         if (model is None) != (site is None):
             raise UserError("--model and --site go together (e.g. --model mlp --site blocks.1)")
-        rep = _audit(family, probe, model, site, seed)
+        rep = _audit(family, probe, model, site, seed, device)
     except (UserError, AuditError, FamilyError, StatisticsError, SiteError, NotFunctionPreservingError) as exc:
         render.fail(exc)
     render.print_audit(rep, report_table(rep), as_json=as_json)
 
 
-def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int) -> Any:
+def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int, device: str) -> Any:
     """The audit report on a probe file, at a site of a trained model, or on the synthetic probe."""
     from depthsat_theory.audit import audit_family, audit_model, load_family, synthetic_probe
     from depthsat_theory.tasks import KINDS, trained_task
@@ -259,31 +277,30 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
         fam = load_family(family, d=z.shape[1])
         return audit_family(fam, z, g, layout=Layout.VECTOR, probe=f"{probe} ({z.shape[0]} × {z.shape[1]})")
     if model is not None and site is not None:
-        if model not in KINDS:
-            raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
         fam = load_family(family)
-        task = trained_task(model, seed)
-        net: Any = task.model
-        return audit_model(
-            fam,
-            net,
-            site,
-            task.inputs,
-            task.targets,
-            task.loss,
-            layout=task.layout,
-            sites=net.site_names(),
-            probe=f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}",
-        )
+        if model in KINDS:  # the whole probe set of a model trained here
+            dev = parse_device(device)
+            task = trained_task(model, seed)
+            net: Any = task.model.to(dev)
+            x, y, loss, layout, names = task.inputs.to(dev), task.targets.to(dev), task.loss, task.layout, None
+            label = f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}"
+        else:
+            net, x, y, loss, layout, names, label = audit_target(model, seed, device, site)
+        return audit_model(fam, net, site, x, y, loss, layout=layout, sites=names or model_sites(net, x), probe=label)
     fam = load_family(family)
-    z, g, layout, label = synthetic_probe(fam)
-    return audit_family(fam, z, g, layout=layout, probe=label)
+    z, g, probe_layout, probe_label = synthetic_probe(fam)
+    return audit_family(fam, z, g, layout=probe_layout, probe=probe_label)
 
 
 # ----------------------------------------------------------------------------- diagnose
 @app.command("diagnose")
 def diagnose_cmd(
-    model: str = typer.Option(..., "--model", help="Model: mlp, cnn, gpt (trained here, cached), or a zoo name."),
+    model: str = typer.Option(
+        ...,
+        "--model",
+        help="Model: mlp, cnn, gpt (trained here, cached), a zoo name, hf:PATH (a local Hugging Face causal LM "
+        "checkpoint folder) or package.module:attr (a factory returning (model, loss_fn, batches)).",
+    ),
     sites: str | None = typer.Option(None, "--sites", help="Comma-separated site module names (default: discovered)."),
     family: str = typer.Option("linear", "--family", help=f"Residual family spec: {family_specs()}."),
     delta: float | None = typer.Option(None, "--delta", help="Add (1-δ) intervals, union-bounded over the sites."),
@@ -292,13 +309,20 @@ def diagnose_cmd(
     batch_size: int | None = typer.Option(
         None,
         "--batch-size",
-        help="Examples per probe batch (default: 64 for mlp/cnn/gpt, the zoo model's own otherwise).",
+        help="Examples per probe batch (default: 64 for mlp/cnn/gpt, the zoo model's own, 4 for hf:PATH; "
+        "a factory makes its own).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models."),
+    seed: int = typer.Option(
+        0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models; probe seed of hf:PATH."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the diagnosis as JSON (atomically)."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PATH.png and PATH.svg: score against depth."),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Save partial statistics here; resume from it."),
     checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Batches between checkpoint writes."),
+    text: Path | None = typer.Option(
+        None, "--text", help="hf:PATH only: probe text file, one window per 4 consecutive lines (default: the KJV)."
+    ),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
@@ -311,7 +335,7 @@ def diagnose_cmd(
     try:
         check_output_path("--json", json_path)
         check_output_path("--plot", plot)
-        target = diagnose_target(model, seed, n_batches, batch_size)
+        target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
             res = diagnose(
@@ -326,7 +350,7 @@ def diagnose_cmd(
                 checkpoint=checkpoint,
                 description=target.description,
                 checkpoint_every=checkpoint_every,
-                config={"model": model, "seed": seed, "batch_size": batch_size},
+                config={"model": model, "seed": seed, "batch_size": batch_size, "device": str(target.device)},
                 progress=lambda k, tot: bar.update(task, completed=k, total=tot),
                 **target.extra,
             )

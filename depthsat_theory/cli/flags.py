@@ -38,6 +38,7 @@ CHECK_FLAGS: dict[str, str] = {
     "optimizers": "--optimizers",
     "kinds": "--models",
     "seed": "--seed",
+    "device": "--device",
 }
 
 #: CLI flag of the arguments :func:`~depthsat_theory.diagnose.diagnose` names in its errors, and of the
@@ -49,6 +50,7 @@ DIAGNOSE_FLAGS: dict[str, str] = {
     "user.model": "--model",
     "user.seed": "--seed",
     "user.batch_size": "--batch-size",
+    "user.device": "--device",
 }
 
 #: the options of ``depthsat score`` that act only on the interval, with their defaults

@@ -1,19 +1,35 @@
-"""What the CLI reads: probe files, output paths and the model/batches of ``diagnose --model``.
+"""What the CLI reads: probe files, output paths, devices and the model/batches of ``diagnose``/``audit --model``.
 
 Every problem is a :class:`UserError` naming the flag, reported as one line.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
-__all__ = ["DiagnoseTarget", "UserError", "check_output_path", "check_writable", "diagnose_target", "load_probe"]
+from depthsat_theory.cli.flags import respell
+
+if TYPE_CHECKING:
+    from depthsat_theory.tasks.custom import ResolvedModel
+
+__all__ = [
+    "MODEL_FLAGS",
+    "UserError",
+    "audit_target",
+    "check_output_path",
+    "check_writable",
+    "diagnose_target",
+    "load_probe",
+    "model_sites",
+    "parse_device",
+]
 
 
 class UserError(Exception):
@@ -102,106 +118,96 @@ def load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------- diagnose --model
-@dataclass
-class DiagnoseTarget:
-    """What ``diagnose --model`` runs on.
-
-    Attributes:
-        model: the network; ``loss_fn``: its loss; ``batches``: the probe batches.
-        sites: the default site names; ``layout``: their layout; ``description``: one line.
-        extra: further keyword arguments of :func:`depthsat_theory.diagnose.diagnose`.
-    """
-
-    model: Any
-    loss_fn: Any
-    batches: list
-    sites: list[str]
-    layout: str
-    description: str
-    extra: dict = field(default_factory=dict)
+#: CLI flag of each argument :func:`~depthsat_theory.tasks.custom.resolve_model` names in its errors
+MODEL_FLAGS: dict[str, str] = {
+    "spec": "--model",
+    "n_batches": "--batches",
+    "batch_size": "--batch-size",
+    "text": "--text",
+    "device": "--device",
+}
 
 
-def _check_counts(n_batches: int | None, batch_size: int | None) -> None:
-    if batch_size is not None and batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-    if n_batches is not None and n_batches < 1:
-        raise UserError(f"--batches must be >= 1, got {n_batches}")
+def diagnose_target(
+    name: str,
+    seed: int,
+    n_batches: int | None,
+    batch_size: int | None,
+    *,
+    device: str = "cpu",
+    text: Path | None = None,
+) -> ResolvedModel:
+    """The model, loss and probe batches of ``diagnose --model SPEC``.
 
-
-def _trained_target(name: str, seed: int, n_batches: int | None, batch_size: int | None) -> DiagnoseTarget:
-    """A model trained here (mlp, cnn, gpt): its probe set cut into batches."""
-    from depthsat_theory.tasks import trained_task
-
-    size = batch_size or 64
-    task = trained_task(name, seed)
-    x, y = task.inputs, task.targets
-    avail = -(-x.shape[0] // size)
-    if n_batches is not None and n_batches > avail:
-        raise UserError(
-            f"--batches {n_batches} exceeds the {name} probe set: {x.shape[0]} examples make {avail} batches of {size}"
-        )
-    count = avail if n_batches is None else n_batches
-    batches = [(x[i * size : (i + 1) * size], y[i * size : (i + 1) * size]) for i in range(count)]
-    desc = f"{name} (seed {seed}, {task.data} probe, {sum(b[0].shape[0] for b in batches)} examples)"
-    model: Any = task.model
-    return DiagnoseTarget(model, task.loss, batches, model.site_names(), task.layout, desc)
-
-
-def _zoo_extra(zm: Any) -> dict:
-    extra = {k: getattr(zm, k) for k in ("reduction", "mask_fn", "output_key") if getattr(zm, k, None) is not None}
-    units = getattr(zm, "loss_units", None)
-    if isinstance(units, str):
-        extra["loss_units"] = units if "example" in units else f"{units} per example"
-    return extra
-
-
-def _zoo_target(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size: int | None) -> DiagnoseTarget:
-    """A zoo model, with ``--batches N`` mapped to ``n_examples = N · batch size``."""
-    kw: dict = {"seed": seed}
-    if batch_size is not None:
-        kw["batch_size"] = batch_size
-    if n_batches is not None:
-        kw["n_examples"] = n_batches * (batch_size or zoo.DEFAULTS[name][1])
-    try:
-        zm = zoo.load(name, **kw)
-    except (ImportError, ValueError) as exc:  # zoo.ZooUnavailableError is an ImportError
-        raise UserError(f"--model {name}: {exc}") from None
-    batches = list(zm.batches)
-    if n_batches is not None:
-        if n_batches > len(batches):
-            raise UserError(f"--batches {n_batches} exceeds the {name} probe: {len(batches)} batches")
-        batches = batches[:n_batches]
-    return DiagnoseTarget(zm.model, zm.loss_fn, batches, list(zm.sites), zm.layout, zm.description, _zoo_extra(zm))
-
-
-def _zoo_module() -> Any:
-    """``depthsat_theory.tasks.zoo``, or ``None`` when its optional dependencies are missing."""
-    try:
-        from depthsat_theory.tasks import zoo
-    except ImportError:
-        return None
-    return zoo
-
-
-def diagnose_target(name: str, seed: int, n_batches: int | None, batch_size: int | None) -> DiagnoseTarget:
-    """The model, loss and probe batches of ``diagnose --model NAME``.
+    A thin wrapper of :func:`~depthsat_theory.tasks.custom.resolve_model`.
 
     Args:
-        name: ``mlp``, ``cnn``, ``gpt`` (trained here, cached) or a zoo name.
-        seed: training seed (zoo: probe/training seed).
+        name: the ``--model`` spec: ``mlp``, ``cnn``, ``gpt`` (trained here, cached), a zoo name,
+            ``hf:PATH`` or ``package.module:attr``.
+        seed: training seed (zoo and ``hf:``: probe/training seed).
         n_batches: probe batches (``None``: the whole probe set).
         batch_size: examples per batch (``None``: 64 here, the zoo model's own otherwise).
+        device: ``--device``: ``cpu``, ``cuda`` or ``auto``.
+        text: ``--text``: the text file of an ``hf:`` model's probe.
 
     Raises:
-        UserError: an unknown model, bad counts, or a zoo model that cannot be loaded.
+        UserError: whatever :func:`~depthsat_theory.tasks.custom.resolve_model` refuses, with its flags.
     """
-    from depthsat_theory.tasks import KINDS
+    from depthsat_theory.tasks.custom import ModelSpecError, resolve_model
 
-    _check_counts(n_batches, batch_size)
-    if name in KINDS:
-        return _trained_target(name, seed, n_batches, batch_size)
-    zoo = _zoo_module()
-    names = tuple(getattr(zoo, "NAMES", ())) if zoo is not None else ()
-    if name not in names:
-        raise UserError(f"unknown --model {name!r}; valid: {', '.join(tuple(KINDS) + names)}")
-    return _zoo_target(zoo, name, seed, n_batches, batch_size)
+    try:
+        return resolve_model(name, device=device, seed=seed, n_batches=n_batches, batch_size=batch_size, text=text)
+    except ModelSpecError as exc:
+        raise UserError(respell(str(exc), MODEL_FLAGS)) from None
+
+
+def audit_target(model: str, seed: int, device: str, site: str) -> tuple:
+    """A zoo model or factory for ``audit --model``: a float64 copy, its probe batches joined into one tensor pair.
+
+    The audit inserts float64 blocks and compares float64 outputs, so a float32 model is audited
+    as a float64 copy (floating inputs and targets converted too).
+
+    Returns:
+        ``(model, inputs, targets, loss_fn, layout, sites, probe description)``.
+
+    Raises:
+        UserError: what :func:`diagnose_target` refuses, or batches that are not ``(inputs, targets)`` tensors.
+    """
+    target = diagnose_target(model, seed, None, None, device=device)
+    pairs = [b for b in target.batches if isinstance(b, (tuple, list)) and len(b) == 2]
+    if len(pairs) != len(target.batches) or not all(isinstance(t, torch.Tensor) for b in pairs for t in b):
+        raise UserError(
+            f"--model {model}: audit needs (inputs, targets) tensor batches; keyword (Hugging Face) or masked "
+            f"batches are for depthsat diagnose"
+        )
+    x, y = (torch.cat([b[i] for b in pairs]) for i in (0, 1))
+    x, y = (t.to(torch.float64) if t.is_floating_point() else t for t in (x, y))
+    net = copy.deepcopy(target.model).to(torch.float64)
+    label = f"{target.description} (audited in float64), {x.shape[0]} examples, site {site}"
+    return net, x, y, target.loss_fn, target.layout, target.sites, label
+
+
+def model_sites(net: Any, x: torch.Tensor) -> list[str] | None:
+    """The model's valid sites for the audit: its ``site_names()``, else discovered, else ``None`` (any module)."""
+    from depthsat_theory.diagnose import DiagnoseError, discover_sites
+
+    if callable(getattr(net, "site_names", None)):
+        return list(net.site_names())
+    try:
+        return discover_sites(net, x)
+    except DiagnoseError:
+        return None
+
+
+def parse_device(device: str) -> torch.device:
+    """``--device`` as a ``torch.device`` (:func:`~depthsat_theory.tasks.custom.resolve_device`).
+
+    Raises:
+        UserError: an unknown device, or CUDA where there is none.
+    """
+    from depthsat_theory.tasks.custom import ModelSpecError, resolve_device
+
+    try:
+        return resolve_device(device)
+    except ModelSpecError as exc:
+        raise UserError(respell(str(exc), MODEL_FLAGS)) from None

@@ -1,4 +1,4 @@
-"""Data, models, training, exact constructions, the pretrained-model zoo and the one model registry."""
+"""Data, models, training, exact constructions, the pretrained-model zoo, the one model registry and model specs."""
 
 from depthsat_theory.tasks.constructions import (
     LSQ_FAMILIES,
@@ -8,6 +8,7 @@ from depthsat_theory.tasks.constructions import (
     odd_network,
     squared_error,
 )
+from depthsat_theory.tasks.custom import ModelSpecError, ResolvedModel, resolve_device, resolve_model
 from depthsat_theory.tasks.data import (
     CharVocabulary,
     DataUnavailableError,
@@ -70,9 +71,11 @@ __all__ = [
     "GPTBlock",
     "MLPBlock",
     "ModelEntry",
+    "ModelSpecError",
     "OddMLP",
     "ResNetCNN",
     "ResidualMLP",
+    "ResolvedModel",
     "SentenceEncoder",
     "Source",
     "Task",
@@ -91,6 +94,8 @@ __all__ = [
     "model_names",
     "odd_network",
     "resolve_cache_dir",
+    "resolve_device",
+    "resolve_model",
     "squared_error",
     "task_config",
     "token_loss",

@@ -75,6 +75,7 @@ __all__ = [
     "SentenceEncoder",
     "ZooModel",
     "ZooUnavailableError",
+    "causal_lm_batches",
     "load",
     "load_model",
     "token_loss_masked",
@@ -265,6 +266,55 @@ def _pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def causal_lm_batches(
+    tokenizer: Any, lines: list[str], n: int, batch_size: int, seed: int, lines_per_example: int, max_tokens: int
+) -> list[tuple[dict[str, Tensor], Tensor]]:
+    r"""Probe batches of a causal language model: windows of consecutive text lines, right-padded.
+
+    Example ``i`` is the ``lines_per_example`` lines starting at a line drawn without
+    replacement (``random.Random(seed)``), joined with ``"\n"``, tokenized by ``tokenizer`` and
+    truncated to ``max_tokens`` tokens.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``tokenizer(text)["input_ids"]``).
+        lines: the text's lines (the KJV verses, or a user's text file).
+        n: number of examples.
+        batch_size: examples per batch.
+        seed: the seed of the draw of the windows.
+        lines_per_example: consecutive lines per example.
+        max_tokens: tokens per example at most (truncation).
+
+    Returns:
+        ``[({"input_ids": (B, T) long, "attention_mask": (B, T) long}, labels (B, T) long)]``;
+        ``labels[b, t]`` is the next token, ``-100`` at padding and at the last real token (the
+        convention of :func:`token_loss_masked`).
+
+    Raises:
+        ValueError: fewer than ``n + lines_per_example`` lines, or an example of fewer than 2 tokens.
+    """
+    if len(lines) - lines_per_example < n:
+        raise ValueError(
+            f"{len(lines)} lines are too few: {n} examples of {lines_per_example} consecutive lines need at "
+            f"least {n + lines_per_example}"
+        )
+    starts = random.Random(seed).sample(range(len(lines) - lines_per_example), n)
+    seqs = []
+    for s in starts:
+        ids = tokenizer("\n".join(lines[s : s + lines_per_example]))["input_ids"][:max_tokens]
+        if len(ids) < 2:
+            raise ValueError(f"a probe example (lines {s}..{s + lines_per_example - 1}) has fewer than 2 tokens")
+        seqs.append(list(ids))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = []
+    for sl in _chunks(n, batch_size):
+        ids, mask = _pad_batch(seqs[sl], pad_id)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, :-1] = ids[:, 1:]
+        labels[:, :-1][mask[:, 1:] == 0] = IGNORE_INDEX  # the last real token predicts nothing
+        batches.append(({"input_ids": ids, "attention_mask": mask}, labels))
+    return batches
+
+
 # ----------------------------------------------------------------------------
 # SmolLM2
 # ----------------------------------------------------------------------------
@@ -287,24 +337,8 @@ def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_exampl
     model.eval()
 
     n = _check_n(n_examples)
-    verses = _kjv_verses()
     k = max(1, int(verses_per_example))
-    rng = random.Random(seed)
-    starts = rng.sample(range(len(verses) - k), n)
-    seqs = []
-    for s in starts:
-        ids = tok("\n".join(verses[s : s + k]))["input_ids"][:max_tokens]
-        if len(ids) < 2:
-            raise ValueError("a probe example has fewer than 2 tokens")
-        seqs.append(list(ids))
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    batches = []
-    for sl in _chunks(n, batch_size):
-        ids, mask = _pad_batch(seqs[sl], pad_id)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[:, :-1] = ids[:, 1:]
-        labels[:, :-1][mask[:, 1:] == 0] = IGNORE_INDEX  # the last real token predicts nothing
-        batches.append(({"input_ids": ids, "attention_mask": mask}, labels))
+    batches = causal_lm_batches(tok, _kjv_verses(), n, batch_size, seed, k, max_tokens)
     n_layers = model.config.num_hidden_layers
     return ZooModel(
         name="smollm2",
