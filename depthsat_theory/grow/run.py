@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class GrowReport:
     loss_units: str = "nats per example"
     description: str = ""
     versions: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -284,13 +286,23 @@ def grow(
     pos = parse_positions(positions, sites, blocks)
     diag_family = family or "linear"
     kw = dict(diagnose_kwargs or {})
+    clock = [time.perf_counter()]
+    seconds: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        seconds[name] = round(clock[-1] - clock[-2], 3)
+
     diagnosis = diagnose(model, loss_fn, batches, sites=sites, family=diag_family, layout=layout, **kw)
+    lap("diagnose")
     ranking = rank_sites(diagnosis)
     chosen = _pick(diagnosis, ranking, sites, pos, blocks)
     probe = unpack_batch(batches[0])[0]
     method, fam_name, res = _grow_model(model, chosen, family, probe, layout)
     grown = res.model
+    lap("grow")
     preview = preview_first_step(grown, loss_fn, batches[0], res.new_params, update="adam", lr=lr)
+    lap("preview")
     report = GrowReport(
         model=grown,
         method=method,
@@ -310,11 +322,13 @@ def grow(
         loss_units=diagnosis.loss_units,
         description=description or diagnosis.description,
         versions=_versions(),
+        seconds=seconds,
         notes=_notes(method, family),
     )
     if train_steps:
         report.train_losses = _train(grown, loss_fn, batches, res.new_params, train_steps, lr, freeze_old)
         report.loss_after = _probe_loss(grown, loss_fn, batches)
+        lap("train")
     return report
 
 
@@ -356,6 +370,7 @@ def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=".depthsat-grow-", dir=folder.resolve().parent))
     try:
         if report.method == "expand_layers" and hasattr(report.model, "save_pretrained"):
+            _drop_gguf_marker(report.model)
             report.model.save_pretrained(str(tmp))
         else:
             from safetensors.torch import save_model
@@ -370,6 +385,22 @@ def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return sorted(folder.iterdir())
+
+
+def _drop_gguf_marker(model: nn.Module) -> None:
+    """Forget that a model was read from a GGUF file: its weights were de-quantized to plain float tensors.
+
+    transformers keeps a GGUF "quantizer" on such a model and refuses ``save_pretrained``; the
+    parameters are ordinary float tensors, so the model is saved as an unquantized one.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
+        return
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def check_out_dir(folder: Path) -> None:

@@ -1,0 +1,197 @@
+"""expand_layers on tiny random Hugging Face models built from configs (Llama, Qwen2, GPT-2, BERT), offline.
+
+Independent truths: the original model's logits and greedy tokens; the gradient of the zeroed
+``o_proj``/``down_proj`` against a dense reference built from the *original* model's activation
+gradient at layer ``i`` (``∂W J = Σ_t g_t ⊗ φ_t``, T1) and features computed from the copied
+layer's own modules; exact zeros for every other parameter of the copy (T5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from depthsat_theory.grow import (  # noqa: E402
+    GrowError,
+    NotFunctionPreservingError,
+    expand_layers,
+    find_architecture,
+    load_grown,
+)
+
+V = 101
+
+
+def _llama(**kw):
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        **kw,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _gpt2(**kw):
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64, **kw)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _bert(cls=None):
+    cfg = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=V
+    )
+    return (cls or transformers.BertModel)(cfg).eval()
+
+
+def _ids(seed=1, b=2, t=7):
+    return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _out(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_expand_decoder_roundtrip_and_cache(make, tmp_path):
+    torch.manual_seed(0)
+    model = make()
+    ids = _ids()
+    ref = _out(model, ids)
+    exp = expand_layers(model, [1, 0])
+    grown = exp.model
+    assert exp.positions == [0, 1] and exp.new_indices == [1, 3] and exp.deviation == 0.0
+    assert grown.config.num_hidden_layers == 4 and model.config.num_hidden_layers == 2
+    layers = grown.get_submodule(exp.layer_list)
+    assert len(layers) == 4 and len(model.get_submodule(exp.layer_list)) == 2
+    for i, layer in enumerate(layers):
+        idx = [m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        assert idx and set(idx) == {i}
+    for names in exp.zeroed.values():
+        assert names and all(float(grown.get_parameter(n).abs().max()) == 0.0 for n in names)
+    assert torch.equal(_out(grown, ids), ref)
+    grown.post_init()  # must not re-randomise the zeroed copies
+    grown.init_weights()
+    assert torch.equal(_out(grown, ids), ref)
+    grown.save_pretrained(tmp_path)
+    back = load_grown(tmp_path)
+    assert back.config.num_hidden_layers == 4
+    assert torch.equal(_out(back, ids), ref)
+    prompt = ids[:1, :3]
+    kw = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    want = model.generate(prompt, **kw)
+    assert torch.equal(grown.generate(prompt, **kw), want)
+    assert torch.equal(back.generate(prompt, **kw), want)
+
+
+def test_expand_updates_layer_types():
+    cfg = transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=V, layer_types=["full_attention", "sliding_attention", "full_attention"], use_sliding_window=True,
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    exp = expand_layers(model, [1])
+    assert exp.model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert exp.model.config.num_hidden_layers == 4
+    ids = _ids(t=9)
+    assert torch.equal(_out(exp.model, ids), _out(model, ids))
+
+
+def _grad_at_layer_output(model, layer, ids):
+    """Original model: the layer's output x and g = ∂J/∂x, J the mean next-token cross-entropy."""
+    store = {}
+
+    def hook(_m, _i, out):
+        t = out[0] if isinstance(out, tuple) else out
+        t.retain_grad()
+        store["x"] = t
+
+    h = layer.register_forward_hook(hook)
+    out = model(input_ids=ids, labels=ids)
+    h.remove()
+    out.loss.backward()
+    model.zero_grad()
+    return store["x"].detach(), store["x"].grad.detach()
+
+
+def test_zeroed_maps_gradient_is_b_llama():
+    """T1/T5: ∂J/∂W_down = Σ_t g_t φ_tᵀ and ∂J/∂W_o = Σ_t g_t c_tᵀ; every other new parameter has zero gradient."""
+    torch.manual_seed(0)
+    model = _llama().double()
+    ids = _ids(t=9)
+    x, g = _grad_at_layer_output(model, model.model.layers[0], ids)
+    exp = expand_layers(model, [0])
+    new = exp.model.model.layers[1]
+    ctx = {}
+
+    def keep_input(_m, inp, _out):
+        ctx["c"] = inp[0].detach()  # (returns None: the output is not replaced)
+
+    h = new.self_attn.o_proj.register_forward_hook(keep_input)
+    out = exp.model(input_ids=ids, labels=ids)
+    h.remove()
+    params = dict(new.named_parameters())
+    grads = dict(zip(params, torch.autograd.grad(out.loss, list(params.values())), strict=True))
+    mlp = new.mlp
+    with torch.no_grad():  # the copy's features on the original stream (the copy's attention adds 0)
+        u = new.post_attention_layernorm(x)
+        phi = mlp.act_fn(mlp.gate_proj(u)) * mlp.up_proj(u)
+    flat_g = g.reshape(-1, g.shape[-1])
+    want_down = flat_g.T @ phi.reshape(-1, phi.shape[-1])
+    want_o = flat_g.T @ ctx["c"].reshape(-1, ctx["c"].shape[-1])
+    torch.testing.assert_close(grads["mlp.down_proj.weight"], want_down, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(grads["self_attn.o_proj.weight"], want_o, rtol=1e-9, atol=1e-13)
+    assert float(want_down.abs().max()) > 1e-6 and float(want_o.abs().max()) > 1e-6
+    for name, gr in grads.items():
+        if name not in ("mlp.down_proj.weight", "self_attn.o_proj.weight"):
+            assert float(gr.abs().max()) == 0.0, name
+
+
+def test_bert_fresh_preserved_trained_like_refused():
+    torch.manual_seed(0)
+    model = _bert()
+    exp = expand_layers(model, [0])  # fresh LayerNorms (γ = 1, β = 0): LN is idempotent up to rounding
+    assert exp.model.config.num_hidden_layers == 3 and exp.deviation <= exp.tolerance
+    wrapped = _bert(transformers.BertForSequenceClassification)
+    assert find_architecture(wrapped)[1] == "bert.encoder.layer"
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            for ln in (layer.attention.output.LayerNorm, layer.output.LayerNorm):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.normal_(0, 0.3)
+    with pytest.raises(NotFunctionPreservingError, match=r"post-LN.*LN\(LN\(x\)\) != x.*insert_blocks"):
+        expand_layers(model, [0])
+
+
+def test_expand_bad_input(tmp_path):
+    model = _llama()
+    with pytest.raises(GrowError, match=r"position 2 is outside the layer list: valid original indices are 0\.\.1"):
+        expand_layers(model, [2])
+    with pytest.raises(GrowError, match="repeat"):
+        expand_layers(model, [0, 0])
+    with pytest.raises(GrowError, match="unknown init"):
+        expand_layers(model, [0], init="random")
+    with pytest.raises(GrowError, match=r"does not support Sequential \(supported: Llama-like.*GPT-2.*BERT.*insert_blocks"):
+        expand_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), [0])
+    with pytest.raises(GrowError, match="scale_attn_by_inverse_layer_idx"):
+        expand_layers(_gpt2(scale_attn_by_inverse_layer_idx=True), [0])
+    assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(GrowError, match="not a model folder \\(no config.json\\)"):
+        load_grown(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(GrowError, match="no \\*.safetensors weights"):
+        load_grown(tmp_path)
+    with pytest.raises(GrowError, match="not a folder"):
+        load_grown(tmp_path / "notes.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "notes.txt"]  # nothing written
