@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from depthsat_theory.capture import SiteError
 from depthsat_theory.diagnose import Diagnosis, SiteDiagnosis
 from depthsat_theory.families import FamilyError, ResidualFamily
 from depthsat_theory.grow import (
@@ -27,7 +28,6 @@ from depthsat_theory.grow import (
     rank_sites,
     zero_state_param_groups,
 )
-from depthsat_theory.capture import SiteError
 from depthsat_theory.vocabulary import Layout, Verdict
 
 
@@ -160,8 +160,10 @@ def test_insert_blocks_bad_input():
 def _trained_opt(kind):
     torch.manual_seed(0)
     old = nn.Linear(3, 2).double()
-    opt = torch.optim.Adam(old.parameters(), lr=1e-2) if kind == "adam" else torch.optim.SGD(
-        old.parameters(), lr=1e-2, momentum=0.9
+    opt = (
+        torch.optim.Adam(old.parameters(), lr=1e-2)
+        if kind == "adam"
+        else torch.optim.SGD(old.parameters(), lr=1e-2, momentum=0.9)
     )
     x = torch.randn(8, 3, dtype=torch.float64)
     for _ in range(2):
@@ -174,13 +176,15 @@ def _trained_opt(kind):
 @pytest.mark.parametrize("kind", ["adam", "momentum"])
 def test_zero_state_param_groups(kind):
     old, opt, x = _trained_opt(kind)
-    saved = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in old.parameters()}
+    saved = {
+        id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in old.parameters()
+    }
     new = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     group = zero_state_param_groups(opt, {"site": [new]}, lr=0.5)
     assert group["lr"] == 0.5 and group["params"] == [new] and len(opt.param_groups) == 2
     assert len(opt.state[new]) == 0
     opt.zero_grad()
-    loss = (old(x).pow(2).sum() + (new * torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)).sum() * 3)
+    loss = old(x).pow(2).sum() + (new * torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)).sum() * 3
     loss.backward()
     b = new.grad.clone()
     old_grads = {id(p): p.grad.clone() for p in old.parameters()}
@@ -249,7 +253,9 @@ def _diag(sites, delta=None):
 
 
 def test_rank_sites_point_and_certified():
-    d = _diag([_sd("a", 0, 0.2), _sd("b", 1, 0.6), _sd("c", 2, float("nan"), verdict=Verdict.DEGENERATE), _sd("e", 3, 0.4)])
+    d = _diag(
+        [_sd("a", 0, 0.2), _sd("b", 1, 0.6), _sd("c", 2, float("nan"), verdict=Verdict.DEGENERATE), _sd("e", 3, 0.4)]
+    )
     r = rank_sites(d)
     assert r.by == BY_POINT and "no confidence intervals" in r.reason
     assert [s.site for s in r.sites] == ["b", "e", "a", "c"] and r.top(2) == ["b", "e"]

@@ -94,14 +94,25 @@ def test_expand_decoder_roundtrip_and_cache(make, tmp_path):
 
 def test_expand_updates_layer_types():
     cfg = transformers.Qwen2Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=V, layer_types=["full_attention", "sliding_attention", "full_attention"], use_sliding_window=True,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        use_sliding_window=True,
         sliding_window=4,
     )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(cfg).eval()
     exp = expand_layers(model, [1])
-    assert exp.model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    assert exp.model.config.layer_types == [
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
     assert exp.model.config.num_hidden_layers == 4
     ids = _ids(t=9)
     assert torch.equal(_out(exp.model, ids), _out(model, ids))
@@ -181,16 +192,18 @@ def test_expand_bad_input(tmp_path):
         expand_layers(model, [0, 0])
     with pytest.raises(GrowError, match="unknown init"):
         expand_layers(model, [0], init="random")
-    with pytest.raises(GrowError, match=r"does not support Sequential \(supported: Llama-like.*GPT-2.*BERT.*insert_blocks"):
+    with pytest.raises(
+        GrowError, match=r"does not support Sequential \(supported: Llama-like.*GPT-2.*BERT.*insert_blocks"
+    ):
         expand_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), [0])
     with pytest.raises(GrowError, match="scale_attn_by_inverse_layer_idx"):
         expand_layers(_gpt2(scale_attn_by_inverse_layer_idx=True), [0])
     assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
     (tmp_path / "notes.txt").write_text("not a model")
-    with pytest.raises(GrowError, match="not a model folder \\(no config.json\\)"):
+    with pytest.raises(GrowError, match=r"not a model folder \(no config\.json\)"):
         load_grown(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(GrowError, match="no \\*.safetensors weights"):
+    with pytest.raises(GrowError, match=r"no \*\.safetensors weights"):
         load_grown(tmp_path)
     with pytest.raises(GrowError, match="not a folder"):
         load_grown(tmp_path / "notes.txt")

@@ -140,7 +140,9 @@ def insert_block_in_place(model: nn.Module, site: str, block: nn.Module, *, outp
 
     Args:
         model: the model to modify.
-        site, block, output_key: as for :func:`insert_block`.
+        site: a module name, or ``"name#k"`` (as for :func:`insert_block`).
+        block: the residual block ``h`` (``z ↦ z + h(z)``).
+        output_key: where the site tensor is in a structured output (as in :class:`SiteRecorder`).
 
     Returns:
         The inserted block.

@@ -389,7 +389,15 @@ def grow_cmd(
             description=target.description,
         )
         written = write_grown(rep, out)
-    except (UserError, GrowError, DiagnoseError, FamilyError, StatisticsError, SiteError, NotFunctionPreservingError) as exc:
+    except (
+        UserError,
+        GrowError,
+        DiagnoseError,
+        FamilyError,
+        StatisticsError,
+        SiteError,
+        NotFunctionPreservingError,
+    ) as exc:
         render.fail(exc)
     render.print_grow(rep.to_dict(), written)
 

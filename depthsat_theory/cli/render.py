@@ -222,6 +222,8 @@ def print_grow(rep: dict, written: list[Path]) -> None:
     )
     after = "not trained" if rep["loss_after"] is None else _cell(rep["loss_after"])
     steps = len(rep["train_losses"])
-    console.print(f"probe loss: before {_cell(rep['loss_before'])}, after {steps} steps {after}", markup=False, highlight=False)
+    console.print(
+        f"probe loss: before {_cell(rep['loss_before'])}, after {steps} steps {after}", markup=False, highlight=False
+    )
     for p in written:
         console.print(f"wrote {p}", markup=False, highlight=False)

@@ -110,7 +110,9 @@ def _family(spec: str | ResidualFamily, site: str) -> ResidualFamily:
     if isinstance(spec, ResidualFamily):
         return spec
     if not isinstance(spec, str):
-        raise GrowError(f"site {site!r}: the family must be a spec string or a ResidualFamily, got {type(spec).__name__}")
+        raise GrowError(
+            f"site {site!r}: the family must be a spec string or a ResidualFamily, got {type(spec).__name__}"
+        )
     return parse_family(spec)
 
 
@@ -177,13 +179,11 @@ def insert_blocks(
     fams = {s: _family(families[s], s) for s in sites}
     z = _site_tensors(model, sites, probe)
     growth = Growth(model)
-    for i, site in enumerate(sites):
+    for site in sites:
         growth.shapes[site] = tuple(int(n) for n in z[site].shape[1:])
         growth.layouts[site] = _layout(z[site], model, site, layout)
         growth.families[site] = fams[site]
-    built = {
-        s: _build(fams[s], s, growth.shapes[s], growth.layouts[s], seed + i) for i, s in enumerate(sites)
-    }
+    built = {s: _build(fams[s], s, growth.shapes[s], growth.layouts[s], seed + i) for i, s in enumerate(sites)}
     ref = reference_output(model, probe)
     grown = model if inplace else copy.deepcopy(model, _detached_memo(model))
     for site in sorted(sites, key=lambda s: -parse_site(s)[0].count(".")):  # deeper sites first: paths stay valid

@@ -51,7 +51,11 @@ class Architecture:
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("Llama-like decoder (LlamaForCausalLM, SmolLM2)", ("model.layers", "layers"), ("self_attn.o_proj", "mlp.down_proj")),
+    Architecture(
+        "Llama-like decoder (LlamaForCausalLM, SmolLM2)",
+        ("model.layers", "layers"),
+        ("self_attn.o_proj", "mlp.down_proj"),
+    ),
     Architecture("GPT-2 (GPT2LMHeadModel, GPT2Model)", ("transformer.h", "h"), ("attn.c_proj", "mlp.c_proj")),
     Architecture(
         "BERT (BertModel, BertFor*)",
@@ -62,9 +66,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 )
 """The supported architectures, matched by :func:`find_architecture`."""
 
-_FALLBACK = (
-    "use depthsat_theory.grow.insert_blocks(model, {site: family}, probe=batch), which grows any nn.Module"
-)
+_FALLBACK = "use depthsat_theory.grow.insert_blocks(model, {site: family}, probe=batch), which grows any nn.Module"
 
 
 @dataclass
@@ -115,9 +117,7 @@ def find_architecture(model: nn.Module) -> tuple[Architecture, str]:
             if isinstance(layers, nn.ModuleList) and len(layers) and _has_all(layers[0], arch.zeroed):
                 return arch, path
     names = "; ".join(a.name for a in ARCHITECTURES)
-    raise GrowError(
-        f"expand_layers does not support {type(model).__name__} (supported: {names}); {_FALLBACK}"
-    )
+    raise GrowError(f"expand_layers does not support {type(model).__name__} (supported: {names}); {_FALLBACK}")
 
 
 def _has_all(layer: nn.Module, names: Sequence[str]) -> bool:
@@ -273,7 +273,9 @@ def expand_layers(
     for j in new_indices:
         site = f"{path}.{j}"
         exp.new_params[site] = list(glayers[j].parameters())
-        exp.zeroed[site] = [f"{site}.{z}.{n}" for z in arch.zeroed for n, _ in glayers[j].get_submodule(z).named_parameters()]
+        exp.zeroed[site] = [
+            f"{site}.{z}.{n}" for z in arch.zeroed for n, _ in glayers[j].get_submodule(z).named_parameters()
+        ]
     why = (
         f": {arch.name} layers are post-LN (a LayerNorm after each residual sum), so a copy with zeroed output "
         f"projections computes LN(LN(x)) != x; {_FALLBACK}"

@@ -171,7 +171,7 @@ def _chosen_rows(diagnosis: Any, ranking: Any, chosen: list[str], mode: str) -> 
 def _versions() -> dict:
     from importlib import metadata
 
-    out = {"python": platform.python_version(), "torch": torch.__version__}
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
     for pkg in ("depthsat", "transformers", "safetensors"):
         try:
             out[pkg] = metadata.version(pkg)
@@ -191,7 +191,9 @@ def _probe_loss(model: nn.Module, loss_fn: Callable, batches: Sequence) -> float
     return tot / n
 
 
-def _train(model: nn.Module, loss_fn: Callable, batches: Sequence, new_params: dict, steps: int, lr: float, freeze_old: bool) -> list[float]:
+def _train(
+    model: nn.Module, loss_fn: Callable, batches: Sequence, new_params: dict, steps: int, lr: float, freeze_old: bool
+) -> list[float]:
     """Plain loop: Adam from zero state, old parameters in one group (unless frozen), new ones in another."""
     new_ids = {id(p) for p in flat_params(new_params)}
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -220,13 +222,15 @@ def _pick(diagnosis: Any, ranking: Any, sites: list[str], positions: list[int] |
     return [sites[i] for i in positions]
 
 
-def _grow_model(model: nn.Module, chosen: list[str], family: str | None, probe: Any, layout: Any) -> tuple[str, str, Any]:
+def _grow_model(
+    model: nn.Module, chosen: list[str], family: str | None, probe: Any, layout: Any
+) -> tuple[str, str, Any]:
     expand = _expandable(model, chosen) if family is None else None
     if expand is not None:
         exp = expand_layers(model, expand[1], probe=probe)
         return "expand_layers", "zero-output layer copy", exp
     spec = family or "linear"
-    growth = insert_blocks(model, {s: spec for s in chosen}, probe=probe, layout=layout)
+    growth = insert_blocks(model, dict.fromkeys(chosen, spec), probe=probe, layout=layout)
     return "insert_blocks", spec, growth
 
 
@@ -370,8 +374,7 @@ def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=".depthsat-grow-", dir=folder.resolve().parent))
     try:
         if report.method == "expand_layers" and hasattr(report.model, "save_pretrained"):
-            _drop_gguf_marker(report.model)
-            report.model.save_pretrained(str(tmp))
+            _save_pretrained(report.model, tmp)
         else:
             from safetensors.torch import save_model
 
@@ -387,6 +390,21 @@ def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
     return sorted(folder.iterdir())
 
 
+def _save_pretrained(model: nn.Module, folder: Path) -> None:
+    """``model.save_pretrained(folder)`` without transformers' progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    _drop_gguf_marker(model)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        save: Any = model.save_pretrained
+        save(str(folder))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _drop_gguf_marker(model: nn.Module) -> None:
     """Forget that a model was read from a GGUF file: its weights were de-quantized to plain float tensors.
 
@@ -399,8 +417,9 @@ def _drop_gguf_marker(model: nn.Module) -> None:
         return
     model.hf_quantizer = None
     model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    config: Any = getattr(model, "config", None)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
 
 
 def check_out_dir(folder: Path) -> None:
