@@ -149,6 +149,7 @@ def _zero_output_copy(layer: nn.Module, zeroed: Sequence[str]) -> nn.Module:
             mod = new.get_submodule(name)
             for p in mod.parameters(recurse=False):
                 p.zero_()
+    mod: Any
     for mod in new.modules():  # transformers' initialisation skips flagged modules and parameters
         mod._is_hf_initialized = True
         for p in mod.parameters(recurse=False):
@@ -158,6 +159,7 @@ def _zero_output_copy(layer: nn.Module, zeroed: Sequence[str]) -> nn.Module:
 
 def _renumber(layers: nn.ModuleList) -> None:
     """Set every ``layer_idx`` attribute inside layer ``i`` to ``i`` (the KV cache is indexed by it)."""
+    mod: Any
     for i, layer in enumerate(layers):
         for mod in layer.modules():
             if isinstance(getattr(mod, "layer_idx", None), int):

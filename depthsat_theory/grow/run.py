@@ -415,8 +415,9 @@ def _drop_gguf_marker(model: nn.Module) -> None:
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
     if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
         return
-    model.hf_quantizer = None
-    model.is_quantized = False
+    hf: Any = model
+    hf.hf_quantizer = None
+    hf.is_quantized = False
     config: Any = getattr(model, "config", None)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
