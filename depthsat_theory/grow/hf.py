@@ -146,8 +146,7 @@ def _zero_output_copy(layer: nn.Module, zeroed: Sequence[str]) -> nn.Module:
     new = copy.deepcopy(layer)
     with torch.no_grad():
         for name in zeroed:
-            mod = new.get_submodule(name)
-            for p in mod.parameters(recurse=False):
+            for p in new.get_submodule(name).parameters(recurse=False):
                 p.zero_()
     mod: Any
     for mod in new.modules():  # transformers' initialisation skips flagged modules and parameters
