@@ -152,7 +152,7 @@ def _zero_output_copy(layer: nn.Module, zeroed: Sequence[str]) -> nn.Module:
     for mod in new.modules():  # transformers' initialisation skips flagged modules and parameters
         mod._is_hf_initialized = True
         for p in mod.parameters(recurse=False):
-            p._is_hf_initialized = True  # type: ignore[attr-defined]
+            p._is_hf_initialized = True
     return new
 
 
