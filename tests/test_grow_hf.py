@@ -208,3 +208,44 @@ def test_expand_bad_input(tmp_path):
     with pytest.raises(GrowError, match="not a folder"):
         load_grown(tmp_path / "notes.txt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "notes.txt"]  # nothing written
+
+
+@pytest.mark.parametrize("freeze_old", [False, True])
+def test_grow_pipeline_trains_with_trainer(freeze_old):
+    """grow() on a tiny Llama: layer copies, transformers.Trainer from zero state, the old weights frozen or not."""
+    from depthsat_theory.grow.run import grow
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _llama()
+    ids = _ids(b=3, t=10)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+    with torch.no_grad():
+        j0 = float(token_loss_masked(model(**batch[0]), labels).mean())
+    rep = grow(
+        model,
+        token_loss_masked,
+        [batch],
+        sites=["model.layers.0", "model.layers.1"],
+        blocks=1,
+        positions="1",
+        train_steps=3,
+        freeze_old=freeze_old,
+        lr=1e-3,
+    )
+    assert rep.method == "expand_layers" and rep.trainer == "transformers.Trainer"
+    assert rep.new_sites == ["model.layers.2"] and rep.deviation == 0.0
+    assert rep.loss_before == pytest.approx(j0, rel=1e-6)
+    assert len(rep.train_losses) == 3 and rep.train_losses[0] == pytest.approx(j0, rel=1e-5)
+    assert rep.first_step["j0"] == pytest.approx(j0, rel=1e-6) and rep.first_step["predicted_change"] < 0
+    assert rep.loss_after < rep.loss_before
+    grown = rep.model
+    same = [
+        torch.equal(p, grown.get_parameter(n)) for n, p in model.named_parameters() if n.startswith("model.layers.0")
+    ]
+    assert all(same) if freeze_old else not all(same)
+    assert all(p.requires_grad for p in grown.parameters())  # flags restored after training
+    new_down = grown.model.layers[2].mlp.down_proj.weight
+    assert float(new_down.detach().abs().max()) > 0  # the zeroed map moved

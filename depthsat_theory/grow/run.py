@@ -54,6 +54,8 @@ class GrowReport:
         first_step: :meth:`FirstStepPreview.to_dict` (predicted and observed change of the first step).
         loss_before, loss_after: mean probe loss before growth and after training (``None`` without training).
         train_losses: the training loss of each step (on the step's batch, before its update).
+        trainer: ``"transformers.Trainer"`` (Hugging Face models grown by ``expand_layers``: constant
+            learning rate, no gradient clipping) or ``"plain loop"``; ``None`` without training.
         loss_units: the loss's units; ``versions``: package versions; ``notes``: caveats.
     """
 
@@ -72,6 +74,7 @@ class GrowReport:
     loss_before: float
     loss_after: float | None = None
     train_losses: list[float] = field(default_factory=list)
+    trainer: str | None = None
     freeze_old: bool = False
     lr: float = 0.0
     loss_units: str = "nats per example"
@@ -191,15 +194,18 @@ def _probe_loss(model: nn.Module, loss_fn: Callable, batches: Sequence) -> float
     return tot / n
 
 
-def _train(
-    model: nn.Module, loss_fn: Callable, batches: Sequence, new_params: dict, steps: int, lr: float, freeze_old: bool
-) -> list[float]:
-    """Plain loop: Adam from zero state, old parameters in one group (unless frozen), new ones in another."""
+def _optimizer(model: nn.Module, new_params: dict, lr: float, freeze_old: bool) -> torch.optim.Optimizer:
+    """Adam from zero state: the old trainable parameters in one group (unless frozen), the new ones in another."""
     new_ids = {id(p) for p in flat_params(new_params)}
-    flags = [(p, p.requires_grad) for p in model.parameters()]
     old = [p for p in model.parameters() if id(p) not in new_ids and p.requires_grad]
     opt = torch.optim.Adam(old if old else [torch.zeros(0, requires_grad=True)], lr=lr)
     zero_state_param_groups(opt, new_params, freeze_old=freeze_old)
+    return opt
+
+
+def _plain_loop(
+    model: nn.Module, loss_fn: Callable, batches: Sequence, opt: torch.optim.Optimizer, steps: int
+) -> list[float]:
     losses = []
     for step in range(steps):
         x, y, _ = unpack_batch(batches[step % len(batches)])
@@ -209,9 +215,79 @@ def _train(
         opt.step()
         losses.append(float(loss.detach()))
     opt.zero_grad(set_to_none=True)
-    for p, flag in flags:
-        p.requires_grad_(flag)
     return losses
+
+
+class _BatchList(torch.utils.data.Dataset):
+    """The probe batches as a dataset of whole batches (one item = one padded Hugging Face batch)."""
+
+    def __init__(self, batches: Sequence) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y, _ = unpack_batch(self.batches[i])
+        return {**x, "labels": y}
+
+
+def _trainer_loop(
+    model: nn.Module, loss_fn: Callable, batches: Sequence, opt: torch.optim.Optimizer, steps: int
+) -> list[float]:
+    """``transformers.Trainer``: constant learning rate, no clipping, our zero-state optimizer, our per-example loss."""
+    import transformers
+
+    lr = opt.param_groups[-1]["lr"]
+    with tempfile.TemporaryDirectory(prefix="depthsat-trainer-") as tmp:
+        args = transformers.TrainingArguments(
+            output_dir=tmp,
+            max_steps=steps,
+            per_device_train_batch_size=1,
+            learning_rate=lr,
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            weight_decay=0.0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=next(model.parameters()).device.type == "cpu",
+            remove_unused_columns=False,
+            dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=_BatchList(batches),
+            data_collator=lambda items: items[0],
+            optimizers=(opt, None),
+            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: loss_fn(outputs, labels).mean(),
+        )
+        trainer.train()
+    model.eval()
+    return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _train(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: Sequence,
+    new_params: dict,
+    steps: int,
+    lr: float,
+    freeze_old: bool,
+    *,
+    trainer: bool,
+) -> list[float]:
+    """Train ``steps`` Adam steps from zero state; the requires_grad flags are restored afterwards."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    opt = _optimizer(model, new_params, lr, freeze_old)
+    try:
+        return (_trainer_loop if trainer else _plain_loop)(model, loss_fn, batches, opt, steps)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def _pick(diagnosis: Any, ranking: Any, sites: list[str], positions: list[int] | str, blocks: int) -> list[str]:
@@ -266,7 +342,10 @@ def grow(
         blocks: how many blocks to insert (``K``).
         family: the inserted family's spec (``None``: layer copies where possible, else ``linear``).
         positions: ``auto`` (ranked, :func:`~depthsat_theory.grow.rank_sites`), ``even`` or ``i,j``.
-        train_steps: Adam steps after growth (0: none).
+        train_steps: Adam steps after growth (0: none), from zero optimizer state, constant ``lr``,
+            on the probe batches (in turn; the Trainer samples them at random): ``transformers.Trainer``
+            runs them for Hugging Face models grown by ``expand_layers`` (so the job runs under
+            ``accelerate``/``torchrun`` like any Trainer job), a plain loop otherwise.
         freeze_old: train only the new parameters.
         lr: the learning rate of the preview step and of training.
         layout: the sites' layout (as for :func:`~depthsat_theory.diagnose.diagnose`).
@@ -330,7 +409,9 @@ def grow(
         notes=_notes(method, family),
     )
     if train_steps:
-        report.train_losses = _train(grown, loss_fn, batches, res.new_params, train_steps, lr, freeze_old)
+        hf = method == "expand_layers"
+        report.trainer = "transformers.Trainer" if hf else "plain loop"
+        report.train_losses = _train(grown, loss_fn, batches, res.new_params, train_steps, lr, freeze_old, trainer=hf)
         report.loss_after = _probe_loss(grown, loss_fn, batches)
         lap("train")
     return report
