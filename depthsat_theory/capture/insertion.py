@@ -6,7 +6,7 @@
 - :class:`Insertion`: one family inserted at one site of a model on a probe batch, with the
   T1 gradient check (autograd's gradient of the inserted block against the statistics' ``b``,
   theory label ``thm-gradient``) and the first-step slope of a zero-state update measured by
-  Richardson extrapolation (``thm-iff``, ``thm-updates``).  Shared by the theorem checker
+  Richardson extrapolation (``thm-iff``, ``thm-update-invariance``).  Shared by the theorem checker
   (:mod:`depthsat_theory.check`), :func:`depthsat_theory.audit.audit_model` and ``proofs_checks``.
 """
 

@@ -6,7 +6,7 @@ zero-output residual insertion in the sense of ``def-family`` (theory/definition
 feature maps (attention, gate/up projections, norms) are the copied layer's, held at their
 trained values; the zeroed maps are the tangent coordinates :math:`\theta`, so their gradient
 at the origin is the criterion's :math:`b = E[g\,\phi^\top]` (T1, ``thm-gradient``) and the
-other parameters of the copy get zero gradient (T5).
+other parameters of the copy get zero gradient (T5, ``thm-zero-output``).
 
 Supported (:data:`ARCHITECTURES`): Llama-like decoders (``LlamaForCausalLM``, SmolLM2, and any
 model whose layers have ``self_attn.o_proj`` and ``mlp.down_proj``), GPT-2

@@ -4,7 +4,7 @@ r"""Train grown parameters from zero optimizer state, and preview the first step
   group with empty (hence zero at the first step) state, optionally freezing the old ones
   (LLaMA-Pro's recipe);
 - :func:`preview_first_step` puts the criterion's first-order prediction of the first step,
-  :math:`J(\eta) - J(0) = -\eta \langle b, P(b)\rangle + O(\eta^2)` (``thm-iff``, ``thm-updates``),
+  :math:`J(\eta) - J(0) = -\eta \langle b, P(b)\rangle + O(\eta^2)` (``thm-iff``, ``thm-update-invariance``),
   next to the measured change of a real optimizer step from zero state.
 """
 
@@ -134,7 +134,7 @@ def preview_first_step(
         J(\eta) - J(0) = -\eta\,\langle b, P(b)\rangle + O(\eta^2),
         \qquad b = \nabla_\theta J(0),
 
-    with :math:`P` the update's zero-state first-step map (T3, ``thm-updates``).  The measured
+    with :math:`P` the update's zero-state first-step map (T3, ``thm-update-invariance``).  The measured
     side takes one step of the real optimizer (``update.make_optimizer``) on the new parameters
     only, from zero state, evaluates :math:`J` and restores the parameters.
 
