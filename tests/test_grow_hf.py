@@ -249,3 +249,21 @@ def test_grow_pipeline_trains_with_trainer(freeze_old):
     assert all(p.requires_grad for p in grown.parameters())  # flags restored after training
     new_down = grown.model.layers[2].mlp.down_proj.weight
     assert float(new_down.detach().abs().max()) > 0  # the zeroed map moved
+
+
+def test_drop_gguf_marker_only_for_gguf():
+    from types import SimpleNamespace
+
+    from depthsat_theory.grow import drop_gguf_marker
+
+    def fake(method):
+        cfg = SimpleNamespace(quantization_config={"quant_method": method})
+        q = SimpleNamespace(quantization_config=SimpleNamespace(quant_method=method))
+        return SimpleNamespace(hf_quantizer=q, is_quantized=True, config=cfg)
+
+    m = fake("gguf")
+    drop_gguf_marker(m)
+    assert m.hf_quantizer is None and m.is_quantized is False and not hasattr(m.config, "quantization_config")
+    m = fake("bitsandbytes")  # really quantized weights: left alone
+    drop_gguf_marker(m)
+    assert m.hf_quantizer is not None and m.is_quantized and hasattr(m.config, "quantization_config")

@@ -11,7 +11,15 @@
 
 from depthsat_theory.grow.blocks import Growth, insert_blocks
 from depthsat_theory.grow.errors import GrowError, NotFunctionPreservingError
-from depthsat_theory.grow.hf import ARCHITECTURES, Architecture, Expansion, expand_layers, find_architecture, load_grown
+from depthsat_theory.grow.hf import (
+    ARCHITECTURES,
+    Architecture,
+    Expansion,
+    drop_gguf_marker,
+    expand_layers,
+    find_architecture,
+    load_grown,
+)
 from depthsat_theory.grow.optim import FirstStepPreview, preview_first_step, zero_state_param_groups
 from depthsat_theory.grow.ranking import BY_CERTIFIED, BY_POINT, RankedSite, SiteRanking, even_positions, rank_sites
 
@@ -27,6 +35,7 @@ __all__ = [
     "NotFunctionPreservingError",
     "RankedSite",
     "SiteRanking",
+    "drop_gguf_marker",
     "even_positions",
     "expand_layers",
     "find_architecture",

@@ -30,7 +30,15 @@ from torch import nn
 from depthsat_theory.grow._check import check_preserved, reference_output
 from depthsat_theory.grow.errors import GrowError
 
-__all__ = ["ARCHITECTURES", "Architecture", "Expansion", "expand_layers", "find_architecture", "load_grown"]
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "Expansion",
+    "drop_gguf_marker",
+    "expand_layers",
+    "find_architecture",
+    "load_grown",
+]
 
 
 @dataclass(frozen=True)
@@ -214,7 +222,9 @@ def expand_layers(
     Every ``layer_idx`` is renumbered (the KV cache is indexed by it), ``config.num_hidden_layers``
     and ``config.layer_types`` (where present) are updated, and the new modules and parameters are
     flagged ``_is_hf_initialized`` so that ``post_init()`` / ``from_pretrained`` do not re-randomise
-    them.  The grown model round-trips through ``save_pretrained`` / ``from_pretrained``.
+    them.  The grown model round-trips through ``save_pretrained`` / ``from_pretrained``; a model read
+    from a GGUF file (de-quantized to float by transformers, as SmolLM2 in the zoo) loses its GGUF
+    marker (:func:`drop_gguf_marker`), so that it can be trained and saved.
 
     Args:
         model: a supported Hugging Face model (:data:`ARCHITECTURES`); not modified unless ``inplace``.
@@ -270,6 +280,7 @@ def expand_layers(
     glayers.extend(new_list)
     _renumber(glayers)
     _update_config(grown.config, pos, n_layers)
+    drop_gguf_marker(grown)
     exp = Expansion(grown, arch, path, pos, new_indices)
     for j in new_indices:
         site = f"{path}.{j}"
@@ -285,6 +296,24 @@ def expand_layers(
     )
     exp.deviation, exp.tolerance = check_preserved(ref, grown, probe, why)
     return exp
+
+
+def drop_gguf_marker(model: nn.Module) -> None:
+    """Forget that a model was read from a GGUF file: its weights were de-quantized to plain float tensors.
+
+    transformers keeps a GGUF "quantizer" on such a model and refuses ``save_pretrained``; the
+    parameters are ordinary float tensors, so the model is saved as an unquantized one.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
+        return
+    hf: Any = model
+    hf.hf_quantizer = None
+    hf.is_quantized = False
+    config: Any = getattr(model, "config", None)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
 
 
 def load_grown(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:

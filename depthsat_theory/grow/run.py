@@ -475,7 +475,6 @@ def _save_pretrained(model: nn.Module, folder: Path) -> None:
     """``model.save_pretrained(folder)`` without transformers' progress bar."""
     from transformers.utils import logging as hf_logging
 
-    _drop_gguf_marker(model)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -484,24 +483,6 @@ def _save_pretrained(model: nn.Module, folder: Path) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _drop_gguf_marker(model: nn.Module) -> None:
-    """Forget that a model was read from a GGUF file: its weights were de-quantized to plain float tensors.
-
-    transformers keeps a GGUF "quantizer" on such a model and refuses ``save_pretrained``; the
-    parameters are ordinary float tensors, so the model is saved as an unquantized one.
-    """
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
-        return
-    hf: Any = model
-    hf.hf_quantizer = None
-    hf.is_quantized = False
-    config: Any = getattr(model, "config", None)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
 
 
 def check_out_dir(folder: Path) -> None:
