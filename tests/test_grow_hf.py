@@ -267,3 +267,23 @@ def test_drop_gguf_marker_only_for_gguf():
     m = fake("bitsandbytes")  # really quantized weights: left alone
     drop_gguf_marker(m)
     assert m.hf_quantizer is not None and m.is_quantized and hasattr(m.config, "quantization_config")
+
+
+def test_insert_blocks_into_llama_sequence_site():
+    """insert_blocks on a Hugging Face decoder layer: sequence layout inferred, b = Σ_t g_t (z_t, 1)ᵀ (T1)."""
+    from depthsat_theory.grow import insert_blocks
+    from depthsat_theory.vocabulary import Layout
+
+    torch.manual_seed(0)
+    model = _llama().double()
+    ids = _ids(t=9)
+    z, g = _grad_at_layer_output(model, model.model.layers[1], ids)
+    growth = insert_blocks(model, {"model.layers.1": "linear"}, probe={"input_ids": ids})
+    assert growth.layouts["model.layers.1"] == Layout.SEQUENCE and growth.shapes["model.layers.1"] == (9, 32)
+    assert growth.deviation == 0.0
+    w, c = growth.tangent_params()["model.layers.1"]
+    loss = growth.model(input_ids=ids, labels=ids).loss
+    gw, gc = torch.autograd.grad(loss, [w, c])
+    fz, fg = z.reshape(-1, 32), g.reshape(-1, 32)
+    torch.testing.assert_close(gw, fg.T @ fz, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(gc, fg.sum(0), rtol=1e-9, atol=1e-13)
