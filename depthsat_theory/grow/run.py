@@ -264,6 +264,7 @@ def _trainer_loop(
             optimizers=(opt, None),
             compute_loss_func=lambda outputs, labels, num_items_in_batch=None: loss_fn(outputs, labels).mean(),
         )
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # the report has the losses
         trainer.train()
     model.eval()
     return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
