@@ -287,3 +287,27 @@ def test_insert_blocks_into_llama_sequence_site():
     fz, fg = z.reshape(-1, 32), g.reshape(-1, 32)
     torch.testing.assert_close(gw, fg.T @ fz, rtol=1e-9, atol=1e-13)
     torch.testing.assert_close(gc, fg.sum(0), rtol=1e-9, atol=1e-13)
+
+
+def test_zeroed_maps_gradient_is_b_gpt2():
+    """GPT-2 (Conv1D: W is (in, out)): ∂J/∂W_c_proj = Σ_t φ_t g_tᵀ, ∂J/∂bias = Σ_t g_t; the rest of the copy: 0."""
+    torch.manual_seed(0)
+    model = _gpt2().double()
+    ids = _ids(t=9)
+    x, g = _grad_at_layer_output(model, model.transformer.h[1], ids)
+    exp = expand_layers(model, [1])
+    new = exp.model.transformer.h[2]
+    out = exp.model(input_ids=ids, labels=ids)
+    params = dict(new.named_parameters())
+    grads = dict(zip(params, torch.autograd.grad(out.loss, list(params.values())), strict=True))
+    with torch.no_grad():  # the copy's MLP features on the original stream (its attention adds 0)
+        phi = new.mlp.act(new.mlp.c_fc(new.ln_2(x)))
+    fg = g.reshape(-1, 32)
+    torch.testing.assert_close(grads["mlp.c_proj.weight"], phi.reshape(-1, phi.shape[-1]).T @ fg, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(grads["mlp.c_proj.bias"], fg.sum(0), rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(grads["attn.c_proj.bias"], fg.sum(0), rtol=1e-9, atol=1e-13)
+    zeroed = {"mlp.c_proj.weight", "mlp.c_proj.bias", "attn.c_proj.weight", "attn.c_proj.bias"}
+    assert float(grads["attn.c_proj.weight"].abs().max()) > 0
+    for name, gr in grads.items():
+        if name not in zeroed:
+            assert float(gr.abs().max()) == 0.0, name
