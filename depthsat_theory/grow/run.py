@@ -291,7 +291,7 @@ def _train(
             p.requires_grad_(flag)
 
 
-def _pick(diagnosis: Any, ranking: Any, sites: list[str], positions: list[int] | str, blocks: int) -> list[str]:
+def _pick(ranking: Any, sites: list[str], positions: list[int] | str, blocks: int) -> list[str]:
     if positions == "auto":
         top = set(ranking.top(blocks))
         return [s for s in sites if s in top]
@@ -380,7 +380,7 @@ def grow(
     diagnosis = diagnose(model, loss_fn, batches, sites=sites, family=diag_family, layout=layout, **kw)
     lap("diagnose")
     ranking = rank_sites(diagnosis)
-    chosen = _pick(diagnosis, ranking, sites, pos, blocks)
+    chosen = _pick(ranking, sites, pos, blocks)
     probe = unpack_batch(batches[0])[0]
     method, fam_name, res = _grow_model(model, chosen, family, probe, layout)
     grown = res.model
