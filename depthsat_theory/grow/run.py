@@ -316,7 +316,7 @@ def grow(
     loss_fn: Callable,
     batches: Sequence,
     *,
-    sites: list[str],
+    sites: list[str] | None,
     blocks: int,
     family: str | None = None,
     positions: str = "auto",
@@ -339,7 +339,7 @@ def grow(
         loss_fn: per-example loss ``loss_fn(output, targets) -> (B,)``.
         batches: probe batches (``(inputs, targets)`` or Hugging Face mappings); the first is the
             function-preservation and preview batch, and training cycles through them.
-        sites: the candidate sites in depth order.
+        sites: the candidate sites in depth order (``None``: :func:`~depthsat_theory.diagnose.discover_sites`).
         blocks: how many blocks to insert (``K``).
         family: the inserted family's spec (``None``: layer copies where possible, else ``linear``).
         positions: ``auto`` (ranked, :func:`~depthsat_theory.grow.rank_sites`), ``even`` or ``i,j``.
@@ -361,8 +361,10 @@ def grow(
         FamilyError: a family that does not fit a chosen site.
         NotFunctionPreservingError: the growth moved the output.
     """
-    from depthsat_theory.diagnose import diagnose
+    from depthsat_theory.diagnose import diagnose, discover_sites
 
+    if sites is None:
+        sites = discover_sites(model, unpack_batch(batches[0])[0])
     if train_steps < 0:
         raise GrowError(f"--train-steps must be >= 0, got {train_steps}")
     if not lr > 0:
