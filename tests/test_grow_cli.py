@@ -148,3 +148,14 @@ def test_grow_smollm2_offline(tmp_path, monkeypatch):
     with torch.no_grad():
         loss = float(zm.loss_fn(back(**x), y).mean())
     assert loss == pytest.approx(rep["loss_after"], rel=1e-5)
+
+
+def test_grow_delta_vacuous_falls_back_to_point(tmp_path):
+    """512 digits cannot make the 4160-parameter linear family's intervals non-vacuous: ranked by the point estimate."""
+    out = tmp_path / "g"
+    res = _grow("--blocks", "1", "--delta", "0.05", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    ranking = json.loads((out / "grow-report.json").read_text())["ranking"]
+    assert ranking["by"] == "point estimate of s/AG_rms" and "vacuous" in ranking["reason"]
+    keys = [r["key"] for r in ranking["sites"]]
+    assert keys == sorted(keys, reverse=True) and keys == [r["relative_score"] for r in ranking["sites"]]
