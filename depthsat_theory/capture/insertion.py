@@ -6,7 +6,7 @@
 - :class:`Insertion`: one family inserted at one site of a model on a probe batch, with the
   T1 gradient check (autograd's gradient of the inserted block against the statistics' ``b``,
   theory label ``thm-gradient``) and the first-step slope of a zero-state update measured by
-  Richardson extrapolation (``thm-iff``, ``thm-updates``).  Shared by the theorem checker
+  Richardson extrapolation (``thm-iff``, ``thm-update-invariance``).  Shared by the theorem checker
   (:mod:`depthsat_theory.check`), :func:`depthsat_theory.audit.audit_model` and ``proofs_checks``.
 """
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_function_preserving",
     "first_output",
     "insert_block",
+    "insert_block_in_place",
     "output_deviation",
 ]
 
@@ -126,11 +127,34 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
     Raises:
         SiteError: if ``site`` does not exist or is the model itself.
     """
-    base, occ = parse_site(site)
+    base, _ = parse_site(site)
     resolve_module(model, base)
     if base == "":
         raise SiteError("cannot insert after the whole model; name a submodule")
     new = copy.deepcopy(model, _detached_memo(model))
+    return new, insert_block_in_place(new, site, block, output_key=output_key)
+
+
+def insert_block_in_place(model: nn.Module, site: str, block: nn.Module, *, output_key=None) -> nn.Module:
+    """Insert ``block`` after ``site`` in ``model`` itself (as :func:`insert_block`, without the copy).
+
+    Args:
+        model: the model to modify.
+        site: a module name, or ``"name#k"`` (as for :func:`insert_block`).
+        block: the residual block ``h`` (``z ↦ z + h(z)``).
+        output_key: where the site tensor is in a structured output (as in :class:`SiteRecorder`).
+
+    Returns:
+        The inserted block.
+
+    Raises:
+        SiteError: if ``site`` does not exist or is the model itself.
+    """
+    new = model
+    base, occ = parse_site(site)
+    resolve_module(new, base)
+    if base == "":
+        raise SiteError("cannot insert after the whole model; name a submodule")
     parent_name, _, child = base.rpartition(".")
     parent = resolve_module(new, parent_name) if parent_name else new
     old = parent.get_submodule(child)
@@ -142,7 +166,7 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
         setattr(parent, child, wrapped)
     if occ is not None:
         new.register_forward_pre_hook(wrapped.reset_calls)
-    return new, wrapped.block
+    return wrapped.block
 
 
 def _match_site(block: nn.Module, site: nn.Module, model: nn.Module) -> None:

@@ -366,6 +366,75 @@ def diagnose_cmd(
         render.print_diagnosis(res, written)
 
 
+# ----------------------------------------------------------------------------- grow
+@app.command("grow")
+def grow_cmd(
+    model: str = typer.Option(
+        ...,
+        "--model",
+        help="Model: mlp, cnn, gpt (trained here, cached), a zoo name, hf:PATH (a local Hugging Face causal LM "
+        "checkpoint folder) or package.module:attr (a factory returning (model, loss_fn, batches)).",
+    ),
+    blocks: int = typer.Option(..., "--blocks", help="Number of blocks K to insert."),
+    out: Path = typer.Option(..., "--out", help="New or empty folder for the grown model and grow-report.json."),
+    family: str | None = typer.Option(
+        None,
+        "--family",
+        help="Family of the inserted blocks (default: zero-output layer copies for Llama/GPT-2, else linear).",
+    ),
+    positions: str = typer.Option("auto", "--positions", help="auto (ranked), even, or site indices i,j."),
+    delta: float | None = typer.Option(None, "--delta", help="Rank by certified lower ends of (1-δ) intervals."),
+    train_steps: int = typer.Option(0, "--train-steps", help="Adam steps on the probe batches after growth."),
+    freeze_old: bool = typer.Option(False, "--freeze-old", help="Train only the new blocks (LLaMA-Pro)."),
+    lr: float = typer.Option(1e-4, "--lr", help="Learning rate of the first-step preview and of training."),
+    n_batches: int | None = typer.Option(None, "--batches", help="Probe batches (default: the whole probe set)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per probe batch."),
+    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe/training seed of zoo models."),
+    text: Path | None = typer.Option(
+        None, "--text", help="hf:PATH only: probe text file, one window per 4 consecutive lines (default: the KJV)."
+    ),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+) -> None:
+    """Diagnose, pick K sites, insert zero-output blocks there, preview the first step, train, write."""
+    from depthsat_theory.capture import NotFunctionPreservingError, SiteError
+    from depthsat_theory.diagnose import DiagnoseError
+    from depthsat_theory.grow import GrowError
+    from depthsat_theory.grow.run import check_out_dir, grow, write_grown
+
+    try:
+        check_out_dir(out)
+        if family is not None:
+            parse_family(family)
+        target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
+        rep = grow(
+            target.model,
+            target.loss_fn,
+            target.batches,
+            sites=target.sites,
+            blocks=blocks,
+            family=family,
+            positions=positions,
+            train_steps=train_steps,
+            freeze_old=freeze_old,
+            lr=lr,
+            layout=target.layout,
+            diagnose_kwargs={**target.extra, "delta": delta},
+            description=target.description,
+        )
+        written = write_grown(rep, out)
+    except (
+        UserError,
+        GrowError,
+        DiagnoseError,
+        FamilyError,
+        StatisticsError,
+        SiteError,
+        NotFunctionPreservingError,
+    ) as exc:
+        render.fail(exc)
+    render.print_grow(rep.to_dict(), written)
+
+
 # ----------------------------------------------------------------------------- proofs
 @app.command()
 def proofs(

@@ -25,6 +25,7 @@ __all__ = [
     "print_bound",
     "print_check_summary",
     "print_diagnosis",
+    "print_grow",
     "print_json",
     "print_score",
     "progress",
@@ -195,3 +196,34 @@ def print_diagnosis(res: Any, written: list[Path]) -> None:
         out.print(f"resumed from checkpoint after {res.resumed_from} batches", markup=False)
     for p in written:
         out.print(f"wrote {p}", markup=False, highlight=False)
+
+
+def print_grow(rep: dict, written: list[Path]) -> None:
+    """The sites chosen, the first step's predicted and observed change, the loss before/after, the files."""
+    t = Table(title=f"depthsat grow: {rep['description']}, {rep['method']} ({rep['family']})")
+    for c in ("site", "depth", "s/AG_rms", "verdict", "why"):
+        t.add_column(c, justify="left" if c in ("site", "verdict", "why") else "right")
+    for row in rep["chosen"]:
+        t.add_row(row["site"], str(row["depth"]), _cell(row["relative_score"]), str(row["verdict"]), row["why"])
+    console.print(t)
+    fs = rep["first_step"]
+    units = rep["loss_units"]
+    console.print(
+        f"new sites: {', '.join(rep['new_sites'])} ({rep['new_parameters']} parameters); "
+        f"output deviation {_cell(rep['deviation'])} (tolerance {_cell(rep['tolerance'])})",
+        markup=False,
+        highlight=False,
+    )
+    console.print(
+        f"first Adam step (lr {fs['lr']:g}): predicted {_cell(fs['predicted_change'])}, "
+        f"observed {_cell(fs['observed_change'])} ({units})",
+        markup=False,
+        highlight=False,
+    )
+    after = "not trained" if rep["loss_after"] is None else _cell(rep["loss_after"])
+    steps = len(rep["train_losses"])
+    console.print(
+        f"probe loss: before {_cell(rep['loss_before'])}, after {steps} steps {after}", markup=False, highlight=False
+    )
+    for p in written:
+        console.print(f"wrote {p}", markup=False, highlight=False)

@@ -1,0 +1,313 @@
+"""expand_layers on tiny random Hugging Face models built from configs (Llama, Qwen2, GPT-2, BERT), offline.
+
+Independent truths: the original model's logits and greedy tokens; the gradient of the zeroed
+``o_proj``/``down_proj`` against a dense reference built from the *original* model's activation
+gradient at layer ``i`` (``∂W J = Σ_t g_t ⊗ φ_t``, T1) and features computed from the copied
+layer's own modules; exact zeros for every other parameter of the copy (T5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from depthsat_theory.grow import (  # noqa: E402
+    GrowError,
+    NotFunctionPreservingError,
+    expand_layers,
+    find_architecture,
+    load_grown,
+)
+
+V = 101
+
+
+def _llama(**kw):
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        **kw,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _gpt2(**kw):
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64, **kw)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _bert(cls=None):
+    cfg = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=V
+    )
+    return (cls or transformers.BertModel)(cfg).eval()
+
+
+def _ids(seed=1, b=2, t=7):
+    return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _out(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_expand_decoder_roundtrip_and_cache(make, tmp_path):
+    torch.manual_seed(0)
+    model = make()
+    ids = _ids()
+    ref = _out(model, ids)
+    exp = expand_layers(model, [1, 0])
+    grown = exp.model
+    assert exp.positions == [0, 1] and exp.new_indices == [1, 3] and exp.deviation == 0.0
+    assert grown.config.num_hidden_layers == 4 and model.config.num_hidden_layers == 2
+    layers = grown.get_submodule(exp.layer_list)
+    assert len(layers) == 4 and len(model.get_submodule(exp.layer_list)) == 2
+    for i, layer in enumerate(layers):
+        idx = [m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        assert idx and set(idx) == {i}
+    for names in exp.zeroed.values():
+        assert names and all(float(grown.get_parameter(n).abs().max()) == 0.0 for n in names)
+    assert torch.equal(_out(grown, ids), ref)
+    grown.post_init()  # must not re-randomise the zeroed copies
+    grown.init_weights()
+    assert torch.equal(_out(grown, ids), ref)
+    grown.save_pretrained(tmp_path)
+    back = load_grown(tmp_path)
+    assert back.config.num_hidden_layers == 4
+    assert torch.equal(_out(back, ids), ref)
+    prompt = ids[:1, :3]
+    kw = dict(max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    want = model.generate(prompt, **kw)
+    assert torch.equal(grown.generate(prompt, **kw), want)
+    assert torch.equal(back.generate(prompt, **kw), want)
+
+
+def test_expand_updates_layer_types():
+    cfg = transformers.Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        use_sliding_window=True,
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    exp = expand_layers(model, [1])
+    assert exp.model.config.layer_types == [
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
+    assert exp.model.config.num_hidden_layers == 4
+    ids = _ids(t=9)
+    assert torch.equal(_out(exp.model, ids), _out(model, ids))
+
+
+def _grad_at_layer_output(model, layer, ids):
+    """Original model: the layer's output x and g = ∂J/∂x, J the mean next-token cross-entropy."""
+    store = {}
+
+    def hook(_m, _i, out):
+        t = out[0] if isinstance(out, tuple) else out
+        t.retain_grad()
+        store["x"] = t
+
+    h = layer.register_forward_hook(hook)
+    out = model(input_ids=ids, labels=ids)
+    h.remove()
+    out.loss.backward()
+    model.zero_grad()
+    return store["x"].detach(), store["x"].grad.detach()
+
+
+def test_zeroed_maps_gradient_is_b_llama():
+    """T1/T5: ∂J/∂W_down = Σ_t g_t φ_tᵀ and ∂J/∂W_o = Σ_t g_t c_tᵀ; every other new parameter has zero gradient."""
+    torch.manual_seed(0)
+    model = _llama().double()
+    ids = _ids(t=9)
+    x, g = _grad_at_layer_output(model, model.model.layers[0], ids)
+    exp = expand_layers(model, [0])
+    new = exp.model.model.layers[1]
+    ctx = {}
+
+    def keep_input(_m, inp, _out):
+        ctx["c"] = inp[0].detach()  # (returns None: the output is not replaced)
+
+    h = new.self_attn.o_proj.register_forward_hook(keep_input)
+    out = exp.model(input_ids=ids, labels=ids)
+    h.remove()
+    params = dict(new.named_parameters())
+    grads = dict(zip(params, torch.autograd.grad(out.loss, list(params.values())), strict=True))
+    mlp = new.mlp
+    with torch.no_grad():  # the copy's features on the original stream (the copy's attention adds 0)
+        u = new.post_attention_layernorm(x)
+        phi = mlp.act_fn(mlp.gate_proj(u)) * mlp.up_proj(u)
+    flat_g = g.reshape(-1, g.shape[-1])
+    want_down = flat_g.T @ phi.reshape(-1, phi.shape[-1])
+    want_o = flat_g.T @ ctx["c"].reshape(-1, ctx["c"].shape[-1])
+    torch.testing.assert_close(grads["mlp.down_proj.weight"], want_down, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(grads["self_attn.o_proj.weight"], want_o, rtol=1e-9, atol=1e-13)
+    assert float(want_down.abs().max()) > 1e-6 and float(want_o.abs().max()) > 1e-6
+    for name, gr in grads.items():
+        if name not in ("mlp.down_proj.weight", "self_attn.o_proj.weight"):
+            assert float(gr.abs().max()) == 0.0, name
+
+
+def test_bert_fresh_preserved_trained_like_refused():
+    torch.manual_seed(0)
+    model = _bert()
+    exp = expand_layers(model, [0])  # fresh LayerNorms (γ = 1, β = 0): LN is idempotent up to rounding
+    assert exp.model.config.num_hidden_layers == 3 and exp.deviation <= exp.tolerance
+    wrapped = _bert(transformers.BertForSequenceClassification)
+    assert find_architecture(wrapped)[1] == "bert.encoder.layer"
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            for ln in (layer.attention.output.LayerNorm, layer.output.LayerNorm):
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.normal_(0, 0.3)
+    with pytest.raises(NotFunctionPreservingError, match=r"post-LN.*LN\(LN\(x\)\) != x.*insert_blocks"):
+        expand_layers(model, [0])
+
+
+def test_expand_bad_input(tmp_path):
+    model = _llama()
+    with pytest.raises(GrowError, match=r"position 2 is outside the layer list: valid original indices are 0\.\.1"):
+        expand_layers(model, [2])
+    with pytest.raises(GrowError, match="repeat"):
+        expand_layers(model, [0, 0])
+    with pytest.raises(GrowError, match="unknown init"):
+        expand_layers(model, [0], init="random")
+    with pytest.raises(
+        GrowError, match=r"does not support Sequential \(supported: Llama-like.*GPT-2.*BERT.*insert_blocks"
+    ):
+        expand_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), [0])
+    with pytest.raises(GrowError, match="scale_attn_by_inverse_layer_idx"):
+        expand_layers(_gpt2(scale_attn_by_inverse_layer_idx=True), [0])
+    assert model.config.num_hidden_layers == 2 and len(model.model.layers) == 2
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(GrowError, match=r"not a model folder \(no config\.json\)"):
+        load_grown(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(GrowError, match=r"no \*\.safetensors weights"):
+        load_grown(tmp_path)
+    with pytest.raises(GrowError, match="not a folder"):
+        load_grown(tmp_path / "notes.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "notes.txt"]  # nothing written
+
+
+@pytest.mark.parametrize("freeze_old", [False, True])
+def test_grow_pipeline_trains_with_trainer(freeze_old):
+    """grow() on a tiny Llama: layer copies, transformers.Trainer from zero state, the old weights frozen or not."""
+    from depthsat_theory.grow.run import grow
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _llama()
+    ids = _ids(b=3, t=10)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+    with torch.no_grad():
+        j0 = float(token_loss_masked(model(**batch[0]), labels).mean())
+    rep = grow(
+        model,
+        token_loss_masked,
+        [batch],
+        sites=None if freeze_old else ["model.layers.0", "model.layers.1"],  # None: discovered
+        blocks=1,
+        positions="1",
+        train_steps=3,
+        freeze_old=freeze_old,
+        lr=1e-3,
+    )
+    assert rep.method == "expand_layers" and rep.trainer == "transformers.Trainer"
+    assert rep.new_sites == ["model.layers.2"] and rep.deviation == 0.0
+    assert rep.loss_before == pytest.approx(j0, rel=1e-6)
+    assert len(rep.train_losses) == 3 and rep.train_losses[0] == pytest.approx(j0, rel=1e-5)
+    assert rep.first_step["j0"] == pytest.approx(j0, rel=1e-6) and rep.first_step["predicted_change"] < 0
+    assert rep.loss_after < rep.loss_before
+    grown = rep.model
+    same = [
+        torch.equal(p, grown.get_parameter(n)) for n, p in model.named_parameters() if n.startswith("model.layers.0")
+    ]
+    assert all(same) if freeze_old else not all(same)
+    assert all(p.requires_grad for p in grown.parameters())  # flags restored after training
+    new_down = grown.model.layers[2].mlp.down_proj.weight
+    assert float(new_down.detach().abs().max()) > 0  # the zeroed map moved
+
+
+def test_drop_gguf_marker_only_for_gguf():
+    from types import SimpleNamespace
+
+    from depthsat_theory.grow import drop_gguf_marker
+
+    def fake(method):
+        cfg = SimpleNamespace(quantization_config={"quant_method": method})
+        q = SimpleNamespace(quantization_config=SimpleNamespace(quant_method=method))
+        return SimpleNamespace(hf_quantizer=q, is_quantized=True, config=cfg)
+
+    m = fake("gguf")
+    drop_gguf_marker(m)
+    assert m.hf_quantizer is None and m.is_quantized is False and not hasattr(m.config, "quantization_config")
+    m = fake("bitsandbytes")  # really quantized weights: left alone
+    drop_gguf_marker(m)
+    assert m.hf_quantizer is not None and m.is_quantized and hasattr(m.config, "quantization_config")
+
+
+def test_insert_blocks_into_llama_sequence_site():
+    """insert_blocks on a Hugging Face decoder layer: sequence layout inferred, b = Σ_t g_t (z_t, 1)ᵀ (T1)."""
+    from depthsat_theory.grow import insert_blocks
+    from depthsat_theory.vocabulary import Layout
+
+    torch.manual_seed(0)
+    model = _llama().double()
+    ids = _ids(t=9)
+    z, g = _grad_at_layer_output(model, model.model.layers[1], ids)
+    growth = insert_blocks(model, {"model.layers.1": "linear"}, probe={"input_ids": ids})
+    assert growth.layouts["model.layers.1"] == Layout.SEQUENCE and growth.shapes["model.layers.1"] == (9, 32)
+    assert growth.deviation == 0.0
+    w, c = growth.tangent_params()["model.layers.1"]
+    loss = growth.model(input_ids=ids, labels=ids).loss
+    gw, gc = torch.autograd.grad(loss, [w, c])
+    fz, fg = z.reshape(-1, 32), g.reshape(-1, 32)
+    torch.testing.assert_close(gw, fg.T @ fz, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(gc, fg.sum(0), rtol=1e-9, atol=1e-13)
+
+
+def test_zeroed_maps_gradient_is_b_gpt2():
+    """GPT-2 (Conv1D: W is (in, out)): ∂J/∂W_c_proj = Σ_t φ_t g_tᵀ, ∂J/∂bias = Σ_t g_t; the rest of the copy: 0."""
+    torch.manual_seed(0)
+    model = _gpt2().double()
+    ids = _ids(t=9)
+    x, g = _grad_at_layer_output(model, model.transformer.h[1], ids)
+    exp = expand_layers(model, [1])
+    new = exp.model.transformer.h[2]
+    out = exp.model(input_ids=ids, labels=ids)
+    params = dict(new.named_parameters())
+    grads = dict(zip(params, torch.autograd.grad(out.loss, list(params.values())), strict=True))
+    with torch.no_grad():  # the copy's MLP features on the original stream (its attention adds 0)
+        phi = new.mlp.act(new.mlp.c_fc(new.ln_2(x)))
+    fg = g.reshape(-1, 32)
+    torch.testing.assert_close(grads["mlp.c_proj.weight"], phi.reshape(-1, phi.shape[-1]).T @ fg, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(grads["mlp.c_proj.bias"], fg.sum(0), rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(grads["attn.c_proj.bias"], fg.sum(0), rtol=1e-9, atol=1e-13)
+    zeroed = {"mlp.c_proj.weight", "mlp.c_proj.bias", "attn.c_proj.weight", "attn.c_proj.bias"}
+    assert float(grads["attn.c_proj.weight"].abs().max()) > 0
+    for name, gr in grads.items():
+        if name not in zeroed:
+            assert float(gr.abs().max()) == 0.0, name
