@@ -159,3 +159,26 @@ def test_grow_delta_vacuous_falls_back_to_point(tmp_path):
     assert ranking["by"] == "point estimate of s/AG_rms" and "vacuous" in ranking["reason"]
     keys = [r["key"] for r in ranking["sites"]]
     assert keys == sorted(keys, reverse=True) and keys == [r["relative_score"] for r in ranking["sites"]]
+
+
+def test_grow_hf_checkpoint_folder(tmp_path):
+    """``grow --model hf:DIR``: a saved tiny Llama grown by a layer copy; the reloaded grown model's
+    logits equal the original's on the report's probe text (function preservation, independently)."""
+    import transformers
+
+    from tiny_hf import VERSES, char_tokenizer, save_checkpoint, tiny_causal_lm
+
+    model = tiny_causal_lm("llama")
+    save_checkpoint(model, tmp_path / "ckpt")
+    (tmp_path / "probe.txt").write_text("\n".join(VERSES) + "\n")
+    out = tmp_path / "grown"
+    argv = ["grow", "--model", f"hf:{tmp_path / 'ckpt'}", "--text", str(tmp_path / "probe.txt"), "--blocks", "1"]
+    res = runner.invoke(app, [*argv, "--positions", "0", "--batches", "1", "--batch-size", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "grow-report.json").read_text())
+    assert rep["method"] == "expand_layers" and rep["deviation"] == 0.0
+    grown = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert grown.config.num_hidden_layers == 3
+    ids = torch.tensor([char_tokenizer()(VERSES[0])["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(grown(ids).logits, model(ids).logits)
