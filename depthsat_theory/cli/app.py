@@ -300,6 +300,12 @@ def diagnose_cmd(
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Save partial statistics here; resume from it."),
     checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Batches between checkpoint writes."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    beta: float | None = typer.Option(
+        None, "--beta", help="Smoothness β of the loss in the added field: report the guaranteed decrease s²/(2β)."
+    ),
+    second_order: bool = typer.Option(
+        False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -328,6 +334,8 @@ def diagnose_cmd(
                 checkpoint_every=checkpoint_every,
                 config={"model": model, "seed": seed, "batch_size": batch_size},
                 progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+                beta=beta,
+                second_order=second_order,
                 **target.extra,
             )
         written: list[Path] = []

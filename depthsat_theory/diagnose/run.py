@@ -59,6 +59,7 @@ from depthsat_theory.capture import (
 )
 from depthsat_theory.capture.probe import batch_size
 from depthsat_theory.diagnose import distributed as _dist
+from depthsat_theory.diagnose.beyond import Beyond, default_epsilon, site_betas
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
     LOSS_KEY,
@@ -124,6 +125,9 @@ def diagnose(
     batchnorm: str = "error",
     loss_units: str = "nats per example",
     batch_dim: int | dict | None = None,
+    beta: float | Mapping[str, float] | None = None,
+    second_order: bool = False,
+    kinks: bool = True,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -195,6 +199,15 @@ def diagnose(
             needs a declaration), ``0`` (batch-first), ``1``
             (sequence-first ``(T, B, d)``, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``)
             or ``{site: dim}`` (:mod:`depthsat_theory.capture.batchdim`).
+        beta: the smoothness ``β`` of the loss in the added field (one for every site or
+            ``{site: β}``; e.g. :func:`~depthsat_theory.statistics.decrease.cross_entropy_smoothness`
+            at a site feeding a linear cross-entropy head): each site then reports the guaranteed
+            decrease ``s²/(2β)`` in loss units (``thm-guaranteed-decrease``), and with ``delta``
+            the ``ε`` of "certified ε-saturated" defaults to ``sqrt(2 β · 10⁻³)`` (``10⁻³`` nats).
+        second_order: also stream the cross block of the Hessian and report the saddle score
+            (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``).
+        kinks: count exact ties at kinks after each site (``thm-gradient``); a positive count makes
+            the verdict ``undetermined``.  Not counted in resumed or sharded runs.
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -225,6 +238,7 @@ def diagnose(
         total = len(batches)
     first, probe = _peek(batches)
     site_list = _resolve_sites(model, sites, first)
+    betas = site_betas(beta, site_list)
     run = _Run(
         model=model,
         family=fam,
@@ -235,6 +249,8 @@ def diagnose(
         probe_options=dict(
             reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm, batch_dim=batch_dim
         ),
+        beyond=Beyond(model, site_list, fam, kinks=kinks, second_order=second_order),
+        betas=betas,
     )
     run.open_checkpoint(checkpoint, config)
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
@@ -372,6 +388,8 @@ class _Run:
     stored_probe: dict | None = None
     stream_fp: ProbeStream | None = None
     shapes_checked: bool = True
+    beyond: Beyond | None = None
+    betas: dict = field(default_factory=dict)
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -520,23 +538,26 @@ class _Run:
             start,
             self._verify_stream if self.stored_probe is not None else None,
         )
+        beyond = self.beyond or Beyond(self.model, self.sites, self.family, kinks=False, second_order=False)
         loop = probe_batches(
             self.model,
             self.sites,
             counted,
-            loss_fn,
+            beyond.wrap_loss(loss_fn),
             select=lambda i: i >= start and i % world == rank,
             **self.probe_options,
         )
         done = 0
         try:
-            for pb in loop:
-                self._add(pb)
-                done += 1
-                if done % every == 0:
-                    self.save(pb.index + 1, False)
-                if progress is not None:
-                    progress(done, todo)
+            with beyond.context():
+                for pb in loop:
+                    self._add(pb)
+                    beyond.add(pb, self.layouts)
+                    done += 1
+                    if done % every == 0:
+                        self.save(pb.index + 1, False)
+                    if progress is not None:
+                        progress(done, todo)
         except SiteError:
             raise
         except ValueError as exc:
@@ -572,8 +593,11 @@ class _Run:
         out = []
         for depth, s in enumerate(self.sites):
             res = self.stats[s].result()
-            iv = self.stats[s].interval(self.delta, **bk) if self.delta is not None else None
+            kw = default_epsilon(bk, self.betas.get(s))
+            iv = self.stats[s].interval(self.delta, **kw) if self.delta is not None else None
             out.append(SiteDiagnosis(s, depth, self.layouts[s], self.shapes[s], res, iv))
+        if self.beyond is not None:
+            self.beyond.finish(out, self.betas, counted=self.start == 0 and _dist.world()[1] == 1)
         return Diagnosis(
             sites=out,
             family=self.family.spec,
