@@ -24,6 +24,8 @@ Claims (theory/gradient.md, decrease.md, second-order.md, joint.md):
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import sympy as sp
 import torch
@@ -32,8 +34,8 @@ from torch import nn
 
 from depthsat_theory.capture import accumulate
 from depthsat_theory.capture.kinks import KinkCounter
-from depthsat_theory.families import parse_family
-from depthsat_theory.statistics import statistics_for
+from depthsat_theory.families import FeatureFamily, parse_family
+from depthsat_theory.statistics import FeatureStatistics, statistics_for
 from depthsat_theory.statistics.decrease import cross_entropy_smoothness, guaranteed_decrease
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.tasks import ResidualMLP, classification_loss
@@ -170,7 +172,7 @@ def _ce_instance(gen: torch.Generator) -> tuple[int, float]:
     "numeric",
 )
 def decrease_ce(ctx: Context) -> Outcome:
-    """Cross-entropy heads: curvature ≤ ½‖W‖², the step −Πg/β removes ≥ s²/(2β), no field removes more than sr + βr²/2."""
+    """CE heads: curvature ≤ ½‖W‖², the step −Πg/β removes ≥ s²/(2β), no field removes more than sr + βr²/2."""
     gen = ctx.torch_generator("decrease-ce")
     count = ctx.count(12, 4)
     bad, worst = 0, 0.0
@@ -211,7 +213,7 @@ def saddle_example(ctx: Context) -> Outcome:
 
 def _example_cross_stats() -> CrossBlockStatistics:
     """The numeric engine's cross block on ex-saddle (feature relu(u + β), a = 1, β = 0)."""
-    stats = CrossBlockStatistics(parse_family("relu:1"), (1,), "vector")
+    stats = CrossBlockStatistics(cast(FeatureFamily, parse_family("relu:1")), (1,), "vector")
     stats.weight = torch.ones(1, 1, dtype=torch.float64)
     stats.bias = torch.zeros(1, dtype=torch.float64)
     z = torch.tensor(_U, dtype=torch.float64).reshape(4, 1)
@@ -274,7 +276,7 @@ def saddle_dense(ctx: Context) -> Outcome:
         n, d, k = 30, 3, 4
         z = torch.randn(n, d, generator=gen, dtype=torch.float64)
         g = torch.randn(n, d, generator=gen, dtype=torch.float64)
-        stats = CrossBlockStatistics(parse_family(f"relu:{k}"), (d,), "vector")
+        stats = CrossBlockStatistics(cast(FeatureFamily, parse_family(f"relu:{k}")), (d,), "vector")
         stats.update(z, g)
         dense = _dense_cross_block(z, g, stats.weight, stats.bias)
         dev = max(dev, float((dense - torch.from_numpy(stats.cross_block())).abs().max()))
@@ -288,7 +290,7 @@ def saddle_dense(ctx: Context) -> Outcome:
             mat[:, :, j, :] = np.einsum("de,m->dme", blocks[j], half[j])
         dense_sigma = np.linalg.norm(mat.reshape(d * (k + 1), k * (d + 1)), 2)
         stream_sigma = stats.result().saddle_score
-        bad += int(abs(dense_sigma - stream_sigma) > 1e-9 * max(1.0, dense_sigma))
+        bad += int(abs(float(dense_sigma) - stream_sigma) > 1e-9 * max(1.0, float(dense_sigma)))
     bad += int(dev > 1e-12)
     return Outcome(count, bad, detail=f"max |C_stream − C_dense| = {dev:.1e}")
 
@@ -309,7 +311,9 @@ def _joint_instance(gen: torch.Generator, ctx_seed: int) -> tuple[int, float]:
     params = {s: torch.zeros(5, 6, dtype=torch.float64, requires_grad=True) for s in sites}
     handles = [
         model.get_submodule(s).register_forward_hook(
-            lambda _m, _a, out, s=s: out + torch.cat([out, torch.ones(out.shape[0], 1, dtype=out.dtype)], 1) @ params[s].T
+            lambda _m, _a, out, s=s: (
+                out + torch.cat([out, torch.ones(out.shape[0], 1, dtype=out.dtype)], 1) @ params[s].T
+            )
         )
         for s in sites
     ]
@@ -328,7 +332,7 @@ def _joint_instance(gen: torch.Generator, ctx_seed: int) -> tuple[int, float]:
     # joint score over the block-diagonal Gram, from the joint gradient directly
     joint2 = 0.0
     for s, gr in zip(sites, grads, strict=True):
-        sig = np.asarray(stats[s].feature_gram(), dtype=np.float64)
+        sig = np.asarray(cast(FeatureStatistics, stats[s]).feature_gram(), dtype=np.float64)
         gm = gr.detach().numpy()
         joint2 += float(np.trace(gm @ np.linalg.pinv(sig) @ gm.T))
     target = float(np.sqrt(sum(r.score**2 for r in res.values())))

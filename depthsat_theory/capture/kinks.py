@@ -155,7 +155,8 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None) -> int:
 
     Args:
         func: the called torch function (e.g. ``torch.nn.functional.relu``).
-        args, kwargs: its arguments; ``args[0]`` is the tensor tested.
+        args: its positional arguments; ``args[0]`` is the tensor tested.
+        kwargs: its keyword arguments.
 
     Returns:
         The count of exact ties (``relu``/``leaky_relu``/``abs`` at ``0``, ``hardtanh``/``clamp``

@@ -2,10 +2,12 @@
 
 - kink ties downstream of each site (:class:`~depthsat_theory.capture.kinks.KinkCounter`,
   ``thm-gradient``): a positive count makes the verdict ``undetermined``;
-- the saddle score of the cross block (:class:`~depthsat_theory.statistics.secondorder.CrossBlockStatistics`,
-  ``thm-strict-saddle``) with ``second_order=True``;
+- the saddle score of the cross block
+  (:class:`~depthsat_theory.statistics.secondorder.CrossBlockStatistics`, ``thm-strict-saddle``)
+  with ``second_order=True``;
 - the guaranteed finite-step decrease ``s²/(2β)`` (``thm-guaranteed-decrease``) with ``beta``,
-  and the ``ε`` of "certified ε-saturated" derived from it (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`).
+  and the ``ε`` of "certified ε-saturated" derived from it
+  (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`).
 
 Kink ties and cross blocks are counted over the batches of this run and process only: a run
 resumed from a checkpoint or sharded under ``torchrun`` reports them as not counted.
@@ -24,6 +26,7 @@ from depthsat_theory.diagnose.errors import DiagnoseError
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily
 from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
+from depthsat_theory.vocabulary import Verdict
 
 __all__ = ["Beyond", "site_betas"]
 
@@ -51,11 +54,11 @@ def site_betas(beta: float | Mapping[str, float] | None, sites: list[str]) -> di
 class Beyond:
     """Kink counts and cross blocks streamed alongside the first-order statistics of one run."""
 
-    def __init__(
-        self, model: nn.Module, sites: list[str], family: ResidualFamily, *, kinks: bool, second_order: bool
-    ):
+    def __init__(self, model: nn.Module, sites: list[str], family: ResidualFamily, *, kinks: bool, second_order: bool):
         if second_order and not isinstance(family, FeatureFamily):
-            raise DiagnoseError(f"second_order needs a random-feature family (relu:K, gelu:K, tanh:K), not {family.spec!r}")
+            raise DiagnoseError(
+                f"second_order needs a random-feature family (relu:K, gelu:K, tanh:K), not {family.spec!r}"
+            )
         self.sites = sites
         self.family = family
         self.counter = KinkCounter(model, sites) if kinks else None
@@ -79,9 +82,7 @@ class Beyond:
         for s in self.sites:
             if s not in self.cross:
                 try:
-                    self.cross[s] = CrossBlockStatistics(
-                        self.family, tuple(pb.z[s].shape[1:]), layouts[s]
-                    )  # type: ignore[arg-type]
+                    self.cross[s] = CrossBlockStatistics(self.family, tuple(pb.z[s].shape[1:]), layouts[s])  # type: ignore[arg-type]
                 except FamilyError as exc:
                     raise DiagnoseError(f"site {s!r}: {exc}") from None
             self.cross[s].update(pb.z[s], pb.g[s])
@@ -91,13 +92,14 @@ class Beyond:
         for sd in site_results:
             if self.counter is not None and counted:
                 sd.result.kink_ties = self.counter.ties[sd.site]
+                sd.result.saturated = sd.result.verdict is Verdict.SATURATED
             if sd.site in self.cross and counted:
                 sd.saddle = self.cross[sd.site].result()
             sd.beta = betas.get(sd.site)
 
 
 def default_epsilon(bound_kwargs: Mapping, beta: float | None) -> dict:
-    """``bound_kwargs`` with ``epsilon = sqrt(2 β ε_J)`` (``ε_J`` = :data:`DEFAULT_EPSILON_NATS`) when ``β`` is known."""
+    """``bound_kwargs`` with ``epsilon = sqrt(2 β ε_J)`` (``ε_J``: :data:`DEFAULT_EPSILON_NATS`) given ``β``."""
     out = dict(bound_kwargs)
     if beta is not None and out.get("epsilon") is None:
         out["epsilon"] = epsilon_from_nats(DEFAULT_EPSILON_NATS, beta)

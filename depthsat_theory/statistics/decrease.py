@@ -42,9 +42,9 @@ def _check(name: str, value: float, *, positive: bool) -> float:
 
 
 def guaranteed_decrease(score: float, beta: float) -> float:
-    """``s² / (2β)``: the decrease the step ``−Πg/β`` is guaranteed (``thm-guaranteed-decrease``).
+    r"""``s² / (2β)``: the decrease the step ``−Πg/β`` is guaranteed (``thm-guaranteed-decrease``).
 
-    .. math:: J(0) - J(-\\Pi g/\\beta) \\ge \\frac{s^2}{2\\beta}
+    .. math:: J(0) - J(-\Pi g/\beta) \ge \frac{s^2}{2\beta}
 
     Args:
         score: ``s = ‖Πg‖`` (loss units per example per unit function-space step).

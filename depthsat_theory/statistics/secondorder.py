@@ -1,12 +1,12 @@
-"""Second order at the origin of a zero-output family: the cross block and the saddle score.
+r"""Second order at the origin of a zero-output family: the cross block and the saddle score.
 
 For ``h(u) = W φ_ψ(u) + c`` at ``W = 0, c = 0`` the Hessian of ``J`` in ``(W, c, ψ)`` has a zero
 ``ψψ`` block and the cross block
 
 .. math::
 
-    C[\\delta W, \\delta\\psi] = \\mathbb E \\sum_t g_t^\\top \\delta W\\, \\partial_\\psi\\varphi(u_t)\\,\\delta\\psi
-    = \\langle \\delta W, \\partial_\\psi G\\,[\\delta\\psi] \\rangle_F ,
+    C[\delta W, \delta\psi] = \mathbb E \sum_t g_t^\top \delta W\, \partial_\psi\varphi(u_t)\,\delta\psi
+    = \langle \delta W, \partial_\psi G\,[\delta\psi] \rangle_F ,
 
 the derivative of the cross-gradient ``G(ψ) = E Σ_t g_t φ̃_ψ(u_t)ᵀ`` in the feature parameters
 (theory/second-order.md, ``thm-strict-saddle``).  When ``G = 0`` and ``C ≠ 0`` the origin is a
@@ -16,8 +16,8 @@ operator norm of ``C`` with ``δW`` measured in function space (``‖δW φ̃‖
 
 .. math::
 
-    \\sigma = \\sup_{\\delta\\psi \\ne 0} \\frac{\\lVert \\partial_\\psi G[\\delta\\psi]\\, \\Sigma^{+1/2}\\rVert_F}
-    {\\lVert\\delta\\psi\\rVert} ,
+    \sigma = \sup_{\delta\psi \ne 0} \frac{\lVert \partial_\psi G[\delta\psi]\, \Sigma^{+1/2}\rVert_F}
+    {\lVert\delta\psi\rVert} ,
 
 so ``−σ`` is the most negative eigenvalue of the Hessian's cross part ``[[0, C], [Cᵀ, 0]]`` in those
 coordinates (nats per example per unit function-space step per unit feature-parameter step).
@@ -99,7 +99,7 @@ def saddle_score_from_blocks(blocks: np.ndarray, sigma: np.ndarray, *, rtol: flo
     Raises:
         StatisticsError: if the shapes do not fit.
     """
-    kf, d, e = blocks.shape
+    kf, _, e = blocks.shape
     if sigma.shape[0] < kf or sigma.shape[0] != sigma.shape[1]:
         raise StatisticsError(f"sigma of shape {sigma.shape} does not fit {kf} feature blocks")
     sp = _pinv_psd(sigma, rtol)[:kf, :kf]
