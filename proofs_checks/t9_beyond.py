@@ -351,3 +351,27 @@ def joint(ctx: Context) -> Outcome:
         cross.append(m)
     bad += int(min(cross) == 0.0)  # (5): the cross-site second-order term does not vanish
     return Outcome(count, bad, detail=f"smallest max |∂²J/∂θ₁∂θ₂| = {min(cross):.2e} (nonzero)")
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+@check("PEER", "prop-gromo-decrease", "t9-gromo-identity", "symbolic")
+def gromo_identity(ctx: Context) -> Outcome:
+    """tr(Mᵀ S⁺ M) with GroMo's S = E[x̃x̃ᵀ], M = E[x̃ gᵀ] equals tr(G Σ⁺ Gᵀ) (exact rationals, singular S too)."""
+    rng = ctx.rng("gromo-identity")
+    count, bad = ctx.count(6, 3), 0
+    for i in range(count):
+        n, d = int(rng.integers(2, 6)), int(rng.integers(1, 3))
+        units, grads = _rational_measure(rng, n, d)
+        if i % 2:  # a repeated unit makes S singular for small n
+            units[-1] = units[0]
+        xt = [u.col_join(sp.Matrix([1])) for u in units]
+        w = sp.Rational(1, n)
+        s_mat = sum((x * x.T for x in xt), sp.zeros(d + 1, d + 1)) * w
+        m_mat = sum((x * g.T for x, g in zip(xt, grads, strict=True)), sp.zeros(d + 1, d)) * w
+        gromo = (m_mat.T * s_mat.pinv() * m_mat).trace()
+        cross = m_mat.T  # G = E[g φ̃ᵀ]
+        ours = (cross * s_mat.pinv() * cross.T).trace()
+        bad += int(sp.simplify(gromo - ours) != 0)
+    return Outcome(count, bad, detail="GroMo's parameter_update_decrease = s² (linear family), exactly")
