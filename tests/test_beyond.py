@@ -199,3 +199,27 @@ def test_diagnose_beyond_bad_input():
         diagnose(model, classification_loss, batches, beta={"nope": 1.0})
     with pytest.raises(DiagnoseError, match="elementwise random-feature family"):
         diagnose(model, classification_loss, batches, family="linear", second_order=True)
+
+
+def test_score_cli_reports_decrease_and_saddle(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from depthsat_theory.cli import app
+
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((120, 3))
+    g = 0.1 * z**2 + 0.05 * rng.standard_normal((120, 3))
+    path = tmp_path / "probe.npz"
+    np.savez(path, z=z, g=g)
+    args = ["score", "--probe", str(path), "--family", "relu:6", "--json"]
+    out = CliRunner().invoke(app, [*args, "--beta", "0.5", "--second-order"])
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.output)
+    assert d["guaranteed_decrease"] == pytest.approx(d["score"] ** 2 / 1.0, rel=1e-12)
+    stats = CrossBlockStatistics(parse_family("relu:6"), (3,), "vector")  # type: ignore[arg-type]
+    stats.update(torch.from_numpy(z), torch.from_numpy(g))
+    assert d["saddle_score"] == pytest.approx(stats.result().saddle_score, rel=1e-10)
+    bad = CliRunner().invoke(app, [*args, "--beta", "-1"])
+    assert bad.exit_code == 2 and "--beta -1.0: the smoothness constant must be a positive" in bad.output

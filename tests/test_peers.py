@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gromo.modules import linear_growing_module as gromo_linear  # the peers extra (./dev test installs it)
 from torch import nn
 
 from depthsat_theory.families import parse_family
 from depthsat_theory.statistics import statistics_for
-
-from gromo.modules import linear_growing_module as gromo_linear  # the peers extra (./dev test installs it)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -6,6 +6,7 @@ Errors in user input end with a one-line ``error: …`` on stderr and exit statu
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -19,8 +20,10 @@ from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
 from depthsat_theory.cli import render
 from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
 from depthsat_theory.cli.inputs import UserError, check_output_path, check_writable, diagnose_target, load_probe
-from depthsat_theory.families import FamilyError, family_specs, parse_family
+from depthsat_theory.families import FamilyError, FeatureFamily, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
+from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats, guaranteed_decrease
+from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Layout
 
 __all__ = ["app", "main"]
@@ -128,6 +131,12 @@ def score(
         "worst-case", "--matrix-bound", help="Matrix step of the bound: worst-case or empirical-bernstein."
     ),
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the noise test behind 'improvable', in (0, 0.215]."),
+    beta: float | None = typer.Option(
+        None, "--beta", help="Smoothness β of the loss in the added field: also the guaranteed decrease s²/(2β)."
+    ),
+    second_order: bool = typer.Option(
+        False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
+    ),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
     constants: dict[str, Any] = dict(
@@ -157,6 +166,10 @@ def score(
         acc.update(torch.from_numpy(z), torch.from_numpy(g))
         result = acc.result(alpha=alpha)
         interval = None
+        if beta is not None and not (math.isfinite(beta) and beta > 0):
+            raise UserError(f"--beta {beta}: the smoothness constant must be a positive finite number")
+        if delta is not None and epsilon is None and beta is not None:
+            epsilon = epsilon_from_nats(DEFAULT_EPSILON_NATS, beta)
         if delta is not None:
             interval = interval_from_probe(
                 z,
@@ -170,9 +183,25 @@ def score(
                 **constants,
             )
         out = render.score_fields(result, interval)
+        out.update(_beyond_fields(fam, z, g, result.score, beta, second_order))
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         render.fail(exc)
     render.print_score(out, probe, as_json=as_json)
+
+
+def _beyond_fields(fam, z, g, score: float, beta: float | None, second_order: bool) -> dict:
+    """``beta``/``guaranteed_decrease`` (``thm-guaranteed-decrease``) and the saddle score (``thm-strict-saddle``)."""
+    out: dict[str, Any] = {}
+    if beta is not None:
+        out["beta"] = beta
+        out["guaranteed_decrease"] = guaranteed_decrease(score, beta)
+    if second_order:
+        if not isinstance(fam, FeatureFamily):
+            raise UserError(f"--second-order needs a random-feature family (relu:K, gelu:K, tanh:K), not {fam.spec!r}")
+        cross = CrossBlockStatistics(fam, (z.shape[1],), Layout.VECTOR)
+        cross.update(torch.from_numpy(z), torch.from_numpy(g))
+        out.update(cross.result().to_dict())
+    return out
 
 
 # ----------------------------------------------------------------------------- bound
