@@ -223,3 +223,37 @@ def test_score_cli_reports_decrease_and_saddle(tmp_path):
     assert d["saddle_score"] == pytest.approx(stats.result().saddle_score, rel=1e-10)
     bad = CliRunner().invoke(app, [*args, "--beta", "-1"])
     assert bad.exit_code == 2 and "--beta -1.0: the smoothness constant must be a positive" in bad.output
+
+
+def test_measured_curvature_matches_finite_differences():
+    model, batches = _mlp_probe()
+    res = diagnose(model, classification_loss, batches, sites=["blocks.1"], curvature=True)
+    sd = res["blocks.1"]
+    cur = sd.curvature
+    assert cur is not None
+    assert cur.slope == pytest.approx(sd.result.score**2, rel=1e-10)  # J'(0) along Πg is ‖Πg‖²
+    # central second difference of J(t) with the field t·Πg really added at the site
+    from depthsat_theory.capture.curvature import _flat_to_theta, steepest_field_coefficients
+    from depthsat_theory.statistics import statistics_for
+
+    fam = parse_family("linear")
+    st = statistics_for(fam, (5,), "vector")
+    from depthsat_theory.capture import accumulate
+
+    accumulate(model, ["blocks.1"], batches, classification_loss, {"blocks.1": st})
+    theta = torch.from_numpy(
+        _flat_to_theta(steepest_field_coefficients(st.cross_gradient(), st.feature_gram()), 5, True)
+    )
+
+    def j_of(t: float) -> float:
+        h = model.blocks[1].register_forward_hook(lambda _m, _a, out: out + fam.functional(t * theta, out, "vector"))
+        try:
+            with torch.no_grad():
+                return float(sum(classification_loss(model(x), y).sum() for x, y in batches) / 40)
+        finally:
+            h.remove()
+
+    eps = 1e-3
+    fd = (j_of(eps) - 2 * j_of(0.0) + j_of(-eps)) / eps**2
+    assert cur.second == pytest.approx(fd, rel=1e-4)
+    assert cur.local_decrease == pytest.approx(sd.result.score**2 / (2 * cur.curvature))

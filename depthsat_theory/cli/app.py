@@ -335,6 +335,9 @@ def diagnose_cmd(
     second_order: bool = typer.Option(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
     ),
+    curvature: bool = typer.Option(
+        False, "--curvature", help="Also the measured curvature κ along Πg and the local decrease s²/(2κ)."
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -365,6 +368,7 @@ def diagnose_cmd(
                 progress=lambda k, tot: bar.update(task, completed=k, total=tot),
                 beta=beta,
                 second_order=second_order,
+                curvature=curvature,
                 **target.extra,
             )
         written: list[Path] = []

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from depthsat_theory.capture.curvature import field_curvature
 from depthsat_theory.capture.kinks import KinkCounter
 from depthsat_theory.diagnose.errors import DiagnoseError
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily
@@ -96,6 +97,27 @@ class Beyond:
             if sd.site in self.cross and counted:
                 sd.saddle = self.cross[sd.site].result()
             sd.beta = betas.get(sd.site)
+
+
+def measure_curvatures(
+    diagnosis, model: nn.Module, loss_fn: Callable, batches: list, family: FeatureFamily, stats
+) -> None:
+    """Attach :class:`~depthsat_theory.capture.curvature.FieldCurvature` to every site of ``diagnosis``."""
+    for sd in diagnosis.sites:
+        if sd.result.score == 0 or len(sd.shape) != 1:
+            continue  # no steepest field, or a sequence/image site (vector sites only)
+        st = stats[sd.site]
+        sd.curvature = field_curvature(
+            model,
+            loss_fn,
+            batches,
+            sd.site,
+            family,
+            st.cross_gradient(),
+            st.feature_gram(),
+            layout=sd.layout,
+            score=sd.result.score,
+        )
 
 
 def default_epsilon(bound_kwargs: Mapping, beta: float | None) -> dict:

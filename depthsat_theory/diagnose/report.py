@@ -7,7 +7,7 @@ import json
 import math
 import os
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ from depthsat_theory.vocabulary import Layout, Verdict
 
 if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
+    from depthsat_theory.capture.curvature import FieldCurvature
 
 __all__ = ["Diagnosis", "SiteDiagnosis"]
 
@@ -40,6 +41,7 @@ class SiteDiagnosis:
         interval: the ``(1 − δ)`` :class:`~depthsat_theory.bounds.ScoreInterval`, or ``None``.
         saddle: the :class:`~depthsat_theory.statistics.secondorder.SaddleResult` (``second_order=True``), or ``None``.
         beta: the smoothness ``β`` given for this site (``None``: not given).
+        curvature: the measured curvature along ``Πg`` (``curvature=True``), or ``None``.
     """
 
     site: str
@@ -50,6 +52,7 @@ class SiteDiagnosis:
     interval: ScoreInterval | None = None
     saddle: SaddleResult | None = None
     beta: float | None = None
+    curvature: FieldCurvature | None = None
 
     @property
     def guaranteed_decrease(self) -> float | None:
@@ -98,6 +101,7 @@ class SiteDiagnosis:
             "beta": self.beta,
             "guaranteed_decrease": self.guaranteed_decrease,
             "saddle": None if self.saddle is None else self.saddle.to_dict(),
+            "curvature": None if self.curvature is None else _finite_dict(asdict(self.curvature)),
         }
 
 
@@ -296,6 +300,8 @@ def _extra_columns(sites: list[SiteDiagnosis]) -> list[str]:
     cols = []
     if any(sd.beta is not None for sd in sites):
         cols.append("s²/2β")
+    if any(sd.curvature is not None for sd in sites):
+        cols.append("s²/2κ (local)")
     if any(sd.saddle is not None for sd in sites):
         cols.append("saddle σ")
     if any(sd.result.kink_ties for sd in sites):
@@ -307,6 +313,7 @@ def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
     cells = {
         "s²/2β": _g(sd.guaranteed_decrease),
         "saddle σ": "—" if sd.saddle is None else _g(sd.saddle.saddle_score),
+        "s²/2κ (local)": "—" if sd.curvature is None else _g(sd.curvature.local_decrease),
         "kink ties": "—" if sd.result.kink_ties is None else str(sd.result.kink_ties),
     }
     return [cells[c] for c in cols]
@@ -320,6 +327,10 @@ def _g(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
     return f"{v:.3g}"
+
+
+def _finite_dict(d: dict) -> dict:
+    return {k: _finite(v) for k, v in d.items()}
 
 
 def _finite(v):

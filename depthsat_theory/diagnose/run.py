@@ -59,7 +59,7 @@ from depthsat_theory.capture import (
 )
 from depthsat_theory.capture.probe import batch_size
 from depthsat_theory.diagnose import distributed as _dist
-from depthsat_theory.diagnose.beyond import Beyond, default_epsilon, site_betas
+from depthsat_theory.diagnose.beyond import Beyond, default_epsilon, measure_curvatures, site_betas
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
     LOSS_KEY,
@@ -128,6 +128,7 @@ def diagnose(
     beta: float | Mapping[str, float] | None = None,
     second_order: bool = False,
     kinks: bool = True,
+    curvature: bool = False,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -208,6 +209,10 @@ def diagnose(
             (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``).
         kinks: count exact ties at kinks after each site (``thm-gradient``); a positive count makes
             the verdict ``undetermined``.  Not counted in resumed or sharded runs.
+        curvature: also measure ``κ``, the curvature of the loss along the steepest field ``Πg``
+            (one more forward and double backward per batch and site: ``batches`` must be a list
+            or tuple; per-example losses, unmasked), and report the local decrease ``s²/(2κ)``
+            of the quadratic model (:mod:`depthsat_theory.capture.curvature`; not a guarantee).
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -253,9 +258,16 @@ def diagnose(
         betas=betas,
     )
     run.open_checkpoint(checkpoint, config)
+    if curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
+        raise DiagnoseError("curvature needs the probe as a list or tuple of batches and a zero-output feature family")
+    if curvature and reduction != "none":
+        raise DiagnoseError(f"curvature needs per-example losses (reduction 'none'), not reduction {reduction!r}")
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
     run.reduce()
-    return run.finish(n_batches, bound_kwargs, description, loss_units)
+    out = run.finish(n_batches, bound_kwargs, description, loss_units)
+    if curvature:
+        measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
+    return out
 
 
 def _peek(batches: Iterable) -> tuple[object, Iterable]:
