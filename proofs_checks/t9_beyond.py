@@ -24,6 +24,7 @@ Claims (theory/gradient.md, decrease.md, second-order.md, joint.md):
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import numpy as np
@@ -375,3 +376,46 @@ def gromo_identity(ctx: Context) -> Outcome:
         ours = (cross * s_mat.pinv() * cross.T).trace()
         bad += int(sp.simplify(gromo - ours) != 0)
     return Outcome(count, bad, detail="GroMo's parameter_update_decrease = s² (linear family), exactly")
+
+
+# ----------------------------------------------------------------------------- cross-fitted r, ρ
+
+
+@check("T6", "thm-crossfit-raw-score", "t9-crossfit-identity", "symbolic")
+def crossfit_identity(ctx: Context) -> Outcome:
+    """E[2⟨g, f(u)⟩ − ‖f(u)‖²] = ‖m‖² − ‖m − f‖² for any f of the unit (finite rational measures)."""
+    rng = ctx.rng("crossfit-identity")
+    count, bad = ctx.count(8, 4), 0
+    for _ in range(count):
+        n_units, reps = int(rng.integers(2, 4)), int(rng.integers(2, 4))
+        units = [sp.Rational(int(v), 2) for v in rng.integers(-3, 4, n_units)]
+        grads = {u: [sp.Rational(int(v), 3) for v in rng.integers(-4, 5, reps)] for u in units}
+        f = {u: sp.Rational(int(rng.integers(-5, 6)), 4) for u in units}
+        w = sp.Rational(1, n_units * reps)
+        m = {u: sum(grads[u]) / reps for u in units}
+        lhs = sum(w * (2 * gi * f[u] - f[u] ** 2) for u in units for gi in grads[u])
+        rhs = sum(w * reps * (m[u] ** 2 - (m[u] - f[u]) ** 2) for u in units)
+        bad += int(sp.simplify(lhs - rhs) != 0)
+    return Outcome(count, bad, detail="bias of the orthogonalised moment is −‖m̂ − m‖², exactly")
+
+
+@check("T6", "thm-crossfit-raw-score", "t9-crossfit-populations", "numeric")
+def crossfit_populations(ctx: Context) -> Outcome:
+    """Populations with known r, ρ (linear family with bias, u ~ N(0, 1)): cross-fit vs truth within 5 SE."""
+    from depthsat_theory.statistics.realizability import crossfit_realizability
+
+    rng = ctx.rng("crossfit-populations")
+    n = ctx.count(8000, 3000)
+    # (m(u), r², ρ): m = u² has Πm = 1, r² = E u⁴ = 3, ρ = sqrt(2/3); m = 2u + 1 ∈ T: r² = 5, ρ = 0
+    cases = [(lambda u: u**2, 3.0, math.sqrt(2 / 3)), (lambda u: 2 * u + 1, 5.0, 0.0)]
+    bad, worst = 0, 0.0
+    for fn, r2, rho in cases:
+        u = rng.standard_normal((n, 1))
+        g = fn(u) + rng.standard_normal((n, 1))
+        stats = statistics_for(parse_family("linear"), (1,), "vector")
+        stats.update(torch.from_numpy(u), torch.from_numpy(g))
+        est = crossfit_realizability(u, g, score_squared=stats.result().score_squared_unbiased)
+        dev = abs(est.raw_score_squared - r2) / est.standard_error
+        worst = max(worst, dev)
+        bad += int(dev > 5 or abs(est.realizability_defect - rho) > 0.15)
+    return Outcome(len(cases), bad, detail=f"n = {n}: largest |r̂² − r²| / SE = {worst:.2f}")

@@ -257,3 +257,37 @@ def test_measured_curvature_matches_finite_differences():
     fd = (j_of(eps) - 2 * j_of(0.0) + j_of(-eps)) / eps**2
     assert cur.second == pytest.approx(fd, rel=1e-4)
     assert cur.local_decrease == pytest.approx(sd.result.score**2 / (2 * cur.curvature))
+
+
+@pytest.mark.parametrize(
+    ("fn", "r2", "rho"), [(lambda u: u**2, 3.0, math.sqrt(2 / 3)), (lambda u: 2 * u + 1, 5.0, 0.0)]
+)
+def test_crossfit_recovers_known_r_and_rho(fn, r2, rho, tmp_path):
+    """u ~ N(0, 1), g = m(u) + N(0, 1), linear family with bias: r² and ρ in closed form."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from depthsat_theory.cli import app
+
+    rng = np.random.default_rng(5)
+    u = rng.standard_normal((6000, 1))
+    g = fn(u) + rng.standard_normal((6000, 1))
+    np.savez(tmp_path / "p.npz", z=u, g=g)
+    out = CliRunner().invoke(
+        app, ["score", "--probe", str(tmp_path / "p.npz"), "--family", "linear", "--json", "--crossfit"]
+    )
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.output)
+    assert abs(d["raw_score_squared_crossfit"] - r2) < 5 * d["standard_error_crossfit"]
+    assert d["realizability_defect_crossfit"] == pytest.approx(rho, abs=0.1)
+    assert d["raw_score"] > math.sqrt(r2 + 1) - 0.2  # the pooled r̂ tends to AG_rms = sqrt(r² + 1), not r
+
+
+def test_crossfit_rejects_bad_input():
+    from depthsat_theory.statistics.realizability import crossfit_realizability
+
+    with pytest.raises(ValueError, match="same n >= 4"):
+        crossfit_realizability(np.zeros((3, 1)), np.zeros((3, 1)))
+    with pytest.raises(ValueError, match="neighbours must be in"):
+        crossfit_realizability(np.zeros((10, 1)), np.zeros((10, 1)), neighbours=6)

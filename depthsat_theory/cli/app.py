@@ -23,6 +23,7 @@ from depthsat_theory.cli.inputs import UserError, check_output_path, check_writa
 from depthsat_theory.families import FamilyError, FeatureFamily, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats, guaranteed_decrease
+from depthsat_theory.statistics.realizability import crossfit_realizability
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Layout
 
@@ -137,6 +138,9 @@ def score(
     second_order: bool = typer.Option(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
     ),
+    crossfit: bool = typer.Option(
+        False, "--crossfit", help="Also the cross-fitted k-NN estimates of r and ρ (consistent for continuous units)."
+    ),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
     constants: dict[str, Any] = dict(
@@ -184,6 +188,8 @@ def score(
             )
         out = render.score_fields(result, interval)
         out.update(_beyond_fields(fam, z, g, result.score, beta, second_order))
+        if crossfit:
+            out.update(crossfit_realizability(z, g, score_squared=result.score_squared_unbiased).to_dict())
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         render.fail(exc)
     render.print_score(out, probe, as_json=as_json)
