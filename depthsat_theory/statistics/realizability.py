@@ -5,7 +5,10 @@ for continuous units every unit is its own pool and ``r̂ → AG_rms``.  Here ``
 ``k``-nearest-neighbour regression of ``g`` on the unit, *cross-fitted* over two folds, and ``r²``
 by the orthogonalised moment (``thm-crossfit-raw-score``)
 
-.. math:: \\widehat{r^2} = \frac1n \\sum_i \big(2\\langle g_i, \\hat m_{-i}(u_i)\rangle - \\lVert\\hat m_{-i}(u_i)\rVert^2\big),
+.. math::
+
+    \widehat{r^2} = \frac1n \sum_i \big(2\langle g_i, \hat m_{-i}(u_i)\rangle
+    - \lVert\hat m_{-i}(u_i)\rVert^2\big),
 
 (``m̂_{−i}`` fitted on the other fold), whose bias is ``−‖m̂ − m‖²``: second order in the regression
 error.  With ``s²`` from the unbiased U-statistic, ``ρ̂² = max(0, 1 − ŝ²_U / r̂²)`` (Pythagoras,
