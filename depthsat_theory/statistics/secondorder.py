@@ -139,7 +139,7 @@ class CrossBlockStatistics:
         if proj is None or act is None or getattr(fmap, "norm", None) is not None:
             raise FamilyError(
                 f"the saddle score needs an elementwise random-feature family (relu:K, gelu:K, tanh:K); "
-                f"{family.spec!r} has no such feature parameters"
+                f"{family.spec!r} has no such feature parameters (use e.g. relu:64)"
             )
         k, d = proj.weight.shape
         if k * d * (d + 1) > CROSS_BLOCK_MAX_ELEMENTS:
