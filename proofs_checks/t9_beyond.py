@@ -208,8 +208,20 @@ def saddle_example(ctx: Context) -> Outcome:
         np.allclose(eig, [-0.0775836, 0.4229619, 1.9046218], atol=1e-6),
         sp.simplify(series - (sp.Rational(3, 4) - sp.Rational(5, 8) * t**2)) == 0,
         sp.simplify(saddle - 1 / sp.sqrt(11)) == 0,
+        _symbolic_engine_saddle() == (sp.Rational(1, 4), 1 / sp.sqrt(11)),
     ]
     return Outcome(len(checks), sum(not ok for ok in checks), detail=f"Hessian eigenvalues {np.round(eig, 4).tolist()}")
+
+
+def _symbolic_engine_saddle() -> tuple:
+    """The symbolic engine's (C, σ) on ex-saddle (family ``t1*relu(u + t2) + t3``)."""
+    from depthsat_theory.engines.symbolic import SymbolicFamily, saddle
+    from depthsat_theory.engines.symbolic.measures import FiniteMeasure
+
+    fam = SymbolicFamily.parse("t1*relu(u + t2) + t3")
+    m = sp.interpolate(list(zip(_U, _G, strict=True)), fam.units[0])
+    res = saddle(fam, FiniteMeasure(_U), m)
+    return res.cross_block[0, 0], sp.nsimplify(res.saddle_score)
 
 
 def _example_cross_stats() -> CrossBlockStatistics:

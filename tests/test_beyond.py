@@ -291,3 +291,27 @@ def test_crossfit_rejects_bad_input():
         crossfit_realizability(np.zeros((3, 1)), np.zeros((3, 1)))
     with pytest.raises(ValueError, match="neighbours must be in"):
         crossfit_realizability(np.zeros((10, 1)), np.zeros((10, 1)), neighbours=6)
+
+
+def test_symbolic_and_numeric_saddle_scores_agree():
+    """Same feature relu(a u + β) on a random rational finite measure: exact (sympy) vs streamed."""
+    import sympy as sp
+
+    from depthsat_theory.engines.symbolic import SymbolicFamily, saddle
+    from depthsat_theory.engines.symbolic.measures import FiniteMeasure
+
+    rng = np.random.default_rng(7)
+    pts = [int(v) / 4 for v in rng.choice(np.r_[-12:-1, 1:12], 6, replace=False)]
+    grads = [int(v) / 2 for v in rng.integers(-4, 5, 6)]
+    fam = SymbolicFamily.parse("t1*relu((1 + t4)*u + t2 + 1/8) + t3")
+    (u,) = fam.units
+    m = sp.interpolate(list(zip([sp.nsimplify(p) for p in pts], [sp.nsimplify(g) for g in grads], strict=True)), u)
+    exact = saddle(fam, FiniteMeasure(pts), m)
+    assert exact.feature_parameters == (fam.params[1], fam.params[3])
+    stats = CrossBlockStatistics(parse_family("relu:1"), (1,), "vector")  # type: ignore[arg-type]
+    stats.weight = torch.ones(1, 1, dtype=torch.float64)
+    stats.bias = torch.full((1,), 1 / 8, dtype=torch.float64)
+    stats.update(
+        torch.tensor(pts, dtype=torch.float64).reshape(-1, 1), torch.tensor(grads, dtype=torch.float64).reshape(-1, 1)
+    )
+    assert stats.result().saddle_score == pytest.approx(float(exact.saddle_score), rel=1e-12)
