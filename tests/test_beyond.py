@@ -315,3 +315,26 @@ def test_symbolic_and_numeric_saddle_scores_agree():
         torch.tensor(pts, dtype=torch.float64).reshape(-1, 1), torch.tensor(grads, dtype=torch.float64).reshape(-1, 1)
     )
     assert stats.result().saddle_score == pytest.approx(float(exact.saddle_score), rel=1e-12)
+
+
+def test_audit_reports_kink_ties():
+    from depthsat_theory.audit import audit_model
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.site = nn.Linear(1, 1)
+            with torch.no_grad():
+                self.site.weight.zero_()
+                self.site.bias.zero_()
+
+        def forward(self, x):
+            z = self.site(x)
+            return torch.relu(z) - torch.relu(-z)
+
+    x = torch.randn(6, 1, dtype=torch.float64)
+    rep = audit_model(
+        parse_family("linear"), Net().double(), "site", x, torch.zeros(6), lambda out, _y: out.sum(1), layout="vector"
+    )
+    assert rep.kink_ties == 12 and rep.status is Verdict.UNDETERMINED
+    assert any("kink" in note for note in rep.notes)
