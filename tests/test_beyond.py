@@ -338,3 +338,19 @@ def test_audit_reports_kink_ties():
     )
     assert rep.kink_ties == 12 and rep.status is Verdict.UNDETERMINED
     assert any("kink" in note for note in rep.notes)
+
+
+def test_cross_block_drops_padded_rows():
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    g[1, 3:] = 0
+    padded = CrossBlockStatistics(parse_family("relu:4"), (5, 3), "sequence")  # type: ignore[arg-type]
+    padded.update(z, g, mask=mask)
+    kept = CrossBlockStatistics(parse_family("relu:4"), (5, 3), "sequence")  # type: ignore[arg-type]
+    kept.update(z[:1], g[:1])
+    kept.update(z[1:, :3], g[1:, :3])
+    assert np.allclose(padded.feature_gram() * 2, kept.feature_gram() * 2)
+    assert padded.n == 2 and kept.n == 2
+    assert padded.result().saddle_score == pytest.approx(kept.result().saddle_score, rel=1e-12)

@@ -23,6 +23,7 @@ from torch import nn
 
 from depthsat_theory.capture.curvature import field_curvature
 from depthsat_theory.capture.kinks import KinkCounter
+from depthsat_theory.capture.probe import update_statistics
 from depthsat_theory.diagnose.errors import DiagnoseError
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily
 from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats
@@ -86,7 +87,7 @@ class Beyond:
                     self.cross[s] = CrossBlockStatistics(self.family, tuple(pb.z[s].shape[1:]), layouts[s])  # type: ignore[arg-type]
                 except FamilyError as exc:
                     raise DiagnoseError(f"site {s!r}: {exc}") from None
-            self.cross[s].update(pb.z[s], pb.g[s])
+            update_statistics(self.cross[s], pb.z[s], pb.g[s], pb.mask, s)  # padded rows dropped
 
     def finish(self, site_results: list, betas: Mapping[str, float], counted: bool) -> None:
         """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list."""

@@ -158,16 +158,27 @@ class CrossBlockStatistics:
         self.n = 0
         self.feature_ties = 0
 
-    def update(self, z: Tensor, g: Tensor) -> None:
+    def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch ``z``, ``g`` ``(B, *shape)`` (``g``: per-example activation gradients).
 
+        Args:
+            z: site tensors; sequences may have any length.
+            g: the per-example activation gradients, same shape.
+            mask: optional ``(B, T)`` bool padding mask of a sequence site (``True`` at real
+                tokens): padded rows are left out.
+
         Raises:
-            StatisticsError: on a shape mismatch or non-finite values.
+            StatisticsError: on a shape mismatch (rows of another width) or non-finite values.
         """
-        if z.shape != g.shape or tuple(z.shape[1:]) != self.shape:
+        if z.shape != g.shape or z.shape[-1] != self.d or z.dim() != len(self.shape) + 1:
             raise StatisticsError(f"z {tuple(z.shape)} and g {tuple(g.shape)} do not fit the site shape {self.shape}")
         u = to_rows(z.detach().to(torch.float64).cpu(), self.layout).reshape(-1, self.d)
         gr = to_rows(g.detach().to(torch.float64).cpu(), self.layout).reshape(-1, self.d)
+        if mask is not None:
+            keep = mask.detach().cpu().bool().reshape(-1)
+            if keep.numel() != u.shape[0]:
+                raise StatisticsError(f"mask {tuple(mask.shape)} does not fit the {u.shape[0]} rows of z")
+            u, gr = u[keep], gr[keep]
         if not (torch.isfinite(u).all() and torch.isfinite(gr).all()):
             raise StatisticsError("z or g has NaN/Inf values")
         pre = (u @ self.weight.T + self.bias).requires_grad_(True)
