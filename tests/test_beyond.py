@@ -354,3 +354,14 @@ def test_cross_block_drops_padded_rows():
     assert np.allclose(padded.feature_gram() * 2, kept.feature_gram() * 2)
     assert padded.n == 2 and kept.n == 2
     assert padded.result().saddle_score == pytest.approx(kept.result().saddle_score, rel=1e-12)
+
+
+def test_beta_sets_the_default_epsilon_of_the_certificate():
+    model, batches = _mlp_probe()
+    res = diagnose(model, classification_loss, batches, sites=["blocks.0"], delta=0.1, beta=3.0)
+    iv = res["blocks.0"].interval
+    assert iv is not None and iv.saturation_epsilon == pytest.approx(math.sqrt(2 * 3.0 * 1e-3))
+    given = diagnose(
+        model, classification_loss, batches, sites=["blocks.0"], delta=0.1, beta=3.0, bound_kwargs={"epsilon": 0.5}
+    )
+    assert given["blocks.0"].interval.saturation_epsilon == 0.5

@@ -265,6 +265,8 @@ def diagnose(
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
     run.reduce()
     out = run.finish(n_batches, bound_kwargs, description, loss_units)
+    if kinks and (run.start > 0 or _dist.world()[1] > 1):
+        out.notes.append("kink ties not counted: a resumed or sharded run sees only part of the probe")
     if curvature:
         measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
     return out
