@@ -365,3 +365,14 @@ def test_beta_sets_the_default_epsilon_of_the_certificate():
         model, classification_loss, batches, sites=["blocks.0"], delta=0.1, beta=3.0, bound_kwargs={"epsilon": 0.5}
     )
     assert given["blocks.0"].interval.saturation_epsilon == 0.5
+
+
+def test_proofs_json_accepts_numpy_scalars_in_tables(tmp_path):
+    import json
+
+    from proofs_checks import Context, Row
+    from proofs_checks._registry import write_json_atomic
+
+    row = Row("T7", ["thm-finite-sample"], "c", "coverage", 1, 0, "", "", 0.1, table=("t", ["a"], [[np.int64(3)]]))
+    write_json_atomic([row], Context(quick=True), str(tmp_path / "p.json"))
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["table"][2] == [[3]]
