@@ -9,8 +9,9 @@
   and the ``ε`` of "certified ε-saturated" derived from it
   (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`).
 
-Kink ties and cross blocks are counted over the batches of this run and process only: a run
-resumed from a checkpoint or sharded under ``torchrun`` reports them as not counted.
+Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``): a
+run resumed from a checkpoint reports them as not counted.  Cross blocks are not sharded or
+checkpointed: ``second_order`` reports them only for a fresh single-process run.
 """
 
 from __future__ import annotations
@@ -89,13 +90,21 @@ class Beyond:
                     raise DiagnoseError(f"site {s!r}: {exc}") from None
             update_statistics(self.cross[s], pb.z[s], pb.g[s], pb.mask, s)  # padded rows dropped
 
+    def reduce(self) -> None:
+        """Sum the kink ties over the ranks under ``torchrun`` (a no-op in one process)."""
+        from depthsat_theory.diagnose import distributed as _dist
+
+        if self.counter is not None and _dist.world()[1] > 1:
+            every = _dist.all_gather_objects(dict(self.counter.ties))
+            self.counter.ties = {s: sum(int(t[s]) for t in every) for s in self.sites}
+
     def finish(self, site_results: list, betas: Mapping[str, float], counted: bool) -> None:
         """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list."""
         for sd in site_results:
             if self.counter is not None and counted:
                 sd.result.kink_ties = self.counter.ties[sd.site]
                 sd.result.saturated = sd.result.verdict is Verdict.SATURATED
-            if sd.site in self.cross and counted:
+            if sd.site in self.cross and counted and _world() == 1:  # cross blocks are not sharded
                 sd.saddle = self.cross[sd.site].result()
             sd.beta = betas.get(sd.site)
 
@@ -119,6 +128,12 @@ def measure_curvatures(
             layout=sd.layout,
             score=sd.result.score,
         )
+
+
+def _world() -> int:
+    from depthsat_theory.diagnose import distributed as _dist
+
+    return _dist.world()[1]
 
 
 def default_epsilon(bound_kwargs: Mapping, beta: float | None) -> dict:

@@ -206,9 +206,11 @@ def diagnose(
             decrease ``s²/(2β)`` in loss units (``thm-guaranteed-decrease``), and with ``delta``
             the ``ε`` of "certified ε-saturated" defaults to ``sqrt(2 β · 10⁻³)`` (``10⁻³`` nats).
         second_order: also stream the cross block of the Hessian and report the saddle score
-            (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``).
+            (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``; fresh
+            single-process runs only: not checkpointed or sharded).
         kinks: count exact ties at kinks after each site (``thm-gradient``); a positive count makes
-            the verdict ``undetermined``.  Not counted in resumed or sharded runs.
+            the verdict ``undetermined``.  Summed over the ranks under ``torchrun``; not counted in
+            a run resumed from a checkpoint.
         curvature: also measure ``κ``, the curvature of the loss along the steepest field ``Πg``
             (one more forward and double backward per batch and site: ``batches`` must be a list
             or tuple; per-example losses, unmasked), and report the local decrease ``s²/(2κ)``
@@ -265,8 +267,8 @@ def diagnose(
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
     run.reduce()
     out = run.finish(n_batches, bound_kwargs, description, loss_units)
-    if kinks and (run.start > 0 or _dist.world()[1] > 1):
-        out.notes.append("kink ties not counted: a resumed or sharded run sees only part of the probe")
+    if kinks and run.start > 0:
+        out.notes.append("kink ties not counted: a resumed run sees only part of the probe")
     if curvature:
         measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
     return out
@@ -611,7 +613,8 @@ class _Run:
             iv = self.stats[s].interval(self.delta, **kw) if self.delta is not None else None
             out.append(SiteDiagnosis(s, depth, self.layouts[s], self.shapes[s], res, iv))
         if self.beyond is not None:
-            self.beyond.finish(out, self.betas, counted=self.start == 0 and _dist.world()[1] == 1)
+            self.beyond.reduce()
+            self.beyond.finish(out, self.betas, counted=self.start == 0)
         return Diagnosis(
             sites=out,
             family=self.family.spec,
