@@ -376,3 +376,13 @@ def test_proofs_json_accepts_numpy_scalars_in_tables(tmp_path):
     row = Row("T7", ["thm-finite-sample"], "c", "coverage", 1, 0, "", "", 0.1, table=("t", ["a"], [[np.int64(3)]]))
     write_json_atomic([row], Context(quick=True), str(tmp_path / "p.json"))
     assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["table"][2] == [[3]]
+
+
+def test_head_input_curvature_is_below_the_cross_entropy_bound():
+    """At the input of a linear CE head, κ (measured) ≤ β = ½‖W‖₂² (lem-ce-smoothness), so s²/2β ≤ s²/2κ."""
+    model, batches = _mlp_probe()
+    beta = cross_entropy_smoothness(model.head.weight)
+    res = diagnose(model, classification_loss, batches, sites=["ln_f"], beta=beta, curvature=True)
+    sd = res["ln_f"]
+    assert sd.curvature is not None and 0 < sd.curvature.curvature <= beta
+    assert sd.guaranteed_decrease <= sd.curvature.local_decrease
