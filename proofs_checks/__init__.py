@@ -18,6 +18,7 @@ MODULES = (
     "t6_realizability",
     "t7_finite_sample",
     "t8_numerics",
+    "t9_beyond",
 )
 
 __all__ = [

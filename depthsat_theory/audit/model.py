@@ -18,8 +18,10 @@ from depthsat_theory.audit.family import audit_family, guarded, probe_layout
 from depthsat_theory.audit.loading import AuditError, LoadedFamily
 from depthsat_theory.audit.report import AuditReport
 from depthsat_theory.capture import Insertion, SiteError, accumulate, resolve_module
+from depthsat_theory.capture.kinks import KinkCounter
 from depthsat_theory.families import ResidualFamily
 from depthsat_theory.statistics import statistics_for
+from depthsat_theory.vocabulary import Verdict
 
 __all__ = ["audit_model"]
 
@@ -36,12 +38,14 @@ class _Collector:
         self.g.append(g.detach().to(torch.float64).cpu())
 
 
-def _capture(model: torch.nn.Module, site: str, inputs, targets, loss, batch_size: int) -> tuple[Tensor, Tensor]:
+def _capture(model: torch.nn.Module, site: str, inputs, targets, loss, batch_size: int) -> tuple[Tensor, Tensor, int]:
     n = int(inputs.shape[0])
     batches = [(inputs[i : i + batch_size], targets[i : i + batch_size]) for i in range(0, n, batch_size)]
     sink = _Collector()
-    accumulate(model, [site], batches, loss, {site: sink})
-    return torch.cat(sink.z), torch.cat(sink.g)
+    counter = KinkCounter(model, [site])
+    with counter:
+        accumulate(model, [site], batches, counter.wrap_loss(loss), {site: sink})
+    return torch.cat(sink.z), torch.cat(sink.g), counter.ties[site]
 
 
 def _audit_layout(model: torch.nn.Module, site: str, z: Tensor):
@@ -109,7 +113,7 @@ def audit_model(
     valid = sites if sites is not None else (site_names() if site_names is not None else None)
     if valid is not None and site not in valid:
         raise SiteError(f"unknown site {site!r}; valid sites: {', '.join(valid)}")
-    z, g = _capture(model, site, inputs, targets, loss, batch_size)
+    z, g, ties = _capture(model, site, inputs, targets, loss, batch_size)
     layout = layout or getattr(model, "layout", None) or _audit_layout(model, site, z)
     shape = tuple(z.shape[1:])
     fam = loaded.family
@@ -125,6 +129,13 @@ def audit_model(
         lambda: Insertion(model, site, fam, stats, inputs, targets, loss, block=block, reference_output=ref, atol=None),
     )
     report = audit_family(loaded, z, g, layout=layout, probe=probe, strict=strict, model_deviation=ins.deviation)
+    report.kink_ties = ties
+    if ties:
+        report.status = Verdict.UNDETERMINED
+        report.notes.append(
+            f"{ties} exact tie(s) at kinks after the site: J may not be differentiable at the origin and "
+            f"autograd's b is a one-sided convention (thm-gradient, ex-kink-tie); the status is undetermined"
+        )
     try:
         stats.update(z, g)
         report.gradient_check = ins.relative_gradient_error()

@@ -43,9 +43,12 @@ class AuditReport:
             (degenerate)"``.
         score, relative_score, raw_score, ag_rms, ag_max, tol, activation_scaled_score:
             the saturation quantities (:class:`~depthsat_theory.statistics.SaturationResult`).
-        status: a :class:`~depthsat_theory.vocabulary.Verdict`: ``"saturated"``,
+        status: a :class:`~depthsat_theory.vocabulary.Verdict`: ``"saturated"``, ``"undetermined"`` (kink ties),
             ``"improvable"`` or ``"degenerate"``.
         gradient_check: model audits: ``max |b_autograd − b_statistics| / max |b|`` (T1).
+        kink_ties: model audits: exact ties at kinks after the site on the probe
+            (:mod:`depthsat_theory.capture.kinks`); when positive the status is ``undetermined``
+            (autograd's ``b`` is a one-sided convention, ``thm-gradient``).
         symbolic: sympy families: the symbolic engine's verdicts, else ``None``.
         notes: caveats to print with the report.
     """
@@ -88,6 +91,7 @@ class AuditReport:
     rtol: float
     status: Verdict
     gradient_check: float | None = None
+    kink_ties: int | None = None
     symbolic: dict | None = None
     notes: list = field(default_factory=list)
 
@@ -165,6 +169,12 @@ def report_table(report: AuditReport) -> Table:
         f"s = {num(r.score)}, s/AG_rms = {num(r.relative_score)}, tol = {num(r.tol, '.3g')}, "
         f"s·z_rms = {num(r.activation_scaled_score)}",
     )
+    if r.kink_ties is not None:
+        t.add_row(
+            "kink ties (T1)",
+            "none" if r.kink_ties == 0 else f"{r.kink_ties}: undetermined",
+            "exact ties of relu/abs/max/max-pool at their kinks after the site, on the probe (ex-kink-tie)",
+        )
     if r.gradient_check is not None:
         t.add_row(
             "T1 gradient check",

@@ -6,6 +6,7 @@ Errors in user input end with a one-line ``error: …`` on stderr and exit statu
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -28,8 +29,11 @@ from depthsat_theory.cli.inputs import (
     model_sites,
     parse_device,
 )
-from depthsat_theory.families import FamilyError, family_specs, parse_family
+from depthsat_theory.families import FamilyError, FeatureFamily, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
+from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats, guaranteed_decrease
+from depthsat_theory.statistics.realizability import crossfit_realizability
+from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Layout
 
 __all__ = ["app", "main"]
@@ -142,6 +146,15 @@ def score(
         "worst-case", "--matrix-bound", help="Matrix step of the bound: worst-case or empirical-bernstein."
     ),
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the noise test behind 'improvable', in (0, 0.215]."),
+    beta: float | None = typer.Option(
+        None, "--beta", help="Smoothness β of the loss in the added field: also the guaranteed decrease s²/(2β)."
+    ),
+    second_order: bool = typer.Option(
+        False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
+    ),
+    crossfit: bool = typer.Option(
+        False, "--crossfit", help="Also the cross-fitted k-NN estimates of r and ρ (consistent for continuous units)."
+    ),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
     constants: dict[str, Any] = dict(
@@ -171,6 +184,10 @@ def score(
         acc.update(torch.from_numpy(z), torch.from_numpy(g))
         result = acc.result(alpha=alpha)
         interval = None
+        if beta is not None and not (math.isfinite(beta) and beta > 0):
+            raise UserError(f"--beta {beta}: the smoothness constant must be a positive finite number")
+        if delta is not None and epsilon is None and beta is not None:
+            epsilon = epsilon_from_nats(DEFAULT_EPSILON_NATS, beta)
         if delta is not None:
             interval = interval_from_probe(
                 z,
@@ -184,9 +201,27 @@ def score(
                 **constants,
             )
         out = render.score_fields(result, interval)
+        out.update(_beyond_fields(fam, z, g, result.score, beta, second_order))
+        if crossfit:
+            out.update(crossfit_realizability(z, g, score_squared=result.score_squared_unbiased).to_dict())
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         render.fail(exc)
     render.print_score(out, probe, as_json=as_json)
+
+
+def _beyond_fields(fam, z, g, score: float, beta: float | None, second_order: bool) -> dict:
+    """``beta``/``guaranteed_decrease`` (``thm-guaranteed-decrease``) and the saddle score (``thm-strict-saddle``)."""
+    out: dict[str, Any] = {}
+    if beta is not None:
+        out["beta"] = beta
+        out["guaranteed_decrease"] = guaranteed_decrease(score, beta)
+    if second_order:
+        if not isinstance(fam, FeatureFamily):
+            raise UserError(f"--second-order needs a random-feature family (relu:K, gelu:K, tanh:K), not {fam.spec!r}")
+        cross = CrossBlockStatistics(fam, (z.shape[1],), Layout.VECTOR)
+        cross.update(torch.from_numpy(z), torch.from_numpy(g))
+        out.update(cross.result().to_dict())
+    return out
 
 
 # ----------------------------------------------------------------------------- bound
@@ -324,6 +359,15 @@ def diagnose_cmd(
     ),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    beta: float | None = typer.Option(
+        None, "--beta", help="Smoothness β of the loss in the added field: report the guaranteed decrease s²/(2β)."
+    ),
+    second_order: bool = typer.Option(
+        False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
+    ),
+    curvature: bool = typer.Option(
+        False, "--curvature", help="Also the measured curvature κ along Πg and the local decrease s²/(2κ)."
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -352,6 +396,9 @@ def diagnose_cmd(
                 checkpoint_every=checkpoint_every,
                 config={"model": model, "seed": seed, "batch_size": batch_size, "device": str(target.device)},
                 progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+                beta=beta,
+                second_order=second_order,
+                curvature=curvature,
                 **target.extra,
             )
         written: list[Path] = []

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,10 +15,13 @@ import numpy as np
 
 from depthsat_theory.io import atomic_write
 from depthsat_theory.statistics import SaturationResult
+from depthsat_theory.statistics.decrease import guaranteed_decrease
+from depthsat_theory.statistics.secondorder import SaddleResult
 from depthsat_theory.vocabulary import Layout, Verdict
 
 if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
+    from depthsat_theory.capture.curvature import FieldCurvature
 
 __all__ = ["Diagnosis", "SiteDiagnosis"]
 
@@ -36,6 +39,9 @@ class SiteDiagnosis:
             ``realizability_defect`` = ``ρ̂``, ``ag_rms``, ``ag_max``, ``tangent_rank``…;
             nats per example per unit function-space step).
         interval: the ``(1 − δ)`` :class:`~depthsat_theory.bounds.ScoreInterval`, or ``None``.
+        saddle: the :class:`~depthsat_theory.statistics.secondorder.SaddleResult` (``second_order=True``), or ``None``.
+        beta: the smoothness ``β`` given for this site (``None``: not given).
+        curvature: the measured curvature along ``Πg`` (``curvature=True``), or ``None``.
     """
 
     site: str
@@ -44,6 +50,14 @@ class SiteDiagnosis:
     shape: tuple
     result: SaturationResult
     interval: ScoreInterval | None = None
+    saddle: SaddleResult | None = None
+    beta: float | None = None
+    curvature: FieldCurvature | None = None
+
+    @property
+    def guaranteed_decrease(self) -> float | None:
+        """``s²/(2β)`` in loss units per example (``thm-guaranteed-decrease``; ``None`` without ``β``)."""
+        return None if self.beta is None else guaranteed_decrease(self.result.score, self.beta)
 
     @property
     def verdict(self) -> str:
@@ -84,6 +98,10 @@ class SiteDiagnosis:
             "verdict": self.verdict_kind.value,
             "verdict_detail": self.verdict,
             "interval": None if self.interval is None else self.interval.to_dict(),
+            "beta": self.beta,
+            "guaranteed_decrease": self.guaranteed_decrease,
+            "saddle": None if self.saddle is None else self.saddle.to_dict(),
+            "curvature": None if self.curvature is None else _finite_dict(asdict(self.curvature)),
         }
 
 
@@ -117,6 +135,11 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     loss_units: str = "nats per example"
 
+    @property
+    def joint_score(self) -> float:
+        """``(Σ_l s_l²)^{1/2}``: the score of inserting a block at every site at once (``prop-joint``)."""
+        return math.sqrt(sum(sd.result.score**2 for sd in self.sites))
+
     def __getitem__(self, site: str) -> SiteDiagnosis:
         for s in self.sites:
             if s.site == site:
@@ -138,6 +161,7 @@ class Diagnosis:
             "world_size": self.world_size,
             "resumed_from": self.resumed_from,
             "notes": list(self.notes),
+            "joint_score": _finite(self.joint_score),
             "sites": [s.to_dict() for s in self.sites],
         }
 
@@ -156,9 +180,10 @@ class Diagnosis:
 
         t = Table(
             title=f"depthsat diagnose: {self.description or 'model'}, family {self.family}, "
-            f"n = {self.n}, J = {self.loss:.4g} ({self.loss_units})"
+            f"n = {self.n}, J = {self.loss:.4g} ({self.loss_units}); joint score (Σ s²)^½ = {self.joint_score:.3g}"
         )
-        cols = ["#", "site", "shape", "s", "± rounding", "s/AG_rms", "AG_rms", "AG_max", "rank/p"]
+        extra = _extra_columns(self.sites)
+        cols = ["#", "site", "shape", "s", "± rounding", "s/AG_rms", "AG_rms", "AG_max", "rank/p", *extra]
         if self.realizability:
             cols += ["r̂", "ρ̂"]
         if self.delta is not None:
@@ -184,6 +209,7 @@ class Diagnosis:
                 _g(r.ag_rms),
                 _g(r.ag_max),
                 f"{r.tangent_rank}/{r.tangent_dim}",
+                *_extra_cells(sd, extra),
             ]
             if self.realizability:
                 row += [_g(r.raw_score), _g(r.realizability_defect)]
@@ -276,6 +302,30 @@ _CERTIFICATES = {
 }
 
 
+def _extra_columns(sites: list[SiteDiagnosis]) -> list[str]:
+    """Columns beyond first order that some site has: ``s²/2β``, the saddle score, kink ties."""
+    cols = []
+    if any(sd.beta is not None for sd in sites):
+        cols.append("s²/2β")
+    if any(sd.curvature is not None for sd in sites):
+        cols.append("s²/2κ (local)")
+    if any(sd.saddle is not None for sd in sites):
+        cols.append("saddle σ")
+    if any(sd.result.kink_ties for sd in sites):
+        cols.append("kink ties")
+    return cols
+
+
+def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
+    cells = {
+        "s²/2β": _g(sd.guaranteed_decrease),
+        "saddle σ": "—" if sd.saddle is None else _g(sd.saddle.saddle_score),
+        "s²/2κ (local)": "—" if sd.curvature is None else _g(sd.curvature.local_decrease),
+        "kink ties": "—" if sd.result.kink_ties is None else str(sd.result.kink_ties),
+    }
+    return [cells[c] for c in cols]
+
+
 def _save_figure(fig, fmt: str, fh) -> None:
     fig.savefig(fh, format=fmt)
 
@@ -284,6 +334,10 @@ def _g(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
     return f"{v:.3g}"
+
+
+def _finite_dict(d: dict) -> dict:
+    return {k: _finite(v) for k, v in d.items()}
 
 
 def _finite(v):

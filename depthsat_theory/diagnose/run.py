@@ -59,6 +59,7 @@ from depthsat_theory.capture import (
 )
 from depthsat_theory.capture.probe import batch_size
 from depthsat_theory.diagnose import distributed as _dist
+from depthsat_theory.diagnose.beyond import Beyond, default_epsilon, measure_curvatures, site_betas
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
     LOSS_KEY,
@@ -124,6 +125,10 @@ def diagnose(
     batchnorm: str = "error",
     loss_units: str = "nats per example",
     batch_dim: int | dict | None = None,
+    beta: float | Mapping[str, float] | None = None,
+    second_order: bool = False,
+    kinks: bool = True,
+    curvature: bool = False,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -195,6 +200,21 @@ def diagnose(
             needs a declaration), ``0`` (batch-first), ``1``
             (sequence-first ``(T, B, d)``, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``)
             or ``{site: dim}`` (:mod:`depthsat_theory.capture.batchdim`).
+        beta: the smoothness ``β`` of the loss in the added field (one for every site or
+            ``{site: β}``; e.g. :func:`~depthsat_theory.statistics.decrease.cross_entropy_smoothness`
+            at a site feeding a linear cross-entropy head): each site then reports the guaranteed
+            decrease ``s²/(2β)`` in loss units (``thm-guaranteed-decrease``), and with ``delta``
+            the ``ε`` of "certified ε-saturated" defaults to ``sqrt(2 β · 10⁻³)`` (``10⁻³`` nats).
+        second_order: also stream the cross block of the Hessian and report the saddle score
+            (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``; fresh
+            single-process runs only: not checkpointed or sharded).
+        kinks: count exact ties at kinks after each site (``thm-gradient``); a positive count makes
+            the verdict ``undetermined``.  Summed over the ranks under ``torchrun``; not counted in
+            a run resumed from a checkpoint.
+        curvature: also measure ``κ``, the curvature of the loss along the steepest field ``Πg``
+            (one more forward and double backward per batch and site: ``batches`` must be a list
+            or tuple; per-example losses, unmasked), and report the local decrease ``s²/(2κ)``
+            of the quadratic model (:mod:`depthsat_theory.capture.curvature`; not a guarantee).
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -225,6 +245,7 @@ def diagnose(
         total = len(batches)
     first, probe = _peek(batches)
     site_list = _resolve_sites(model, sites, first)
+    betas = site_betas(beta, site_list)
     run = _Run(
         model=model,
         family=fam,
@@ -235,11 +256,22 @@ def diagnose(
         probe_options=dict(
             reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm, batch_dim=batch_dim
         ),
+        beyond=Beyond(model, site_list, fam, kinks=kinks, second_order=second_order),
+        betas=betas,
     )
     run.open_checkpoint(checkpoint, config)
+    if curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
+        raise DiagnoseError("curvature needs the probe as a list or tuple of batches and a zero-output feature family")
+    if curvature and reduction != "none":
+        raise DiagnoseError(f"curvature needs per-example losses (reduction 'none'), not reduction {reduction!r}")
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
     run.reduce()
-    return run.finish(n_batches, bound_kwargs, description, loss_units)
+    out = run.finish(n_batches, bound_kwargs, description, loss_units)
+    if kinks and run.start > 0:
+        out.notes.append("kink ties not counted: a resumed run sees only part of the probe")
+    if curvature:
+        measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
+    return out
 
 
 def _peek(batches: Iterable) -> tuple[object, Iterable]:
@@ -372,6 +404,8 @@ class _Run:
     stored_probe: dict | None = None
     stream_fp: ProbeStream | None = None
     shapes_checked: bool = True
+    beyond: Beyond | None = None
+    betas: dict = field(default_factory=dict)
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -521,23 +555,26 @@ class _Run:
             start,
             self._verify_stream if self.stored_probe is not None else None,
         )
+        beyond = self.beyond or Beyond(self.model, self.sites, self.family, kinks=False, second_order=False)
         loop = probe_batches(
             self.model,
             self.sites,
             counted,
-            loss_fn,
+            beyond.wrap_loss(loss_fn),
             select=lambda i: i >= start and i % world == rank,
             **self.probe_options,
         )
         done = 0
         try:
-            for pb in loop:
-                self._add(pb)
-                done += 1
-                if done % every == 0:
-                    self.save(pb.index + 1, False)
-                if progress is not None:
-                    progress(done, todo)
+            with beyond.context():
+                for pb in loop:
+                    self._add(pb)
+                    beyond.add(pb, self.layouts)
+                    done += 1
+                    if done % every == 0:
+                        self.save(pb.index + 1, False)
+                    if progress is not None:
+                        progress(done, todo)
         except SiteError:
             raise
         except ValueError as exc:
@@ -573,8 +610,12 @@ class _Run:
         out = []
         for depth, s in enumerate(self.sites):
             res = self.stats[s].result()
-            iv = self.stats[s].interval(self.delta, **bk) if self.delta is not None else None
+            kw = default_epsilon(bk, self.betas.get(s))
+            iv = self.stats[s].interval(self.delta, **kw) if self.delta is not None else None
             out.append(SiteDiagnosis(s, depth, self.layouts[s], self.shapes[s], res, iv))
+        if self.beyond is not None:
+            self.beyond.reduce()
+            self.beyond.finish(out, self.betas, counted=self.start == 0)
         return Diagnosis(
             sites=out,
             family=self.family.spec,

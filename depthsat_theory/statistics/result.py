@@ -63,6 +63,10 @@ class SaturationResult:
             ``sqrt(4 v̂ max(ŝ²_U, 0)/n + 2 v̂²/(n(n−1)))``.
         alpha: level of the noise test.
         noise_threshold: ``χ²_{1,1−α}``.
+        kink_ties: exact ties at kinks (``relu``/``abs`` at ``0``, max ties, …) in the operations
+            after the site (:mod:`depthsat_theory.capture.kinks`; ``None``: not counted).  When
+            positive, ``J`` may not be differentiable at the origin and autograd's ``b`` is a
+            one-sided convention (``thm-gradient``): the verdict is ``UNDETERMINED``.
     """
 
     score: float
@@ -93,6 +97,7 @@ class SaturationResult:
     score_squared_se: float = float("nan")
     alpha: float = 0.05
     noise_threshold: float = float("nan")
+    kink_ties: int | None = None
 
     @property
     def probe_verdict(self) -> Verdict:
@@ -107,6 +112,8 @@ class SaturationResult:
         """
         if self.degenerate:
             return Verdict.DEGENERATE
+        if self.kink_ties:
+            return Verdict.UNDETERMINED
         if not math.isfinite(self.tol):
             return Verdict.UNDETERMINED
         if self.score <= self.tol:
@@ -160,6 +167,12 @@ class SaturationResult:
             return f"s = {self.score:.3g} is within the rounding bound {self.tol:.3g}"
         if v is Verdict.IMPROVABLE:
             return f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} and the noise test"
+        if self.kink_ties:
+            return (
+                f"{self.kink_ties} exact tie(s) at kinks (relu/abs at 0, max ties) after the site: J may not be "
+                f"differentiable at the origin and autograd's b is a one-sided convention (thm-gradient); "
+                f"the one-sided derivatives decide (thm-directional)"
+            )
         if not math.isfinite(self.tol):
             return "the Gram is too ill-conditioned for the first-order rounding bound; rescale or drop features"
         if self.probe_verdict is Verdict.UNDETERMINED and not self.unresolved:

@@ -22,6 +22,7 @@ for the raw score ``r`` which stores one ``d``-vector per distinct unit.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -327,7 +328,7 @@ class TangentStatistics(StreamingStatistic):
         score = min(score, ag_rms, raw) if raw == raw else min(score, ag_rms)
         rank = spec.rank if rank is None else int(rank)
         n = self.n
-        noise = dict(noise_variance=q_trace, alpha=float(alpha), noise_threshold=noise_threshold(alpha))
+        noise: dict[str, Any] = dict(noise_variance=q_trace, alpha=float(alpha), noise_threshold=noise_threshold(alpha))
         if math.isfinite(q_trace) and q_trace > 0 and n >= 2:
             s2u = (n * score * score - q_trace) / (n - 1)
             noise.update(

@@ -72,6 +72,7 @@ from depthsat_theory.engines.symbolic.optimizers import (
     zero_state_step,
     zero_state_update,
 )
+from depthsat_theory.engines.symbolic.secondorder import SymbolicSaddle, saddle
 
 __all__ = [
     "ALLOWED_FUNCTIONS",
@@ -83,6 +84,7 @@ __all__ = [
     "MeasureError",
     "ProductMeasure",
     "SymbolicFamily",
+    "SymbolicSaddle",
     "SymbolicSaturation",
     "as_measure",
     "default_hyper",
@@ -110,6 +112,7 @@ __all__ = [
     "realizability_defect",
     "reparameterize",
     "replicated_support",
+    "saddle",
     "sample",
     "saturation",
     "saturation_score",

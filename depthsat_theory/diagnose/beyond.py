@@ -1,0 +1,144 @@
+"""What :func:`~depthsat_theory.diagnose.diagnose` reports beyond the first-order score.
+
+- kink ties downstream of each site (:class:`~depthsat_theory.capture.kinks.KinkCounter`,
+  ``thm-gradient``): a positive count makes the verdict ``undetermined``;
+- the saddle score of the cross block
+  (:class:`~depthsat_theory.statistics.secondorder.CrossBlockStatistics`, ``thm-strict-saddle``)
+  with ``second_order=True``;
+- the guaranteed finite-step decrease ``s²/(2β)`` (``thm-guaranteed-decrease``) with ``beta``,
+  and the ``ε`` of "certified ε-saturated" derived from it
+  (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`).
+
+Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``): a
+run resumed from a checkpoint reports them as not counted.  Cross blocks are not sharded or
+checkpointed: ``second_order`` reports them only for a fresh single-process run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+from depthsat_theory.capture.curvature import field_curvature
+from depthsat_theory.capture.kinks import KinkCounter
+from depthsat_theory.capture.probe import update_statistics
+from depthsat_theory.diagnose.errors import DiagnoseError
+from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily
+from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats
+from depthsat_theory.statistics.secondorder import CrossBlockStatistics
+from depthsat_theory.vocabulary import Verdict
+
+__all__ = ["Beyond", "site_betas"]
+
+
+def site_betas(beta: float | Mapping[str, float] | None, sites: list[str]) -> dict[str, float]:
+    """``{site: β}`` from one ``β`` for every site or a mapping (sites without one are left out).
+
+    Raises:
+        DiagnoseError: a ``β`` that is not a positive finite number, or one for an unknown site.
+    """
+    if beta is None:
+        return {}
+    raw = dict(beta) if isinstance(beta, Mapping) else dict.fromkeys(sites, beta)
+    unknown = sorted(set(raw) - set(sites))
+    if unknown:
+        raise DiagnoseError(f"beta is given for unknown site(s) {unknown}; the sites are {sites}")
+    out = {}
+    for s, b in raw.items():
+        if not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+            raise DiagnoseError(f"beta for site {s!r} must be a positive finite number, got {b!r}")
+        out[s] = float(b)
+    return out
+
+
+class Beyond:
+    """Kink counts and cross blocks streamed alongside the first-order statistics of one run."""
+
+    def __init__(self, model: nn.Module, sites: list[str], family: ResidualFamily, *, kinks: bool, second_order: bool):
+        if second_order and not isinstance(family, FeatureFamily):
+            raise DiagnoseError(
+                f"second_order needs a random-feature family (relu:K, gelu:K, tanh:K), not {family.spec!r}"
+            )
+        self.sites = sites
+        self.family = family
+        self.counter = KinkCounter(model, sites) if kinks else None
+        self.second_order = second_order
+        self.cross: dict[str, CrossBlockStatistics] = {}
+        self.batches = 0
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        """The loss function, closing each forward pass of the kink counter."""
+        return loss_fn if self.counter is None else self.counter.wrap_loss(loss_fn)
+
+    def context(self):
+        """The kink counter's context (a no-op without one)."""
+        return self.counter if self.counter is not None else contextlib.nullcontext()
+
+    def add(self, pb, layouts: Mapping[str, str]) -> None:
+        """Feed one probe batch's ``(z, g)`` to the cross blocks (with ``second_order``)."""
+        self.batches += 1
+        if not self.second_order:
+            return
+        for s in self.sites:
+            if s not in self.cross:
+                try:
+                    self.cross[s] = CrossBlockStatistics(self.family, tuple(pb.z[s].shape[1:]), layouts[s])  # type: ignore[arg-type]
+                except FamilyError as exc:
+                    raise DiagnoseError(f"site {s!r}: {exc}") from None
+            update_statistics(self.cross[s], pb.z[s], pb.g[s], pb.mask, s)  # padded rows dropped
+
+    def reduce(self) -> None:
+        """Sum the kink ties over the ranks under ``torchrun`` (a no-op in one process)."""
+        from depthsat_theory.diagnose import distributed as _dist
+
+        if self.counter is not None and _dist.world()[1] > 1:
+            every = _dist.all_gather_objects(dict(self.counter.ties))
+            self.counter.ties = {s: sum(int(t[s]) for t in every) for s in self.sites}
+
+    def finish(self, site_results: list, betas: Mapping[str, float], counted: bool) -> None:
+        """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list."""
+        for sd in site_results:
+            if self.counter is not None and counted:
+                sd.result.kink_ties = self.counter.ties[sd.site]
+                sd.result.saturated = sd.result.verdict is Verdict.SATURATED
+            if sd.site in self.cross and counted and _world() == 1:  # cross blocks are not sharded
+                sd.saddle = self.cross[sd.site].result()
+            sd.beta = betas.get(sd.site)
+
+
+def measure_curvatures(
+    diagnosis, model: nn.Module, loss_fn: Callable, batches: list, family: FeatureFamily, stats
+) -> None:
+    """Attach :class:`~depthsat_theory.capture.curvature.FieldCurvature` to every site of ``diagnosis``."""
+    for sd in diagnosis.sites:
+        if sd.result.score == 0 or len(sd.shape) != 1:
+            continue  # no steepest field, or a sequence/image site (vector sites only)
+        st = stats[sd.site]
+        sd.curvature = field_curvature(
+            model,
+            loss_fn,
+            batches,
+            sd.site,
+            family,
+            st.cross_gradient(),
+            st.feature_gram(),
+            layout=sd.layout,
+            score=sd.result.score,
+        )
+
+
+def _world() -> int:
+    from depthsat_theory.diagnose import distributed as _dist
+
+    return _dist.world()[1]
+
+
+def default_epsilon(bound_kwargs: Mapping, beta: float | None) -> dict:
+    """``bound_kwargs`` with ``epsilon = sqrt(2 β ε_J)`` (``ε_J``: :data:`DEFAULT_EPSILON_NATS`) given ``β``."""
+    out = dict(bound_kwargs)
+    if beta is not None and out.get("epsilon") is None:
+        out["epsilon"] = epsilon_from_nats(DEFAULT_EPSILON_NATS, beta)
+    return out

@@ -1,0 +1,126 @@
+"""How much loss a block can remove with a finite step (theory/decrease.md).
+
+With the features fixed, a zero-output block adds a field ``f ∈ T`` to the site, and the loss is
+a function ``F(f) = J`` of that field with ``∇F(0) = g`` (T1).  If ``F`` is ``β``-smooth on ``T``
+in the function-space norm, the step ``f = −Πg/β`` lowers ``J`` by at least ``s²/(2β)``
+(``thm-guaranteed-decrease``); no field of norm ``r`` lowers it by more than ``s r + β r²/2``
+(``prop-decrease-upper``); under ``μ``-strong convexity on ``T`` the best decrease is at most
+``s²/(2μ)``, and for squared error at the output site it is exactly ``s²/2``
+(``prop-squared-error-exact``).  ``β`` for a cross-entropy head ``softmax(W z + c)`` is at most
+``½ ‖W‖₂²`` per unit (``lem-ce-smoothness``).
+
+All decreases are in loss units per example (nats per example for cross-entropy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DEFAULT_EPSILON_NATS",
+    "best_decrease_bound",
+    "cross_entropy_smoothness",
+    "decrease_upper_bound",
+    "epsilon_from_nats",
+    "guaranteed_decrease",
+    "squared_error_decrease",
+]
+
+#: The default loss tolerance behind "certified ε-saturated" when ``β`` is known (nats per example).
+DEFAULT_EPSILON_NATS = 1e-3
+
+
+def _check(name: str, value: float, *, positive: bool) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        what = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a finite {what} number, got {value!r}")
+    return v
+
+
+def guaranteed_decrease(score: float, beta: float) -> float:
+    r"""``s² / (2β)``: the decrease the step ``−Πg/β`` is guaranteed (``thm-guaranteed-decrease``).
+
+    .. math:: J(0) - J(-\Pi g/\beta) \ge \frac{s^2}{2\beta}
+
+    Args:
+        score: ``s = ‖Πg‖`` (loss units per example per unit function-space step).
+        beta: smoothness constant of the loss in the added field on ``T`` (loss units per
+            example per squared unit step), e.g. :func:`cross_entropy_smoothness`.
+
+    Returns:
+        The guaranteed decrease in loss units per example.
+
+    Raises:
+        ValueError: ``score < 0`` or ``beta ≤ 0`` or either not finite.
+    """
+    s = _check("score", score, positive=False)
+    return s * s / (2 * _check("beta", beta, positive=True))
+
+
+def decrease_upper_bound(score: float, radius: float, beta: float) -> float:
+    """``s r + β r²/2``: no block of function-space size ``r`` removes more (``prop-decrease-upper``).
+
+    Raises:
+        ValueError: a negative or non-finite argument (``beta = 0`` is allowed).
+    """
+    s, r = _check("score", score, positive=False), _check("radius", radius, positive=False)
+    return s * r + _check("beta", beta, positive=False) * r * r / 2
+
+
+def best_decrease_bound(score: float, mu: float) -> float:
+    """``s² / (2μ)``: the best decrease of a ``μ``-strongly convex loss on ``T`` (``prop-decrease-upper``).
+
+    Raises:
+        ValueError: ``mu ≤ 0`` or a non-finite argument.
+    """
+    s = _check("score", score, positive=False)
+    return s * s / (2 * _check("mu", mu, positive=True))
+
+
+def squared_error_decrease(score: float) -> float:
+    """``s² / 2``: the exact best decrease at an output site under ``ℓ = ½‖ŷ − y‖²`` (``prop-squared-error-exact``)."""
+    s = _check("score", score, positive=False)
+    return s * s / 2
+
+
+def cross_entropy_smoothness(weight, *, units_per_example: int = 1) -> float:
+    """``β ≤ ½ ‖W‖₂² / T``: smoothness of cross-entropy through a linear head ``W z + c`` (``lem-ce-smoothness``).
+
+    The Hessian of ``CE(Wz + c, y)`` in ``z`` is ``Wᵀ (diag p − p pᵀ) W`` and
+    ``λ_max(diag p − p pᵀ) ≤ ½``; with the per-example loss the mean over ``T`` units
+    (tokens) each unit's curvature is divided by ``T``.
+
+    Args:
+        weight: the head's weight ``(classes, d)`` (tensor or array).
+        units_per_example: the smallest number of units averaged in one example's loss (``1`` for a
+            per-example classifier, the shortest sequence length for a token-mean loss).
+
+    Returns:
+        ``β`` in nats per example per squared unit step.
+
+    Raises:
+        ValueError: a weight that is not 2-D or not finite, or ``units_per_example < 1``.
+    """
+    w = weight.detach().to(torch.float64).cpu().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight)
+    if w.ndim != 2 or not np.isfinite(w).all():
+        raise ValueError(f"weight must be a finite (classes, d) matrix, got shape {w.shape}")
+    if int(units_per_example) < 1:
+        raise ValueError(f"units_per_example must be >= 1, got {units_per_example}")
+    return 0.5 * float(np.linalg.norm(w, 2)) ** 2 / int(units_per_example)
+
+
+def epsilon_from_nats(nats: float, beta: float) -> float:
+    """``ε = sqrt(2 β ε_J)``: the score tolerance at which the guaranteed decrease is ``ε_J`` nats.
+
+    A site certified ``ε``-saturated with this ``ε`` has ``s²/(2β) ≤ ε_J``: even the step
+    ``−Πg/β`` is promised no more than ``ε_J`` (and, when ``μ = β``, as for squared error at the
+    output, no block removes more).
+
+    Raises:
+        ValueError: ``nats ≤ 0`` or ``beta ≤ 0``.
+    """
+    return math.sqrt(2 * _check("beta", beta, positive=True) * _check("nats", nats, positive=True))
