@@ -165,7 +165,6 @@ def test_grow_hf_checkpoint_folder(tmp_path):
     """``grow --model hf:DIR``: a saved tiny Llama grown by a layer copy; the reloaded grown model's
     logits equal the original's on the report's probe text (function preservation, independently)."""
     import transformers
-
     from tiny_hf import VERSES, char_tokenizer, save_checkpoint, tiny_causal_lm
 
     model = tiny_causal_lm("llama")
