@@ -203,4 +203,11 @@ def write_json_atomic(rows: list[Row], ctx: Context, path: str) -> None:
         "passed": all(r.passed for r in rows),
         "rows": [asdict(r) for r in rows],
     }
-    atomic_write(path, lambda fh: json.dump(doc, fh, indent=1))
+    atomic_write(path, lambda fh: json.dump(doc, fh, indent=1, default=_json_scalar))
+
+
+def _json_scalar(obj: object) -> object:
+    """numpy scalars in the checks' tables (T7's probe sizes are ``np.int64``) as Python numbers."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
