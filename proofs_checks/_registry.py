@@ -207,7 +207,7 @@ def write_json_atomic(rows: list[Row], ctx: Context, path: str) -> None:
 
 
 def _json_scalar(obj: object) -> object:
-    """numpy scalars in the checks' tables (T7's probe sizes are ``np.int64``) as Python numbers."""
+    """A numpy scalar of the checks' tables (T7's probe sizes are ``np.int64``) as a Python number."""
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")

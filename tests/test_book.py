@@ -59,7 +59,7 @@ def server(site: Path):
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's signature
+    def log_message(self, format, *args):
         pass
 
 
@@ -131,14 +131,18 @@ const text = clone.textContent;
 const images = Array.from(article.querySelectorAll("img")).map(img => ({
   src: img.getAttribute("src"), ok: img.complete && img.naturalWidth > 0}));
 const col = article.getBoundingClientRect();
-const scrolls = el => { const o = getComputedStyle(el).overflowX; return o === "auto" || o === "scroll" || o === "hidden" || o === "clip"; };
+const scrolls = el => ["auto", "scroll", "hidden", "clip"].includes(getComputedStyle(el).overflowX);
 const overflow = [];
 for (const el of article.querySelectorAll("*")) {
   const r = el.getBoundingClientRect();
   if (r.width === 0 || r.height === 0 || r.right <= col.right + 1) continue;
   let clipped = false;
-  for (let p = el.parentElement; p && p !== article; p = p.parentElement) { if (scrolls(p)) { clipped = true; break; } }
-  if (!clipped && !scrolls(el)) overflow.push(`${el.tagName.toLowerCase()}.${el.className} (${Math.round(r.right - col.right)} px past the column)`);
+  for (let p = el.parentElement; p && p !== article; p = p.parentElement) {
+    if (scrolls(p)) { clipped = true; break; }
+  }
+  const past = Math.round(r.right - col.right);
+  const name = `${el.tagName.toLowerCase()}.${el.className}`;
+  if (!clipped && !scrolls(el)) overflow.push(`${name} (${past} px past the column)`);
   if (overflow.length > 5) break;
 }
 return {math: math.length, containers: document.querySelectorAll("mjx-container").length, untypeset, errors,
@@ -163,7 +167,8 @@ def _visit(browser, url: str) -> dict:
 
 
 def _foreign(urls: list[str]) -> list[str]:
-    return [u for u in urls if urlparse(u).scheme not in ("data", "blob", "about") and urlparse(u).hostname != "127.0.0.1"]
+    local = ("data", "blob", "about")
+    return [u for u in urls if urlparse(u).scheme not in local and urlparse(u).hostname != "127.0.0.1"]
 
 
 def test_every_page_as_a_reader_sees_it(site, server, browser):
@@ -208,8 +213,10 @@ def test_search_results_typeset_math(site, server, browser):
     browser.get(server + "search.html?q=projector")
     WebDriverWait(browser, 30).until(lambda d: d.find_elements("css selector", "#search-results li"))
     WebDriverWait(browser, 30).until(
-        lambda d: d.find_elements("css selector", "#search-results mjx-container")
-        or not RAW_TEX.search(d.find_element("id", "search-results").text)
+        lambda d: (
+            d.find_elements("css selector", "#search-results mjx-container")
+            or not RAW_TEX.search(d.find_element("id", "search-results").text)
+        )
     )
     text = browser.find_element("id", "search-results").text
     assert not re.search(r"\\\(|\\\)", text), f"raw TeX delimiters in the search results: {text[:300]!r}"
@@ -226,7 +233,7 @@ class _Links(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        if "id" in a and a["id"]:
+        if a.get("id"):
             self.ids.add(a["id"])
         if tag == "a" and a.get("href"):
             self.links.append(a["href"])

@@ -30,6 +30,22 @@
     script.src = root + "_static/mathjax/tex-chtml.js";
     document.head.appendChild(script);
   }
+  // A summary is a window of the page's text: it may start inside a formula (a closing delimiter
+  // first) or end inside one (an opening delimiter last). Cut such fragments so that every formula
+  // left in the summary is whole and typesets.
+  function balance(p) {
+    if (p.dataset.depthsatBalanced || p.children.length) return;
+    var text = p.textContent;
+    [["\\(", "\\)"], ["\\[", "\\]"]].forEach(function (pair) {
+      var open = text.indexOf(pair[0]), close = text.indexOf(pair[1]);
+      if (close >= 0 && (open < 0 || close < open)) text = "…" + text.slice(close + 2);
+      open = text.lastIndexOf(pair[0]);
+      close = text.lastIndexOf(pair[1]);
+      if (open >= 0 && close < open) text = text.slice(0, open) + "…";
+    });
+    p.textContent = text;
+    p.dataset.depthsatBalanced = "1";
+  }
   document.addEventListener("DOMContentLoaded", function () {
     var sphinxLoadsMathJax = document.querySelector('script[src*="mathjax/tex-chtml.js"]');
     if (!sphinxLoadsMathJax && document.querySelector(".math")) typeset(document.body);
@@ -39,6 +55,7 @@
     new MutationObserver(function () {
       if (pending) clearTimeout(pending);
       pending = setTimeout(function () {
+        results.querySelectorAll("p.context").forEach(balance);
         if (/\\\(|\\\[/.test(results.textContent)) typeset(results);
       }, 300);
     }).observe(results, { childList: true, subtree: true });

@@ -11,8 +11,6 @@ copied stub is replaced by the text of the file it includes.
 from __future__ import annotations
 
 import importlib
-import inspect
-import os
 import re
 from pathlib import Path
 
@@ -64,6 +62,16 @@ def _canonical(target: str) -> str | None:
     return None
 
 
+def _shared(name: str, module: str) -> int:
+    """How many leading dotted components two names share."""
+    count = 0
+    for a, b in zip(name.split("."), module.split("."), strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
 def _documented(domain: PythonDomain, target: str, reftype: str, module: str) -> str | None:
     """The one documented object a (possibly short or re-exported) name means, or None."""
     objtypes = set(domain.objtypes_for_role(reftype) or ()) if reftype else set()
@@ -81,12 +89,14 @@ def _documented(domain: PythonDomain, target: str, reftype: str, module: str) ->
         package, _, attr = target.rpartition(".")
         names = [name for name in domain.objects if name.startswith(package + ".") and name.endswith("." + attr)]
     if len(names) > 1:  # prefer the object closest to the module whose docstring refers to it
-        best = max(len(os.path.commonprefix([name, module])) for name in names)
-        names = [name for name in names if len(os.path.commonprefix([name, module])) == best]
+        best = max(_shared(name, module) for name in names)
+        names = [name for name in names if _shared(name, module) == best]
     return names[0] if len(names) == 1 else None
 
 
-def _resolve_py(app: Sphinx, env: BuildEnvironment, node: pending_xref, contnode: nodes.Element) -> nodes.Element | None:
+def _resolve_py(
+    app: Sphinx, env: BuildEnvironment, node: pending_xref, contnode: nodes.Element
+) -> nodes.Element | None:
     """Resolve a py reference the docstrings write by a re-exported or a short name.
 
     ``depthsat_theory.statistics.SaturationResult`` is documented once, at its defining module
