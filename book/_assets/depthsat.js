@@ -5,9 +5,11 @@
 (function () {
   "use strict";
   var waiting = [];
+  // (balance is hoisted: defined below)
   function typeset(el) {
     var mj = window.MathJax;
     if (mj && mj.typesetPromise) {
+      el.querySelectorAll("p.context").forEach(balance);
       mj.typesetPromise([el]).catch(function () {});
       return;
     }
@@ -18,6 +20,9 @@
         typeset: false,
         pageReady: function () {
           return window.MathJax.startup.defaultPageReady().then(function () {
+            waiting.forEach(function (el) {
+              el.querySelectorAll("p.context").forEach(balance);
+            });
             return window.MathJax.typesetPromise(waiting);
           });
         },
@@ -34,7 +39,7 @@
   // first) or end inside one (an opening delimiter last). Cut such fragments so that every formula
   // left in the summary is whole and typesets.
   function balance(p) {
-    if (p.dataset.depthsatBalanced || p.children.length) return;
+    if (p.dataset.depthsatBalanced || p.querySelector("mjx-container")) return;
     var text = p.textContent;
     [["\\(", "\\)"], ["\\[", "\\]"]].forEach(function (pair) {
       var open = text.indexOf(pair[0]), close = text.indexOf(pair[1]);
