@@ -36,7 +36,10 @@ RAW_TEX = re.compile(r"\\(frac|sqrt|mathbb|mathrm|lVert|rVert|sum|begin|operator
 
 @pytest.fixture(scope="module")
 def site(request) -> Path:
-    path = Path(request.config.getoption("book_site")).resolve()
+    option = request.config.getoption("book_site")
+    if not option:
+        pytest.fail("tests/test_book.py needs the built book: run ./dev book, or pass --book-site book/_build/html")
+    path = Path(option).resolve()
     if not (path / "index.html").is_file():
         pytest.fail(f"--book-site {path}: no index.html there; build the book first (./dev book)")
     return path
@@ -99,7 +102,7 @@ def chromium():
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     driver = webdriver.Chrome(options=opts, service=Service(driver_path))
     driver.set_window_size(WIDTH, HEIGHT)
-    driver.set_script_timeout(60)
+    driver.set_script_timeout(120)
     return driver
 
 
@@ -107,12 +110,16 @@ def chromium():
 
 _WAIT_MATHJAX = """
 const done = arguments[arguments.length - 1];
-const settle = () => setTimeout(() => done(true), 50);
+let settled = false;
+const settle = () => { if (!settled) { settled = true; setTimeout(() => done(true), 50); } };
 const deadline = Date.now() + 10000;  // a page whose math never typesets is reported by _INSPECT
 function check() {
   const mj = window.MathJax;
   if (document.readyState !== "complete" && Date.now() < deadline) { setTimeout(check, 50); }
-  else if (mj && mj.startup && mj.startup.promise) { mj.startup.promise.then(settle, settle); }
+  else if (mj && mj.startup && mj.startup.promise) {
+    mj.startup.promise.then(settle, settle);
+    setTimeout(settle, Math.max(deadline - Date.now(), 0) + 10000);  // a promise that never settles
+  }
   else if (document.querySelector(".math") && Date.now() < deadline) { setTimeout(check, 100); }
   else { settle(); }
 }
