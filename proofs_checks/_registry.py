@@ -206,8 +206,8 @@ def write_json_atomic(rows: list[Row], ctx: Context, path: str) -> None:
     atomic_write(path, lambda fh: json.dump(doc, fh, indent=1, default=_json_scalar))
 
 
-def _json_scalar(obj):
-    """NumPy scalars in tables (e.g. T7's coverage counts) as Python numbers."""
+def _json_scalar(obj: object) -> object:
+    """A numpy scalar of the checks' tables (T7's probe sizes are ``np.int64``) as a Python number."""
     if isinstance(obj, np.generic):
         return obj.item()
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")

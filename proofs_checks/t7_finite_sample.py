@@ -127,7 +127,7 @@ class Population:
 
     @property
     def N(self) -> int:
-        """Population size: the number of examples (rows of ``phi`` and ``g``)."""
+        """Population size, the number of examples (rows of ``phi`` and ``g``)."""
         return self.phi.shape[0]
 
     def design(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -66,12 +66,26 @@ SLOW_SAMPLE_DEFAULT = "1"
 
 def pytest_addoption(parser) -> None:
     parser.addoption(
+        "--book-site",
+        default=os.environ.get("DEPTHSAT_BOOK_SITE"),
+        metavar="DIR",
+        help="the built book (book/_build/html) for tests/test_book.py, which is collected only with it; "
+        "./dev book builds the book and then runs that file with this option",
+    )
+    parser.addoption(
         "--slow-sample",
         default=os.environ.get("DEPTHSAT_SLOW_SAMPLE", SLOW_SAMPLE_DEFAULT),
         metavar="N|all",
         help="run N tests marked slow, chosen by a hash of their test id (default "
         f"$DEPTHSAT_SLOW_SAMPLE or {SLOW_SAMPLE_DEFAULT}); 'all' runs every slow test",
     )
+
+
+def pytest_ignore_collect(collection_path, config) -> bool | None:
+    """tests/test_book.py needs the built site: collected only with ``--book-site`` (``./dev book``)."""
+    if collection_path.name == "test_book.py" and not config.getoption("book_site"):
+        return True
+    return None
 
 
 def _slow_sample_size(config) -> int | None:

@@ -115,6 +115,22 @@ def test_runner_reports_a_failing_check(scratch_registry, tmp_path):
     assert run_and_report(Context(), only=["TNONE"], console=console, quiet=True) == 2
 
 
+def test_json_report_keeps_numpy_numbers_of_a_table(scratch_registry, tmp_path):
+    # T7's coverage table holds its probe sizes as np.int64; --json once died on them
+    import numpy as np
+
+    @check("TNP", "thm-fine", "numpy-table", "numeric")
+    def _table(ctx):
+        rows = [["pop", np.int64(2000), np.float64(0.5)]]
+        return Outcome(instances=1, counterexamples=0, table=("t", ["population", "n", "coverage"], rows))
+
+    path = tmp_path / "rows.json"
+    console = Console(record=True, width=200)
+    assert run_and_report(Context(quick=True), only=["TNP"], console=console, quiet=True, json_path=str(path)) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["table"][2] == [["pop", 2000, 0.5]]
+
+
 def test_scratch_registry_restores_checks(scratch_registry):
     n = len(scratch_registry)
 

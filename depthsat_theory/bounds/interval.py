@@ -76,7 +76,7 @@ def ag_rms_upper(n: int, ag_rms: float, grad_max: float, delta: float) -> float:
     return math.sqrt(bernstein_mean_upper(rms * rms, gam * gam, n, math.log(1 / delta)))
 
 
-#: the matrix step of the interval: ``"worst-case"`` (``thm-finite-sample``, variance ``L_1``)
+#: The matrix step of the interval, ``"worst-case"`` (``thm-finite-sample``, variance ``L_1``)
 #: or ``"empirical-bernstein"`` (``thm-empirical-bernstein``, variance ``σ̄²`` from the probe)
 MATRIX_BOUNDS = ("worst-case", "empirical-bernstein")
 

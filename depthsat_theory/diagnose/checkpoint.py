@@ -56,7 +56,7 @@ __all__ = [
 #: Version of the checkpoint format written by :func:`write_checkpoint`.
 CHECKPOINT_VERSION = 3
 
-#: Key of the loss-total statistic in a checkpoint (not a module name: ``@`` cannot start one).
+#: Key of the loss-total statistic in a checkpoint (``@`` cannot start a module name).
 LOSS_KEY = "@loss"
 
 

@@ -8,13 +8,13 @@ and its *tangent space* is ``T = {z ↦ A(z) v : v ∈ R^p}``.
 
 Site tensors come in three layouts (per example, the batch dimension ``B`` first):
 
-=========== ================ ====================================================
-layout      site tensor      rows (positions) used by row-wise families
-=========== ================ ====================================================
-``vector``  ``(B, d)``       one row of ``d`` per example
-``sequence``  ``(B, T, d)``  ``T`` rows (tokens) of ``d``
-``image``   ``(B, C, H, W)`` ``H·W`` rows (pixels) of ``C``
-=========== ================ ====================================================
+============ ================ ====================================================
+layout       site tensor      rows (positions) used by row-wise families
+============ ================ ====================================================
+``vector``   ``(B, d)``       one row of ``d`` per example
+``sequence`` ``(B, T, d)``    ``T`` rows (tokens) of ``d``
+``image``    ``(B, C, H, W)`` ``H·W`` rows (pixels) of ``C``
+============ ================ ====================================================
 
 Most practical blocks are *zero-output feature families* (theory/definitions.md)
 

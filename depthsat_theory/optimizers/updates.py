@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 
+#: The zero-state updates by name (``sgd``, ``adam``, …, and the planted ``rotation``).
 UPDATES: dict[str, ZeroStateUpdate] = {
     u.name: u
     for u in (

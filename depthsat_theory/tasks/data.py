@@ -168,7 +168,6 @@ class CharVocabulary:
 
     Attributes:
         chars: sorted list of unique characters; ``chars[i]`` has id ``i``.
-        size: number of characters (vocabulary size).
 
     Raises:
         ValueError: if ``text`` is empty.

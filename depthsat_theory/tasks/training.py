@@ -80,7 +80,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 KINDS: tuple[str, ...] = model_names(Source.TRAINED)
-"""The trained kinds: the registry's :attr:`~depthsat_theory.tasks.registry.Source.TRAINED` models."""
+"""The trained kinds, the registry's :attr:`~depthsat_theory.tasks.registry.Source.TRAINED` models."""
 if set(KINDS) != set(_CONFIGS):  # pragma: no cover - a registry/config mismatch is a programming error
     raise RuntimeError(f"registry kinds {KINDS} and training configurations {tuple(_CONFIGS)} differ")
 

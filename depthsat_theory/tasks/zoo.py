@@ -82,7 +82,7 @@ __all__ = [
 ]
 
 NAMES: tuple[str, ...] = model_names(Source.ZOO)
-"""The zoo's models: the registry's :attr:`~depthsat_theory.tasks.registry.Source.ZOO` entries."""
+"""The zoo's models, the registry's :attr:`~depthsat_theory.tasks.registry.Source.ZOO` entries."""
 
 DEFAULTS: dict[str, tuple[int, int]] = {name: (MODELS[name].n_examples, MODELS[name].batch_size) for name in NAMES}
 """Default ``(n_examples, batch_size)`` of each zoo model (from the registry)."""

@@ -479,7 +479,7 @@ class SymbolicSaturation:
 
     @property
     def probe_verdict(self) -> Verdict:
-        """The verdict on this measure itself: equal to :attr:`verdict` (no sampling to test)."""
+        """The verdict on this measure itself, equal to :attr:`verdict` (no sampling to test)."""
         return self.verdict
 
     @property

@@ -1,0 +1,141 @@
+"""Sphinx extension of the depthsat book.
+
+Two jobs: the page's real text behind the download button, and the docstrings' cross-references
+resolved to the one place each object is documented.
+
+The theory pages are one-line include stubs (``{include} ../../theory/iff.md``); Sphinx copies the
+stub to ``_sources/``, so the ".md" download button handed out two lines. After the build, each
+copied stub is replaced by the text of the file it includes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+from docutils import nodes
+from sphinx.addnodes import pending_xref
+from sphinx.application import Sphinx
+from sphinx.domains.python import PythonDomain
+from sphinx.environment import BuildEnvironment
+
+_INCLUDE = re.compile(r"^```\{include\}\s+(?P<path>\S+)\s*\n```\s*$")
+
+
+def _replace_include_stubs(app: Sphinx, exception: Exception | None) -> None:
+    if exception is not None or app.builder.format != "html":
+        return
+    sources = Path(app.outdir) / "_sources"
+    for docname in app.env.found_docs:
+        src = Path(app.env.doc2path(docname))
+        match = _INCLUDE.match(src.read_text(encoding="utf-8").strip())
+        if match is None:
+            continue
+        target = (src.parent / match["path"]).resolve()
+        copied = sources / (docname + src.suffix)
+        if copied.exists():
+            copied.write_text(target.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def _canonical(target: str) -> str | None:
+    """The defining module's name of an object reached through a re-export, or None.
+
+    ``depthsat_theory.statistics.StreamingStatistic.state_dict`` becomes
+    ``depthsat_theory.statistics.protocol.StreamingStatistic.state_dict``.
+    """
+    if not target.startswith(("depthsat_theory.", "proofs_checks.")):
+        return None
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        return f"{module}.{qualname}" if module and qualname else None
+    return None
+
+
+def _shared(name: str, module: str) -> int:
+    """How many leading dotted components two names share."""
+    count = 0
+    for a, b in zip(name.split("."), module.split("."), strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def _documented(domain: PythonDomain, target: str, reftype: str, module: str) -> str | None:
+    """The one documented object a (possibly short or re-exported) name means, or None."""
+    objtypes = set(domain.objtypes_for_role(reftype) or ()) if reftype else set()
+    canonical = _canonical(target)
+    if canonical in domain.objects:
+        return canonical
+    names = [
+        name
+        for name, entry in domain.objects.items()
+        if (name == target or name.endswith("." + target)) and (not objtypes or entry.objtype in objtypes)
+    ]
+    if not names and objtypes:  # a type alias documented as data, written :class:`Statistics`
+        return _documented(domain, target, "", module)
+    if not names and "." in target:  # a re-exported module attribute (data has no __module__)
+        package, _, attr = target.rpartition(".")
+        names = [name for name in domain.objects if name.startswith(package + ".") and name.endswith("." + attr)]
+    if len(names) > 1:  # prefer the object closest to the module whose docstring refers to it
+        best = max(_shared(name, module) for name in names)
+        names = [name for name in names if _shared(name, module) == best]
+    return names[0] if len(names) == 1 else None
+
+
+def _resolve_py(
+    app: Sphinx, env: BuildEnvironment, node: pending_xref, contnode: nodes.Element
+) -> nodes.Element | None:
+    """Resolve a py reference the docstrings write by a re-exported or a short name.
+
+    ``depthsat_theory.statistics.SaturationResult`` is documented once, at its defining module
+    ``depthsat_theory.statistics.result``; a short name (``ZeroStateUpdate.make_optimizer``) written in
+    another module's docstring resolves to the documented object ending with it (the one nearest the
+    referring module when several do). An enum member (``Verdict.DEGENERATE``) links to its enum.
+    Anything else stays unresolved, so nitpicky mode still fails on a wrong name.
+    """
+    if node.get("refdomain") != "py":
+        return None
+    domain = env.get_domain("py")
+    assert isinstance(domain, PythonDomain)
+    target = node["reftarget"].lstrip("~.")
+    module = node.get("py:module") or ""
+    reftype = node["reftype"]
+    found = _documented(domain, target, reftype, module)
+    if found is None and reftype == "attr" and "." in target:
+        parent = _documented(domain, target.rpartition(".")[0], "class", module)
+        if parent is not None and domain.objects[parent].objtype == "class":
+            found, reftype = parent, "class"
+    if found is None:
+        return None
+    new = node.deepcopy()
+    new["reftarget"] = found
+    new["refspecific"] = False
+    return domain.resolve_xref(env, node["refdoc"], app.builder, reftype, found, new, contnode)
+
+
+def _foreign_docstring(app: Sphinx, what: str, name: str, obj: object, options: object, lines: list[str]) -> None:
+    """Module data whose only docstring is its foreign class's (the typer ``app``): name its type instead."""
+    cls = type(obj)
+    own_package = cls.__module__.split(".")[0] in ("depthsat_theory", "proofs_checks", "builtins")
+    if what == "data" and not own_package and obj.__doc__ is cls.__doc__:
+        lines[:] = [f"A ``{cls.__module__}.{cls.__qualname__}`` instance."]
+
+
+def setup(app: Sphinx) -> dict[str, object]:
+    """Register the build-finished hook."""
+    app.connect("build-finished", _replace_include_stubs)
+    app.connect("missing-reference", _resolve_py)
+    app.connect("autodoc-process-docstring", _foreign_docstring)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,315 @@
+"""The built book, tested the way a reader meets it: in headless Chromium, served on 127.0.0.1.
+
+Needs the built site (``./dev book`` builds it, then runs this file with ``--book-site
+book/_build/html``; without ``--book-site`` pytest does not collect this file, see
+tests/conftest.py). Chromium and its driver are the Debian packages ``chromium`` and
+``chromium-driver`` (``./dev book`` installs them when missing), driven by selenium.
+
+For every page: math typeset (each Sphinx math element holds a MathJax container, no MathJax
+error, no raw TeX such as ``\\frac`` in the visible text outside code), no console error, every
+image loaded, no element wider than the text column at 1280 px unless inside a scrolling box,
+and no request to a host other than 127.0.0.1. Over the whole site: every internal link and
+anchor resolves, every ``theory/`` page and every public module has its page.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import pkgutil
+import re
+import shutil
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urldefrag, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH, HEIGHT = 1280, 900
+RAW_TEX = re.compile(r"\\(frac|sqrt|mathbb|mathrm|lVert|rVert|sum|begin|operatorname|hat|tilde)\b|\$\$")
+
+# ----------------------------------------------------------------------------- the site
+
+
+@pytest.fixture(scope="module")
+def site(request) -> Path:
+    option = request.config.getoption("book_site")
+    if not option:
+        pytest.fail("tests/test_book.py needs the built book: run ./dev book, or pass --book-site book/_build/html")
+    path = Path(option).resolve()
+    if not (path / "index.html").is_file():
+        pytest.fail(f"--book-site {path}: no index.html there; build the book first (./dev book)")
+    return path
+
+
+def _pages(site: Path) -> list[Path]:
+    skip = {"_static", "_sources", "_images", "reports", "_sphinx_design_static"}
+    return sorted(p for p in site.rglob("*.html") if not skip & set(p.relative_to(site).parts))
+
+
+@pytest.fixture(scope="module")
+def server(site: Path):
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver = chromium()
+    yield driver
+    driver.quit()
+
+
+def chromium():
+    """A headless Chromium at 1280 px that logs the console and every network request."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not binary or not driver_path:
+        pytest.fail("headless Chromium is needed: apt-get install -y chromium chromium-driver (./dev book does)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={WIDTH},{HEIGHT}",
+        # nothing may leave 127.0.0.1: other hosts do not resolve (requests are still logged)
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-default-apps",
+        "--disable-sync",
+    ):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(options=opts, service=Service(driver_path))
+    driver.set_window_size(WIDTH, HEIGHT)
+    driver.set_script_timeout(120)
+    return driver
+
+
+# ----------------------------------------------------------------------------- one page in the browser
+
+_WAIT_MATHJAX = """
+const done = arguments[arguments.length - 1];
+let settled = false;
+const settle = () => { if (!settled) { settled = true; setTimeout(() => done(true), 50); } };
+const deadline = Date.now() + 10000;  // a page whose math never typesets is reported by _INSPECT
+function check() {
+  const mj = window.MathJax;
+  if (document.readyState !== "complete" && Date.now() < deadline) { setTimeout(check, 50); }
+  else if (mj && mj.startup && mj.startup.promise) {
+    mj.startup.promise.then(settle, settle);
+    setTimeout(settle, Math.max(deadline - Date.now(), 0) + 10000);  // a promise that never settles
+  }
+  else if (document.querySelector(".math") && Date.now() < deadline) { setTimeout(check, 100); }
+  else { settle(); }
+}
+check();
+"""
+
+_INSPECT = """
+const article = document.querySelector("article.bd-article") || document.querySelector("main") || document.body;
+const math = Array.from(document.querySelectorAll("span.math, div.math"));  // the sidebar's titles too
+const untypeset = math.filter(el => !el.querySelector("mjx-container")).map(el => el.textContent.slice(0, 80));
+const errors = Array.from(document.querySelectorAll("mjx-merror, [data-mjx-error]")).map(el =>
+  el.getAttribute("data-mjx-error") || el.textContent.slice(0, 80));
+const clone = article.cloneNode(true);
+clone.querySelectorAll("pre, code, mjx-container, script, style, .highlight, textarea").forEach(el => el.remove());
+const text = clone.textContent;
+const images = Array.from(article.querySelectorAll("img")).map(img => ({
+  src: img.getAttribute("src"), ok: img.complete && img.naturalWidth > 0}));
+const col = article.getBoundingClientRect();
+const scrolls = el => ["auto", "scroll", "hidden", "clip"].includes(getComputedStyle(el).overflowX);
+const overflow = [];
+for (const el of article.querySelectorAll("*")) {
+  const r = el.getBoundingClientRect();
+  if (r.width === 0 || r.height === 0 || r.right <= col.right + 1) continue;
+  let clipped = false;
+  for (let p = el.parentElement; p && p !== article; p = p.parentElement) {
+    if (scrolls(p)) { clipped = true; break; }
+  }
+  const past = Math.round(r.right - col.right);
+  const name = `${el.tagName.toLowerCase()}.${el.className}`;
+  if (!clipped && !scrolls(el)) overflow.push(`${name} (${past} px past the column)`);
+  if (overflow.length > 5) break;
+}
+return {math: math.length, containers: document.querySelectorAll("mjx-container").length, untypeset, errors,
+        text, images, overflow, columnWidth: col.width};
+"""
+
+
+def _visit(browser, url: str) -> dict:
+    browser.get_log("browser")
+    browser.get_log("performance")
+    browser.get(url)
+    browser.execute_async_script(_WAIT_MATHJAX)
+    browser.execute_script("document.querySelectorAll('img[loading=lazy]').forEach(i => i.loading = 'eager');")
+    info = browser.execute_script(_INSPECT)
+    info["console"] = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    info["requests"] = [
+        msg["params"]["request"]["url"]
+        for msg in (json.loads(e["message"])["message"] for e in browser.get_log("performance"))
+        if msg["method"] == "Network.requestWillBeSent"
+    ]
+    return info
+
+
+def _foreign(urls: list[str]) -> list[str]:
+    local = ("data", "blob", "about")
+    return [u for u in urls if urlparse(u).scheme not in local and urlparse(u).hostname != "127.0.0.1"]
+
+
+def test_every_page_as_a_reader_sees_it(site, server, browser):
+    problems: dict[str, list[str]] = {}
+    pages = _pages(site)
+    assert len(pages) > 20, f"only {len(pages)} pages in {site}"
+    typeset = 0
+    for page in pages:
+        rel = page.relative_to(site).as_posix()
+        info = _visit(browser, server + rel)
+        found = []
+        if info["untypeset"]:
+            found.append(f"{len(info['untypeset'])} math elements not typeset, e.g. {info['untypeset'][0]!r}")
+        if info["errors"]:
+            found.append(f"MathJax errors: {info['errors'][:3]}")
+        raw = RAW_TEX.search(info["text"])
+        if raw:
+            start = max(raw.start() - 40, 0)
+            found.append(f"raw TeX in the visible text: …{info['text'][start : raw.end() + 40]!r}…")
+        found += [f"console error: {m}" for m in info["console"]]
+        found += [f"image not loaded: {img['src']}" for img in info["images"] if not img["ok"]]
+        found += [f"overflows the {info['columnWidth']:.0f} px column: {o}" for o in info["overflow"]]
+        found += [f"request leaves 127.0.0.1: {u}" for u in _foreign(info["requests"])]
+        if found:
+            problems[rel] = found
+        typeset += info["containers"]
+    assert typeset > 500, f"only {typeset} typeset formulas in the whole book"
+    assert not problems, "\n".join(f"{page}: {p}" for page, found in problems.items() for p in found)
+
+
+def test_chapters_show_their_executed_figures(site, server, browser):
+    figures = {}
+    for rel in ("chapters/setting.html", "chapters/optimizers.html", "chapters/diagnosis.html"):
+        info = _visit(browser, server + rel)
+        figures[rel] = [img for img in info["images"] if img["ok"]]
+    assert all(figures.values()), {rel: len(imgs) for rel, imgs in figures.items()}
+
+
+def test_search_results_typeset_math(site, server, browser):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server + "search.html?q=projector")
+    WebDriverWait(browser, 30).until(lambda d: d.find_elements("css selector", "#search-results li"))
+    WebDriverWait(browser, 30).until(
+        lambda d: (
+            d.find_elements("css selector", "#search-results mjx-container")
+            or not RAW_TEX.search(d.find_element("id", "search-results").text)
+        )
+    )
+    text = browser.find_element("id", "search-results").text
+    assert not re.search(r"\\\(|\\\)", text), f"raw TeX delimiters in the search results: {text[:300]!r}"
+
+
+# ----------------------------------------------------------------------------- the whole site, statically
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "a" and a.get("href"):
+            self.links.append(a["href"])
+        if tag in ("img", "script") and a.get("src"):
+            self.links.append(a["src"])
+        if tag == "link" and a.get("href"):
+            self.links.append(a["href"])
+
+
+def test_every_internal_link_resolves(site):
+    parsed = {}
+    for page in site.rglob("*.html"):
+        p = _Links()
+        p.feed(page.read_text(encoding="utf-8"))
+        parsed[page.resolve()] = p
+    broken = []
+    for page in _pages(site):
+        for href in parsed[page.resolve()].links:
+            url = urlparse(href)
+            if url.scheme in ("http", "https", "mailto", "data", "javascript") or href.startswith("//"):
+                continue
+            path, fragment = urldefrag(unquote(href))
+            target = (page.parent / path).resolve() if path else page.resolve()
+            if path.endswith("/"):
+                target = target / "index.html"
+            target = Path(str(target).split("?")[0])
+            if not target.exists():
+                broken.append(f"{page.relative_to(site)}: {href} (no file)")
+            elif fragment and target.suffix == ".html" and fragment not in parsed[target].ids:
+                broken.append(f"{page.relative_to(site)}: {href} (no anchor #{fragment})")
+    assert not broken, "\n".join(broken[:40])
+
+
+def test_no_page_links_to_another_host_for_its_assets(site):
+    pattern = re.compile(r"""<(?:script|link|img)[^>]+(?:src|href)=["'](?:https?:)?//""", re.I)
+    offenders = [p.relative_to(site).as_posix() for p in _pages(site) if pattern.search(p.read_text(encoding="utf-8"))]
+    assert not offenders, offenders
+
+
+def test_every_theory_page_is_in_the_book(site):
+    missing = []
+    for md in sorted((ROOT / "theory").glob("*.md")):
+        if md.name == "README.md":
+            continue
+        html = site / "theory" / f"{md.stem}.html"
+        heading = next(line for line in md.read_text(encoding="utf-8").splitlines() if line.startswith("# "))
+        title = re.sub(r"[`*$\\]", "", heading[2:]).split("(")[0].strip()
+        if not html.is_file() or title not in html.read_text(encoding="utf-8"):
+            missing.append(f"theory/{md.name} ({title!r})")
+    assert not missing, f"theory pages missing from the book: {missing}"
+
+
+def _public_modules() -> list[str]:
+    import depthsat_theory
+    import proofs_checks
+
+    names = []
+    for pkg in (depthsat_theory, proofs_checks):
+        names.append(pkg.__name__)
+        for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if not any(part.startswith("_") for part in mod.name.split(".")):
+                names.append(mod.name)
+    return names
+
+
+def test_every_public_module_is_in_the_api_reference(site):
+    modules = _public_modules()
+    assert "depthsat_theory.statistics.tangent" in modules and len(modules) > 50
+    missing = [m for m in modules if not (site / "_autosummary" / f"{m}.html").is_file()]
+    assert not missing, f"modules without an API page: {missing}"
+    api = (site / "api.html").read_text(encoding="utf-8")
+    assert "depthsat_theory.statistics" in api
