@@ -17,7 +17,9 @@ from depthsat_theory.vocabulary import Verdict
 
 __all__ = ["BY_CERTIFIED", "BY_POINT", "RankedSite", "SiteRanking", "even_positions", "rank_sites"]
 
+#: ``SiteRanking.by`` when sites were ranked by the certified lower end of the scale-free score.
 BY_CERTIFIED = "certified lower end of s/AG_rms"
+#: ``SiteRanking.by`` when sites were ranked by the point estimate ``s/AG_rms`` (vacuous intervals).
 BY_POINT = "point estimate of s/AG_rms"
 
 

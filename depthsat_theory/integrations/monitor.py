@@ -15,7 +15,7 @@ from depthsat_theory.tasks.custom import to_device
 __all__ = ["METRICS", "SaturationMonitor", "saturation_metrics"]
 
 METRICS: tuple[str, ...] = ("s", "s_over_ag_rms", "ag_max")
-"""The logged quantities per site: ``s`` (``score``), ``s/AG_rms`` (``relative_score``), ``AG_max``."""
+"""Names of the logged quantities per site, ``s`` (``score``), ``s/AG_rms`` (``relative_score``) and ``AG_max``."""
 
 
 def saturation_metrics(diagnosis: Diagnosis, prefix: str = "depthsat") -> dict[str, float]:
