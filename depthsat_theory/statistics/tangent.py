@@ -28,7 +28,14 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.families import ResidualFamily, to_rows
-from depthsat_theory.statistics.linalg import NOISE_ALPHA, Spectrum, gradient_rounding, noise_threshold, score_error
+from depthsat_theory.statistics.linalg import (
+    NOISE_ALPHA,
+    Spectrum,
+    gradient_rounding,
+    noise_threshold,
+    score_error,
+    unit_roundoff,
+)
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.vocabulary import Layout, Verdict
@@ -271,6 +278,10 @@ class TangentStatistics(StreamingStatistic):
         """Length of the float64 sums: the largest batch in units plus the number of batches."""
         return round(float(self.states["batch_units_max"]) + float(self.states["batches"]))
 
+    def _product_summands(self) -> int:
+        """Length of the float32 per-batch products: the largest batch so multiplied, in units (``0``: none)."""
+        return round(float(self.states["product_units_max"])) if "product_units_max" in self.states else 0
+
     def _finish(
         self,
         spec: Spectrum,
@@ -302,13 +313,17 @@ class TangentStatistics(StreamingStatistic):
         dtype = self.dtype or torch.float64
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
-        summands = self._summands()
-        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands)
+        summands, fast = self._summands(), self._product_summands()
+        if fast and unit_roundoff(dtype) < unit_roundoff(torch.float32):
+            dtype = torch.float32  # the float32 products round z, φ̃ and g to float32 (thm-score-error)
+        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands, product_summands=fast)
         # a dropped direction matters when it carries activation gradient beyond rounding: one that does
         # not is indistinguishable from the model's or the Gram's rounding (theory/numerics.md)
         unresolved = spec.unresolved if grad_rows is None else 0
         if grad_rows is not None and spec.dropped.shape[1]:
-            level = gradient_rounding(ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size)
+            level = gradient_rounding(
+                ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size, product_summands=fast
+            )
             mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
             unresolved = int((mass > level).sum())
         tol = err if tol is None else float(tol)
