@@ -933,3 +933,33 @@ def test_diagnose_attention_on_padded_keyword_batches():
             gs += [g[i][keep[i]] for i in range(z.shape[0])]
         assert sd.result.score == pytest.approx(_stacked_reference(fam, zs, gs), rel=1e-8)
         assert sd.result.units == 18 and sd.result.n == 4
+
+
+def test_diagnose_caches_trained_models_by_default(monkeypatch, tmp_path):
+    """``diagnose --model mlp`` passes the default weight cache to the trainer (``audit --model`` shares the default).
+
+    Truth: ``$DEPTHSAT_CACHE`` when set, else ``$HOME/.cache/depthsat`` (as ``check`` does); before,
+    ``diagnose`` passed none and retrained on every call.
+    """
+    import depthsat_theory.tasks as tasks
+    from depthsat_theory.cli.inputs import UserError, diagnose_target
+
+    seen: list = []
+
+    def fake_trained_task(kind, seed=0, *, cache_dir=None):
+        seen.append(cache_dir)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(tasks, "trained_task", fake_trained_task)
+    monkeypatch.delenv("DEPTHSAT_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="stop"):
+        diagnose_target("mlp", 0, None, None)
+    monkeypatch.setenv("DEPTHSAT_CACHE", str(tmp_path / "c"))
+    with pytest.raises(RuntimeError, match="stop"):
+        diagnose_target("mlp", 0, None, None)
+    assert [str(p) for p in seen] == [str(tmp_path / ".cache" / "depthsat"), str(tmp_path / "c")]
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("DEPTHSAT_CACHE", str(tmp_path / "file"))
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        diagnose_target("mlp", 0, None, None)

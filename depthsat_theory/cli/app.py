@@ -69,7 +69,9 @@ def check(
     from depthsat_theory.check import CheckConfig, run_check, write_report_atomic
     from depthsat_theory.optimizers import DESCENT_COMPATIBLE
 
-    cache = cache_dir or os.environ.get("DEPTHSAT_CACHE") or Path.home() / ".cache" / "depthsat"
+    from depthsat_theory.tasks import default_cache_dir
+
+    cache = cache_dir or default_cache_dir()
     cfg = CheckConfig(
         instances=instances,
         seed=seed,
@@ -252,7 +254,7 @@ def audit(
 def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int) -> Any:
     """The audit report on a probe file, at a site of a trained model, or on the synthetic probe."""
     from depthsat_theory.audit import audit_family, audit_model, load_family, synthetic_probe
-    from depthsat_theory.tasks import KINDS, trained_task
+    from depthsat_theory.tasks import KINDS, default_cache_dir, trained_task
 
     if probe is not None:
         z, g = load_probe(probe)
@@ -262,7 +264,7 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
         if model not in KINDS:
             raise UserError(f"unknown --model {model!r}; valid: {', '.join(KINDS)}")
         fam = load_family(family)
-        task = trained_task(model, seed)
+        task = trained_task(model, seed, cache_dir=default_cache_dir())
         net: Any = task.model
         return audit_model(
             fam,

@@ -128,12 +128,23 @@ def _check_counts(n_batches: int | None, batch_size: int | None) -> None:
         raise UserError(f"--batches must be >= 1, got {n_batches}")
 
 
+def _cache_dir(path: Path) -> Path:
+    """``path`` checked to be a folder (or absent): the weight cache of ``diagnose``/``audit``.
+
+    Raises:
+        UserError: if it exists and is a file.
+    """
+    if path.exists() and not path.is_dir():
+        raise UserError(f"the weight cache {path} ($DEPTHSAT_CACHE) is a file, not a folder; point it at a folder")
+    return path
+
+
 def _trained_target(name: str, seed: int, n_batches: int | None, batch_size: int | None) -> DiagnoseTarget:
     """A model trained here (mlp, cnn, gpt): its probe set cut into batches."""
-    from depthsat_theory.tasks import trained_task
+    from depthsat_theory.tasks import default_cache_dir, trained_task
 
     size = batch_size or 64
-    task = trained_task(name, seed)
+    task = trained_task(name, seed, cache_dir=_cache_dir(default_cache_dir()))
     x, y = task.inputs, task.targets
     avail = -(-x.shape[0] // size)
     if n_batches is not None and n_batches > avail:
@@ -157,7 +168,9 @@ def _zoo_extra(zm: Any) -> dict:
 
 def _zoo_target(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size: int | None) -> DiagnoseTarget:
     """A zoo model, with ``--batches N`` mapped to ``n_examples = N · batch size``."""
-    kw: dict = {"seed": seed}
+    from depthsat_theory.tasks import default_cache_dir
+
+    kw: dict = {"seed": seed, "cache_dir": _cache_dir(default_cache_dir())}
     if batch_size is not None:
         kw["batch_size"] = batch_size
     if n_batches is not None:
