@@ -37,8 +37,17 @@ class TriangularFactor(StreamingStatistic):
     def __init__(self, k: int) -> None:
         super().__init__()
         self.k = int(k)
-        self.r = torch.zeros(self.k, self.k, dtype=torch.float64)
+        self._r: Tensor | None = None  # allocated by the first update: most sites never stream a factor
         self.rows = 0
+
+    @property
+    def r(self) -> Tensor:
+        """The factor ``(k̃, k̃)`` float64 (zeros before any row)."""
+        return torch.zeros(self.k, self.k, dtype=torch.float64) if self._r is None else self._r
+
+    @r.setter
+    def r(self, value: Tensor) -> None:
+        self._r = value
 
     def update(self, rows: Tensor) -> None:
         """Add feature rows ``(N, k̃)`` float64."""
@@ -56,7 +65,7 @@ class TriangularFactor(StreamingStatistic):
 
     def reset(self) -> None:
         """Forget every row."""
-        self.r = torch.zeros(self.k, self.k, dtype=torch.float64)
+        self._r = None
         self.rows = 0
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -97,12 +106,16 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
         out[j0:j1, j1:] += blk[j1 - j0 :].T
 
 
-def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor) -> None:
-    """``out += Σ_x X_xᵀ X_x`` with ``X_x = Σ_r g_r φ̃_rᵀ`` for ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)``."""
+def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | None = None) -> None:
+    """``out += Σ_x X_xᵀ X_x`` with ``X_x = Σ_r g_r φ̃_rᵀ`` for ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)``.
+
+    ``g_norm2`` (optional, ``(B,)``): ``‖g_x‖²`` when already computed (used when ``R = 1``).
+    """
     r, k = phi.shape[1:]
     d = rows_g.shape[2]
     if r == 1:  # X_xᵀ X_x = ‖g_x‖² φ̃_x φ̃_xᵀ: the Gram of the rows ‖g_x‖ φ̃_x
-        _add_gram(out, phi[:, 0] * rows_g[:, 0].pow(2).sum(1).sqrt()[:, None])
+        norms = rows_g[:, 0].pow(2).sum(1).sqrt() if g_norm2 is None else g_norm2.sqrt().to(phi.dtype)
+        _add_gram(out, phi[:, 0] * norms[:, None])
         return
     if r * r * (d + k) + r * k * k <= r * d * k + d * k * k:
         y = torch.bmm(torch.bmm(rows_g, rows_g.transpose(1, 2)), phi)  # (g gᵀ) Φ̃ per example
@@ -217,11 +230,11 @@ class FeatureStatistics(TangentStatistics):
                 wrong shape/dtype/site, or with ``g ≠ 0`` at a padded position.
         """
         mask = self._row_mask(z, g, mask)
-        self._common(z, g, mask)
+        g64, g_norm2 = self._common(z, g, mask)
         self._last = None
         phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
         self._last = (z, phi)
-        rows_g = to_rows(g.detach().to(torch.float64), self.layout)
+        rows_g = to_rows(g64, self.layout)
         phi_x, g_x = phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d)
         if mask is not None:
             keep = mask.to(phi.device)
@@ -237,7 +250,7 @@ class FeatureStatistics(TangentStatistics):
             self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], float(phi2.shape[0]))
         _add_gram(self.states["sigma"], phi2)
         self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
-        _noise_moment(self.states["q_sum"], phi_x, g_x)
+        _noise_moment(self.states["q_sum"], phi_x, g_x, None if mask is not None else g_norm2)
         self._count_units(phi2.shape[0])
         if prod == torch.float64 and z.dtype == torch.float64 and g.dtype == torch.float64:
             if self.k <= TRIANGULAR_FACTOR_MAX_K:

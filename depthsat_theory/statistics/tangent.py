@@ -46,13 +46,8 @@ __all__ = ["TANGENT_GRAM_MAX_ELEMENTS", "TangentStatistics", "check_pair"]
 TANGENT_GRAM_MAX_ELEMENTS = 1 << 24
 
 
-def check_pair(z: Tensor, g: Tensor) -> None:
-    """Validate a batch of activations ``z`` and activation gradients ``g`` before it is streamed.
-
-    Raises:
-        StatisticsError: if ``z`` and ``g`` differ in shape, the batch is empty, or either is not
-            a floating tensor or contains NaN or Inf.
-    """
+def _check_pair_shapes(z: Tensor, g: Tensor) -> None:
+    """The shape and dtype part of :func:`check_pair` (no pass over the values)."""
     if z.shape != g.shape:
         raise StatisticsError(
             f"activations z {tuple(z.shape)} and activation gradients g {tuple(g.shape)} must have the same shape"
@@ -62,6 +57,17 @@ def check_pair(z: Tensor, g: Tensor) -> None:
     for name, t in (("z", z), ("g", g)):
         if not torch.is_floating_point(t):
             raise StatisticsError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
+def check_pair(z: Tensor, g: Tensor) -> None:
+    """Validate a batch of activations ``z`` and activation gradients ``g`` before it is streamed.
+
+    Raises:
+        StatisticsError: if ``z`` and ``g`` differ in shape, the batch is empty, or either is not
+            a floating tensor or contains NaN or Inf.
+    """
+    _check_pair_shapes(z, g)
+    for name, t in (("z", z), ("g", g)):
         if not torch.isfinite(t).all():
             raise StatisticsError(f"{name} contains NaN or Inf; fix the probe before scoring")
 
@@ -196,37 +202,46 @@ class TangentStatistics(StreamingStatistic):
             )
         return mask
 
-    def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
-        check_pair(z, g)
+    def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Validate a batch and add its counts and norms; returns ``g`` in float64 and ``‖g(x)‖_F²`` ``(B,)``.
+
+        The value checks read reductions the statistics need anyway (one fused pass per tensor);
+        the elementwise scans that name the fault run only when a reduction is not finite or tiny.
+        """
+        _check_pair_shapes(z, g)
         if tuple(z.shape[1:]) != self.shape:
             raise StatisticsError(
                 f"site tensors have per-example shape {tuple(z.shape[1:])}, the statistics were set up for {self.shape}"
             )
-        for name, t in (("z", z), ("g", g)):
-            big = float(t.detach().abs().max())
-            if 0.0 < big < 1e-150:
+        g64 = g.detach().to(torch.float64)
+        per_ex = torch.linalg.vector_norm(g64.flatten(1), dim=1).square()
+        z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
+        z_sq = float(torch.linalg.vector_norm(z_kept, dtype=torch.float64).square())
+        g_sq = float(per_ex.sum())
+        if not (math.isfinite(g_sq) and math.isfinite(z_sq)):
+            check_pair(z, g)  # NaN or Inf names itself; finite overflow is caught by result()
+        for name, t, sq in (("z", z, z_sq), ("g", g, g_sq)):
+            if sq < 1e-250 and 0.0 < float(t.detach().abs().max()) < 1e-150:
                 raise StatisticsError(
                     f"{name} is below ~1e-150 everywhere: its squares underflow float64; rescale it "
                     f"(s is homogeneous of degree 1 in g, and T is unchanged by rescaling z for the linear family)"
                 )
-        st = self.states
-        st["batches"] += 1
-        coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
-        st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
-        g64 = g.detach().to(torch.float64)
-        per_ex = g64.flatten(1).pow(2).sum(1)
         if bool((per_ex == 0).any()) and bool((g64.flatten(1)[per_ex == 0] != 0).any()):
             raise StatisticsError(
                 "activation gradients underflow when squared in float64 (|g| below ~1e-154); "
                 "rescale g (every score is homogeneous of degree 1 in g)"
             )
-        st["g_sq"] += float(per_ex.sum())
+        st = self.states
+        st["batches"] += 1
+        coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
+        st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
+        st["g_sq"] += g_sq
         st["g_max"] = torch.clamp_min(st["g_max"], float(per_ex.max().sqrt()))
-        z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
-        st["z_sq"] += float(z_kept.to(torch.float64).pow(2).sum())
+        st["z_sq"] += z_sq
         st["n"] += int(z.shape[0])
         if self.pool_ties:
             self._pool(z_kept, g64 if mask is None else g64[mask].unsqueeze(1))
+        return g64, per_ex
 
     def _pool(self, z: Tensor, g64: Tensor) -> None:
         if self.family.unit == "row":
