@@ -535,8 +535,9 @@ def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
     def per_token(logits, y):
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
 
-    def load(name, batch_size=8, seed=0):
+    def load(name, batch_size=8, seed=0, cache_dir=None):
         calls["args"] = (name, batch_size, seed)
+        calls["cache_dir"] = cache_dir
         return types.SimpleNamespace(
             model=net,
             loss_fn=per_token,
@@ -557,6 +558,7 @@ def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
     )
     assert out.exit_code == 0, out.output
     assert calls["args"] == ("fake-llama", 2, 0)
+    assert str(calls["cache_dir"]) == os.environ.get("DEPTHSAT_CACHE", str(Path.home() / ".cache" / "depthsat"))
     data = json.loads((tmp_path / "z.json").read_text())
     assert [s["site"] for s in data["sites"]] == ["model.layers.0", "model.layers.2"]
     assert data["sites"][0]["units"] == int(mask.sum())  # padded rows dropped
