@@ -141,12 +141,14 @@ def configurations(mode: str) -> list[tuple[str, int, int, int]]:
 def run(args) -> list[dict]:
     rows = []
     for spec, d, nsites, nb in configurations(args.mode):
+        if (args.family and spec not in args.family.split(",")) or (args.sites and nsites not in args.sites):
+            continue
         depth = max(8, nsites)
         model = make_model(d, depth, args.device)
         fam = parse_family(spec if spec == "linear" else f"{spec}:0")
         sites = [f"blocks.{round(i * (depth - 1) / max(nsites - 1, 1))}" for i in range(nsites)]
         kw = dict(fam=fam, sites=sites, d=d)
-        names = ["plain", "depthsat", "depthsat-f32"]
+        names = ["plain", "depthsat"] + ([] if args.no_f32 else ["depthsat-f32"])
         if LinearGrowingBlock is not None and not args.no_gromo and args.device == "cpu":
             kw["gm"] = gromo_model(model, fam, sites, d)
             names.append("gromo")
@@ -160,8 +162,9 @@ def run(args) -> list[dict]:
         row["plain_s"] = statistics.median(times["plain"])
         rows.append(row)
         gro = f"{row['gromo']:6.2f}x" if "gromo" in row else "     -"
+        f32 = f"{row['depthsat-f32']:6.2f}x" if "depthsat-f32" in row else "     -"
         print(
-            f"{spec:10s} d={d:<5d} sites={nsites:<3d} | ours {row['depthsat']:6.2f}x  f32 {row['depthsat-f32']:6.2f}x"
+            f"{spec:10s} d={d:<5d} sites={nsites:<3d} | ours {row['depthsat']:6.2f}x  f32 {f32}"
             f"  gromo {gro} | floor32 {floor['floor32']:5.2f}x impl64 {floor['impl64']:5.2f}x"
             f" | plain {row['plain_s']:.3f} s/pass | load {load0:.1f}->{load1:.1f}",
             flush=True,
@@ -214,6 +217,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-gromo", action="store_true")
     ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--family", default=None, help="only these families of the grid (comma-separated)")
+    ap.add_argument("--sites", type=int, nargs="*", default=None, help="only these site counts of the grid")
+    ap.add_argument("--no-f32", action="store_true", help="leave out the opt-in float32-products rows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child-memory", dest="child_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
