@@ -49,13 +49,13 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import torch  # noqa: E402
-from diagnose_speed import LinearGrowingBlock, gromo_model, steps_for  # noqa: E402
+import torch
+from diagnose_speed import LinearGrowingBlock, gromo_model, steps_for
 
-from depthsat_theory.capture import accumulate  # noqa: E402
-from depthsat_theory.families import parse_family  # noqa: E402
-from depthsat_theory.statistics import FeatureStatistics  # noqa: E402
-from depthsat_theory.tasks import ResidualMLP, classification_loss  # noqa: E402
+from depthsat_theory.capture import accumulate
+from depthsat_theory.families import parse_family
+from depthsat_theory.statistics import FeatureStatistics
+from depthsat_theory.tasks import ResidualMLP, classification_loss
 
 torch.set_num_threads(THREADS)
 IN_DIM, CLASSES = 64, 10
@@ -200,7 +200,11 @@ def memory(args) -> list[dict]:
     for site in ("blocks.0", "blocks.31"):
         cmd = [sys.executable, __file__, "--_child-memory", site, "--bs", str(args.bs)]
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
-        line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 else json.dumps({"site": site, "error": res.stderr[-300:]})
+        line = (
+            res.stdout.strip().splitlines()[-1]
+            if res.returncode == 0
+            else json.dumps({"site": site, "error": res.stderr[-300:]})
+        )
         out.append(json.loads(line))
         print(f"memory: site {site:9s} of 32 blocks (d = 256, batch {args.bs}): {out[-1]}", flush=True)
     return out

@@ -527,7 +527,11 @@ def test_probe_loop_releases_the_graph_below_the_sites_before_the_next_forward(d
 
     net = Net().to(device).eval()
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(5, 4, generator=gen, dtype=torch.float64).to(device), torch.arange(5) % 3) for _ in range(3)]
-    for _ in probe_batches(net, ["blocks.2"], batches, lambda o, t: F.cross_entropy(o, t.to(o.device), reduction="none")):
+    batches = [
+        (torch.randn(5, 4, generator=gen, dtype=torch.float64).to(device), torch.arange(5) % 3) for _ in range(3)
+    ]
+    for _ in probe_batches(
+        net, ["blocks.2"], batches, lambda o, t: F.cross_entropy(o, t.to(o.device), reduction="none")
+    ):
         pass
     assert net.alive_at_forward == [False, False, False]

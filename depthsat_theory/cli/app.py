@@ -68,7 +68,6 @@ def check(
     """Verify the iff theorem (T2) on random insertions into trained models and constructions."""
     from depthsat_theory.check import CheckConfig, run_check, write_report_atomic
     from depthsat_theory.optimizers import DESCENT_COMPATIBLE
-
     from depthsat_theory.tasks import default_cache_dir
 
     cache = cache_dir or default_cache_dir()

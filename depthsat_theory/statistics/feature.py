@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import scipy.sparse.linalg as spla
 import torch
@@ -100,7 +102,7 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
         out += (x.T @ x).to(out.dtype)
         return
     bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
-    for j0, j1 in zip(bounds[:-1], bounds[1:], strict=True):
+    for j0, j1 in itertools.pairwise(bounds):
         blk = (x[:, j0:].T @ x[:, j0:j1]).to(out.dtype)
         out[j0:, j0:j1] += blk
         out[j0:j1, j1:] += blk[j1 - j0 :].T
@@ -252,9 +254,8 @@ class FeatureStatistics(TangentStatistics):
         self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
         _noise_moment(self.states["q_sum"], phi_x, g_x, None if mask is not None else g_norm2)
         self._count_units(phi2.shape[0])
-        if prod == torch.float64 and z.dtype == torch.float64 and g.dtype == torch.float64:
-            if self.k <= TRIANGULAR_FACTOR_MAX_K:
-                self.factor.update(phi2)
+        if prod == z.dtype == g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
+            self.factor.update(phi2)
 
     @property
     def sigma(self) -> Tensor:

@@ -236,14 +236,12 @@ def pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[floa
 
 
 def _gamma_acc(summands: int, product_summands: int) -> float:
-    """``γ_acc = C_acc (L u64 + L_32 u32)``: float64 sums of length ``L`` of float32 batch products of length ``L_32``."""
+    """``γ_acc = C_acc (L u64 + L_32 u32)``: float64 sums of length ``L`` of float32 products of length ``L_32``."""
     u64, u32 = unit_roundoff(torch.float64), unit_roundoff(torch.float32)
     return ACCUMULATION_FACTOR * (max(summands, 1) * u64 + max(int(product_summands), 0) * u32)
 
 
-def gradient_rounding(
-    *, ag_rms: float, dtype: torch.dtype, summands: int, k: int, product_summands: int = 0
-) -> float:
+def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: int, product_summands: int = 0) -> float:
     """Rounding level of ``‖G̃ v‖`` along a unit direction ``v``: ``A (ε_M + γ_acc sqrt(k̃))`` (thm-score-error).
 
     ``product_summands`` is the length ``L_32`` of float32 per-batch products (``0``: float64 products).

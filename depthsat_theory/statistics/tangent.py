@@ -293,6 +293,17 @@ class TangentStatistics(StreamingStatistic):
         """Length of the float64 sums: the largest batch in units plus the number of batches."""
         return round(float(self.states["batch_units_max"]) + float(self.states["batches"]))
 
+    def _rounding_inputs(self) -> tuple[torch.dtype, int, int]:
+        """``(u_in's dtype, L, L_32)`` of thm-score-error for what was streamed.
+
+        Float32 products round ``z``, ``φ̃`` and ``g`` to float32, so ``u_in ≥ u32`` then.
+        """
+        dtype = self.dtype or torch.float64
+        fast = self._product_summands()
+        if fast and unit_roundoff(dtype) < unit_roundoff(torch.float32):
+            dtype = torch.float32
+        return dtype, self._summands(), fast
+
     def _product_summands(self) -> int:
         """Length of the float32 per-batch products: the largest batch so multiplied, in units (``0``: none)."""
         return round(float(self.states["product_units_max"])) if "product_units_max" in self.states else 0
@@ -325,12 +336,9 @@ class TangentStatistics(StreamingStatistic):
                 ``(1, p)``): dropped directions carrying more of it than rounding are unresolved.
         """
         self._require_examples()
-        dtype = self.dtype or torch.float64
+        dtype, summands, fast = self._rounding_inputs()
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
-        summands, fast = self._summands(), self._product_summands()
-        if fast and unit_roundoff(dtype) < unit_roundoff(torch.float32):
-            dtype = torch.float32  # the float32 products round z, φ̃ and g to float32 (thm-score-error)
         err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands, product_summands=fast)
         # a dropped direction matters when it carries activation gradient beyond rounding: one that does
         # not is indistinguishable from the model's or the Gram's rounding (theory/numerics.md)
