@@ -18,6 +18,14 @@ Public API, one concept per subpackage:
 - :mod:`~depthsat_theory.vocabulary`: the :class:`Layout` and :class:`Verdict` enums.
 """
 
+# libgomp's default wait policy spins idle threads: on a loaded machine two spinning torch threads made
+# a plain forward+backward 9x slower than one thread (benchmarks/README.md, "Threads"); a passive wait
+# costs nothing measurable on an idle one.  Read once, when torch loads: effective if depthsat is
+# imported first (the CLI, the benchmarks), and an explicit OMP_WAIT_POLICY is never overridden.
+import os as _os
+
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from depthsat_theory.capture import NotFunctionPreservingError, SiteError, SiteRecorder, accumulate, insert_block
 from depthsat_theory.families import FamilyError, FeatureFamily, GeneralFamily, ResidualFamily, parse_family
 from depthsat_theory.optimizers import DESCENT_COMPATIBLE, UPDATES, ZeroStateUpdate, get_update, is_descent_compatible

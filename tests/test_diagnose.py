@@ -537,8 +537,9 @@ def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
     def per_token(logits, y):
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
 
-    def load(name, batch_size=8, seed=0):
+    def load(name, batch_size=8, seed=0, cache_dir=None):
         calls["args"] = (name, batch_size, seed)
+        calls["cache_dir"] = cache_dir
         return types.SimpleNamespace(
             model=net,
             loss_fn=per_token,
@@ -559,6 +560,7 @@ def test_cli_zoo_names_are_dispatched_to_zoo_load(monkeypatch, tmp_path):
     )
     assert out.exit_code == 0, out.output
     assert calls["args"] == ("fake-llama", 2, 0)
+    assert str(calls["cache_dir"]) == os.environ.get("DEPTHSAT_CACHE", str(Path.home() / ".cache" / "depthsat"))
     data = json.loads((tmp_path / "z.json").read_text())
     assert [s["site"] for s in data["sites"]] == ["model.layers.0", "model.layers.2"]
     assert data["sites"][0]["units"] == int(mask.sum())  # padded rows dropped
@@ -935,3 +937,33 @@ def test_diagnose_attention_on_padded_keyword_batches():
             gs += [g[i][keep[i]] for i in range(z.shape[0])]
         assert sd.result.score == pytest.approx(_stacked_reference(fam, zs, gs), rel=1e-8)
         assert sd.result.units == 18 and sd.result.n == 4
+
+
+def test_diagnose_caches_trained_models_by_default(monkeypatch, tmp_path):
+    """``diagnose --model mlp`` passes the default weight cache to the trainer (``audit --model`` shares the default).
+
+    Truth: ``$DEPTHSAT_CACHE`` when set, else ``$HOME/.cache/depthsat`` (as ``check`` does); before,
+    ``diagnose`` passed none and retrained on every call.
+    """
+    import depthsat_theory.tasks as tasks
+    from depthsat_theory.cli.inputs import UserError, diagnose_target
+
+    seen: list = []
+
+    def fake_trained_task(kind, seed=0, *, cache_dir=None):
+        seen.append(cache_dir)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(tasks, "trained_task", fake_trained_task)
+    monkeypatch.delenv("DEPTHSAT_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="stop"):
+        diagnose_target("mlp", 0, None, None)
+    monkeypatch.setenv("DEPTHSAT_CACHE", str(tmp_path / "c"))
+    with pytest.raises(RuntimeError, match="stop"):
+        diagnose_target("mlp", 0, None, None)
+    assert [str(p) for p in seen] == [str(tmp_path / ".cache" / "depthsat"), str(tmp_path / "c")]
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("DEPTHSAT_CACHE", str(tmp_path / "file"))
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        diagnose_target("mlp", 0, None, None)

@@ -374,3 +374,92 @@ def test_bottleneck_resnet_site_matches_a_float64_least_squares_fit():
     assert res.ag_rms == pytest.approx(float(np.sqrt((g_rows**2).sum() / x.shape[0])), rel=1e-6)
     assert res.tangent_rank == c * (c + 1)
     assert abs(res.score - ref) <= res.score_error + 1e-6 * ref
+
+
+# ----------------------------------------------------------------------------- float32 batch products
+def _stats32(z, g, family="linear", batch=None):
+    stats = statistics_for(parse_family(family), tuple(z.shape[1:]), "vector", products="float32")
+    step = batch or z.shape[0]
+    for i in range(0, z.shape[0], step):
+        stats.update(z[i : i + step], g[i : i + step])
+    return stats
+
+
+def test_float32_products_systematic_rounding_is_within_the_bound():
+    """A float32 batch sum whose rounding is systematic (N = 16386 rows): exact s = 0, never improvable.
+
+    The float32 analogue of :func:`test_systematic_summation_error_is_within_the_bound`: partial sums
+    near ``m/2`` have an ulp of ``2^(12−23)``, so the ``±(1 + c 2^-12)`` terms lose their low bits
+    one way; the exact score of the stored float32 arrays is 0 (rational arithmetic).  Without the
+    ``L₃₂ u₃₂`` term the float64-products bound is about 1e9 times too small for this sum.
+    """
+    m = 2**13
+    eps = 2.0 ** (int(math.log2(m)) - 1 - 23)
+    g = np.concatenate([np.full(m, 1 + 0.75 * eps), np.full(m, -(1 + 0.25 * eps)), [-(m * 0.5 * eps) / 2] * 2])
+    z = np.ones_like(g)
+    z[1::2] = -1.0
+    z32, g32 = torch.from_numpy(z[:, None]).float(), torch.from_numpy(g[:, None]).float()
+    assert np.array_equal(g32.double().numpy()[:, 0], g)  # stored exactly in float32
+    assert exact_score(z[:, None], g[:, None]) == 0.0
+    res = _stats32(z32, g32).result()
+    assert res.probe_verdict is not Verdict.IMPROVABLE and abs(res.score) <= res.score_error
+    assert res.score_error >= 1e-8 * res.ag_rms  # the L₃₂ u₃₂ = 16386 · 2⁻²⁴ term is there
+
+
+@pytest.mark.parametrize("eps", [1e-1, 1e-2])
+def test_float32_products_near_threshold_bound_holds_against_exact_truth(eps):
+    """Near-threshold probes (planted signal ``c·v`` on exactly cancelling pairs), float32 products.
+
+    Truth: the exact score of the stored arrays (rational arithmetic); for each planted size the
+    computed ``ŝ`` is within the float32-products bound, which is never below the float64-products
+    bound on the same arrays, and ``Σ``, ``G`` agree entrywise with a numpy float64 reference
+    within ``γ_acc`` times the sums of absolute products.
+    """
+    rng = np.random.default_rng(5)
+    z, g0, v = near_threshold_probe(rng, eps, 200, torch.float32)
+    for c in (0.0, 1e-5, 1e-3, 1e-1):
+        g = (g0.double() + c * torch.from_numpy(np.stack([v, v], 1))).float()
+        truth = exact_score(z.double().numpy(), g.double().numpy())
+        stats = _stats32(z, g, batch=100)
+        res = stats.result()
+        assert abs(res.score - truth) <= res.score_error, (c, res.score, truth, res.score_error)
+        assert res.score_error >= _result(z, g).score_error
+        phi = np.concatenate([z.double().numpy(), np.ones((z.shape[0], 1))], 1)
+        gamma = 100 * 2.0**-24 + (100 + 4) * 2.0**-53
+        sig_ref, abs_sig = phi.T @ phi, np.abs(phi).T @ np.abs(phi)
+        cross_ref, abs_cross = g.double().numpy().T @ phi, np.abs(g.double().numpy()).T @ np.abs(phi)
+        assert np.all(np.abs(stats.sigma.numpy() - sig_ref) <= gamma * abs_sig)
+        assert np.all(np.abs(stats.cross.numpy() - cross_ref) <= gamma * abs_cross)
+
+
+def test_float32_products_agree_with_float64_products_on_a_wide_family():
+    """``relu:192`` (block-triangular Σ update, k̃ = 193): float32 and float64 products, same ``ŝ`` within both bounds.
+
+    The float64-products statistics' ``Σ`` also equals a dense numpy ``ΦᵀΦ`` of the family's own
+    features to float64 rounding (the block split changes no entry's sum).
+    """
+    fam = parse_family("relu:192:0")
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(600, 8, generator=gen)
+    g = torch.tanh(z @ torch.randn(8, 8, generator=gen)) / 30
+    exact = statistics_for(fam, (8,), "vector")
+    fast = statistics_for(fam, (8,), "vector", products="float32")
+    for i in range(0, 600, 200):
+        exact.update(z[i : i + 200], g[i : i + 200])
+        fast.update(z[i : i + 200], g[i : i + 200])
+    phi = fam.augmented_features(fam.frozen_feature_map((8,), "vector"), z.double()).reshape(600, -1).numpy()
+    np.testing.assert_allclose(exact.sigma.numpy(), phi.T @ phi, rtol=1e-12, atol=1e-12 * np.abs(phi).max() ** 2)
+    assert np.array_equal(exact.sigma.numpy(), exact.sigma.numpy().T)
+    r64, r32 = exact.result(), fast.result()
+    assert abs(r64.score - r32.score) <= r64.score_error + r32.score_error
+    assert r32.score_error > r64.score_error and r32.verdict in (r64.verdict, Verdict.UNDETERMINED)
+
+
+def test_unknown_products_dtype_is_a_one_line_error():
+    from depthsat_theory.families import FeatureFamily
+    from depthsat_theory.statistics import FeatureStatistics, StatisticsError
+
+    fam = parse_family("linear")
+    assert isinstance(fam, FeatureFamily)
+    with pytest.raises(StatisticsError, match="products='float16'"):
+        FeatureStatistics(fam, (3,), "vector", products="float16")

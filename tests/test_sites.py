@@ -495,3 +495,43 @@ def test_probe_batch_update_feeds_the_statistics(device):
     j = accumulate(model, ["blocks.0"], [(x[:5], y[:5]), (x[5:], y[5:])], ce_per_example, {"blocks.0": via_accumulate})
     assert via_loop.result().score == via_accumulate.result().score and via_loop.n == 8
     assert j == pytest.approx(float(ce_per_example(model(x), y).detach().mean()), rel=1e-14)
+
+
+def test_probe_loop_releases_the_graph_below_the_sites_before_the_next_forward(device):
+    """The backward stops at the highest site's taps; the graph below them must not outlive the batch.
+
+    Truth by construction: the model keeps a weak reference to an activation saved for backward
+    *below* the only site (``blocks.2`` of 3); when the next batch's forward starts, that
+    activation must be gone (before the fix the loss of the previous batch kept it alive, so
+    peak memory grew with the depth of the lowest site).
+    """
+    import weakref
+
+    from depthsat_theory.capture import probe_batches
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4, dtype=torch.float64) for _ in range(3))
+            self.head = nn.Linear(4, 3, dtype=torch.float64)
+            self.below: list = []
+            self.alive_at_forward: list[bool] = []
+
+        def forward(self, x):
+            self.alive_at_forward.append(any(r() is not None for r in self.below))
+            h = torch.tanh(self.blocks[0](x))  # tanh saves its output for backward
+            self.below.append(weakref.ref(h))
+            for blk in self.blocks[1:]:
+                h = h + blk(h)
+            return self.head(h)
+
+    net = Net().to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(5, 4, generator=gen, dtype=torch.float64).to(device), torch.arange(5) % 3) for _ in range(3)
+    ]
+    for _ in probe_batches(
+        net, ["blocks.2"], batches, lambda o, t: F.cross_entropy(o, t.to(o.device), reduction="none")
+    ):
+        pass
+    assert net.alive_at_forward == [False, False, False]

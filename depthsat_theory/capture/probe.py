@@ -396,6 +396,10 @@ def probe_batches(
                 raise ValueError(f"probe batch {index}: {exc}") from None
             _measure_batch_dims(rec, dims, raw, reduction, mask, bsz)
             rec.backward(scalar)
+            # the backward reaches only the graph above the lowest site: the part below it (and its
+            # saved activations) lives as long as the loss does, so drop the loss before the next
+            # forward (peak memory then does not depend on where the sites are)
+            del raw, scalar
             pb = ProbeBatch(index, bsz, total, mask, names=list(rec.names))
             for key in pb.names:
                 dim = dims.dim(key, tuple(rec.z[key].shape), bsz)

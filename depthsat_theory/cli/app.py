@@ -85,8 +85,9 @@ def check(
     """Verify the iff theorem (T2) on random insertions into trained models and constructions."""
     from depthsat_theory.check import CheckConfig, run_check, write_report_atomic
     from depthsat_theory.optimizers import DESCENT_COMPATIBLE
+    from depthsat_theory.tasks import default_cache_dir
 
-    cache = cache_dir or os.environ.get("DEPTHSAT_CACHE") or Path.home() / ".cache" / "depthsat"
+    cache = cache_dir or default_cache_dir()
     cfg = CheckConfig(
         instances=instances,
         seed=seed,
@@ -305,7 +306,7 @@ def audit(
 def _audit(family: str, probe: Path | None, model: str | None, site: str | None, seed: int, device: str) -> Any:
     """The audit report on a probe file, at a site of a trained model, or on the synthetic probe."""
     from depthsat_theory.audit import audit_family, audit_model, load_family, synthetic_probe
-    from depthsat_theory.tasks import KINDS, trained_task
+    from depthsat_theory.tasks import KINDS, default_cache_dir, trained_task
 
     if probe is not None:
         z, g = load_probe(probe)
@@ -315,7 +316,7 @@ def _audit(family: str, probe: Path | None, model: str | None, site: str | None,
         fam = load_family(family)
         if model in KINDS:  # the whole probe set of a model trained here
             dev = parse_device(device)
-            task = trained_task(model, seed)
+            task = trained_task(model, seed, cache_dir=default_cache_dir())
             net: Any = task.model.to(dev)
             x, y, loss, layout, names = task.inputs.to(dev), task.targets.to(dev), task.loss, task.layout, None
             label = f"{model} (seed {seed}) probe set, {task.inputs.shape[0]} examples, site {site}"

@@ -10,7 +10,7 @@ __all__ = ["statistics_for"]
 
 
 def statistics_for(
-    family: ResidualFamily, shape: tuple[int, ...], layout: str, *, pool_ties: bool = False
+    family: ResidualFamily, shape: tuple[int, ...], layout: str, *, pool_ties: bool = False, products: str = "float64"
 ) -> FeatureStatistics | GeneralStatistics:
     """The streaming statistics that fit a residual family at an insertion site.
 
@@ -27,6 +27,8 @@ def statistics_for(
             (:class:`~depthsat_theory.vocabulary.Layout`).
         pool_ties: also pool exactly equal units for ``r̂`` and ``ρ̂`` (memory grows with
             the number of distinct units).
+        products: dtype of the per-batch products of feature families, ``"float64"`` (default)
+            or ``"float32"`` (:class:`FeatureStatistics`; general families always use float64).
 
     Raises:
         FamilyError: if the family does not fit the site (shape or layout) or has no statistics.
@@ -36,7 +38,7 @@ def statistics_for(
         :class:`GeneralStatistics` otherwise (matrix-free ``torch.func`` path).
     """
     if isinstance(family, FeatureFamily):
-        return FeatureStatistics(family, shape, layout, pool_ties=pool_ties)
+        return FeatureStatistics(family, shape, layout, pool_ties=pool_ties, products=products)
     if isinstance(family, GeneralFamily):
         return GeneralStatistics(family, shape, layout, pool_ties=pool_ties)
     raise FamilyError(f"no statistics for family type {type(family).__name__}")

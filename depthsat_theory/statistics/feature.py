@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import scipy.sparse.linalg as spla
 import torch
@@ -14,6 +16,9 @@ from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
 
 __all__ = ["TRIANGULAR_FACTOR_MAX_K", "FeatureStatistics", "TangentProjector", "TriangularFactor"]
+
+#: The per-batch product dtypes of :class:`FeatureStatistics` (``products=``).
+_PRODUCT_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 #: Largest ``k̃`` for which float64 forward passes also stream the triangular factor of ``Φ̃``.
 TRIANGULAR_FACTOR_MAX_K = 1024
@@ -34,8 +39,17 @@ class TriangularFactor(StreamingStatistic):
     def __init__(self, k: int) -> None:
         super().__init__()
         self.k = int(k)
-        self.r = torch.zeros(self.k, self.k, dtype=torch.float64)
+        self._r: Tensor | None = None  # allocated by the first update: most sites never stream a factor
         self.rows = 0
+
+    @property
+    def r(self) -> Tensor:
+        """The factor ``(k̃, k̃)`` float64 (zeros before any row)."""
+        return torch.zeros(self.k, self.k, dtype=torch.float64) if self._r is None else self._r
+
+    @r.setter
+    def r(self, value: Tensor) -> None:
+        self._r = value
 
     def update(self, rows: Tensor) -> None:
         """Add feature rows ``(N, k̃)`` float64."""
@@ -53,7 +67,7 @@ class TriangularFactor(StreamingStatistic):
 
     def reset(self) -> None:
         """Forget every row."""
-        self.r = torch.zeros(self.k, self.k, dtype=torch.float64)
+        self._r = None
         self.rows = 0
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -68,18 +82,49 @@ class TriangularFactor(StreamingStatistic):
             self.rows = int(state["rows"])
 
 
-def _noise_moment(phi: Tensor, rows_g: Tensor) -> Tensor:
-    """``Σ_x X_xᵀ X_x`` with ``X_x = Σ_r g_r φ̃_rᵀ`` for ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)``."""
+#: Number of column blocks of the block-triangular Gram update (:func:`_add_gram`).
+GRAM_BLOCKS = 4
+#: Smallest ``k̃`` for which the Gram update is split into column blocks (below it one product is cheaper).
+GRAM_BLOCK_MIN_K = 128
+
+
+def _add_gram(out: Tensor, x: Tensor) -> None:
+    """``out += xᵀ x`` for rows ``x`` ``(N, k̃)``, computing only the block lower triangle.
+
+    The columns are split into :data:`GRAM_BLOCKS` blocks; block ``j`` multiplies
+    ``x[:, j0:]ᵀ x[:, j0:j1]`` (the diagonal block and everything below it) and mirrors the
+    part below the diagonal block, so the multiply-adds are ``N k̃² (m + 1)/(2m)`` (``5/8`` of a
+    full product for ``m = 4``) and every entry is the same sum of the same products as in
+    ``xᵀ x`` (same rounding).  ``out`` stays exactly symmetric.
+    """
+    k = x.shape[1]
+    if k < GRAM_BLOCK_MIN_K:
+        out += (x.T @ x).to(out.dtype)
+        return
+    bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
+    for j0, j1 in itertools.pairwise(bounds):
+        blk = (x[:, j0:].T @ x[:, j0:j1]).to(out.dtype)
+        out[j0:, j0:j1] += blk
+        out[j0:j1, j1:] += blk[j1 - j0 :].T
+
+
+def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | None = None) -> None:
+    """``out += Σ_x X_xᵀ X_x`` with ``X_x = Σ_r g_r φ̃_rᵀ`` for ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)``.
+
+    ``g_norm2`` (optional, ``(B,)``): ``‖g_x‖²`` when already computed (used when ``R = 1``).
+    """
     r, k = phi.shape[1:]
     d = rows_g.shape[2]
-    if r == 1:
-        gsq = rows_g[:, 0].pow(2).sum(1)
-        return (phi[:, 0] * gsq[:, None]).T @ phi[:, 0]
+    if r == 1:  # X_xᵀ X_x = ‖g_x‖² φ̃_x φ̃_xᵀ: the Gram of the rows ‖g_x‖ φ̃_x
+        norms = rows_g[:, 0].pow(2).sum(1).sqrt() if g_norm2 is None else g_norm2.sqrt().to(phi.dtype)
+        _add_gram(out, phi[:, 0] * norms[:, None])
+        return
     if r * r * (d + k) + r * k * k <= r * d * k + d * k * k:
         y = torch.bmm(torch.bmm(rows_g, rows_g.transpose(1, 2)), phi)  # (g gᵀ) Φ̃ per example
-        return phi.reshape(-1, k).T @ y.reshape(-1, k)
+        out += (phi.reshape(-1, k).T @ y.reshape(-1, k)).to(out.dtype)
+        return
     x = torch.bmm(rows_g.transpose(1, 2), phi)  # (B, d, k̃)
-    return torch.einsum("bdk,bdl->kl", x, x)
+    out += torch.einsum("bdk,bdl->kl", x, x).to(out.dtype)
 
 
 def _rows_as_site(rows: Tensor, layout: str) -> Tensor:
@@ -105,14 +150,31 @@ class FeatureStatistics(TangentStatistics):
         pool_ties: also pool exactly equal units to report ``r̂`` and ``ρ̂``
             (memory grows with the number of distinct units).
         device: where features are computed (default: the device of the first batch).
+        products: dtype of the per-batch products ``Φ̃ᵀΦ̃``, ``gᵀΦ̃`` (always summed across
+            batches in float64): ``"float64"`` (default), or ``"float32"`` (about half the
+            cost on CPU, more on GPUs; the features and ``g`` are rounded to float32, and the
+            rounding bound grows by ``C_acc · B · u32`` with ``B`` the largest batch in units,
+            theory/numerics.md ``thm-score-error``, which on realistic batches widens it by
+            orders of magnitude: an opt-in for well-conditioned sites).  Only the block lower
+            triangle of ``Σ`` is multiplied either way.
 
     Raises:
         FamilyError: if the family does not fit the site.
+        StatisticsError: for an unknown ``products``.
     """
 
     family: FeatureFamily
 
-    def __init__(self, family: FeatureFamily, shape, layout: str, *, pool_ties: bool = False, device=None):
+    def __init__(
+        self,
+        family: FeatureFamily,
+        shape,
+        layout: str,
+        *,
+        pool_ties: bool = False,
+        device=None,
+        products: str = "float64",
+    ):
         if not isinstance(family, FeatureFamily):
             raise FamilyError(f"{family!r} is not a feature family; use GeneralStatistics")
         super().__init__(family, shape, layout, pool_ties=pool_ties)
@@ -121,6 +183,15 @@ class FeatureStatistics(TangentStatistics):
         self.add_state("sigma", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
         self.add_state("cross", torch.zeros(self.d, self.k, dtype=torch.float64), Reduction.SUM)
         self.add_state("q_sum", torch.zeros(self.k, self.k, dtype=torch.float64), Reduction.SUM)
+        if products not in _PRODUCT_DTYPES:
+            raise StatisticsError(
+                f"products={products!r}: the per-batch products are 'float64' (default) or 'float32' "
+                f"(float32 batch products summed in float64, with the wider rounding bound of thm-score-error)"
+            )
+        self.products = products
+        self._product_dtype = _PRODUCT_DTYPES[products]
+        if products != "float64":  # the largest batch multiplied in float32, for the rounding bound
+            self.add_state("product_units_max", torch.zeros((), dtype=torch.float64), Reduction.MAX)
         self.factor = TriangularFactor(self.k)
         self.add_child("factor", self.factor)
         self._fmap: nn.Module | None = None
@@ -161,11 +232,11 @@ class FeatureStatistics(TangentStatistics):
                 wrong shape/dtype/site, or with ``g ≠ 0`` at a padded position.
         """
         mask = self._row_mask(z, g, mask)
-        self._common(z, g, mask)
+        g64, g_norm2 = self._common(z, g, mask)
         self._last = None
         phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
         self._last = (z, phi)
-        rows_g = to_rows(g.detach().to(torch.float64), self.layout)
+        rows_g = to_rows(g64, self.layout)
         phi_x, g_x = phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d)
         if mask is not None:
             keep = mask.to(phi.device)
@@ -173,11 +244,17 @@ class FeatureStatistics(TangentStatistics):
             phi_x, g_x = phi_x * weight, g_x * weight
             phi, rows_g = phi[keep], rows_g[keep]
         phi2 = phi.reshape(-1, self.k)
-        self.states["sigma"] += phi2.T @ phi2
-        self.states["cross"] += rows_g.reshape(-1, self.d).T @ phi2
-        self.states["q_sum"] += _noise_moment(phi_x, g_x)
+        prod = self._product_dtype
+        rows2 = rows_g.reshape(-1, self.d)
+        if prod != torch.float64:
+            phi2, rows2 = phi2.to(prod), rows2.to(prod)
+            phi_x, g_x = phi_x.to(prod), g_x.to(prod)
+            self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], float(phi2.shape[0]))
+        _add_gram(self.states["sigma"], phi2)
+        self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
+        _noise_moment(self.states["q_sum"], phi_x, g_x, None if mask is not None else g_norm2)
         self._count_units(phi2.shape[0])
-        if z.dtype == torch.float64 and g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
+        if prod == z.dtype == g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
             self.factor.update(phi2)
 
     @property
@@ -296,9 +373,8 @@ class FeatureStatistics(TangentStatistics):
         sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
         spec = self.spectrum(rtol=rtol)
-        inv = spec.pinv()
-        self._coef = big_g @ inv  # Π g (u) = G Σ⁻ φ̃(u)
-        q_trace = float(np.sum(inv * self.noise_moment()))
+        self._spec_g = (spec, big_g)  # Π g (u) = G Σ⁻ φ̃(u), formed only if the tie pool asks (_project_units)
+        q_trace = spec.trace_product(self.noise_moment())  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻
         return self._finish(
             spec,
             spec.quadratic(big_g),
@@ -312,7 +388,8 @@ class FeatureStatistics(TangentStatistics):
         )
 
     def _project_units(self, units: Tensor) -> Tensor:
-        coef = torch.from_numpy(self._coef)
+        spec, big_g = self._spec_g
+        coef = torch.from_numpy(big_g @ spec.pinv())
         if self.family.unit == "row":
             site = _rows_as_site(units.to(torch.float64), self.layout)
             phi = self._features(site.to(self.sigma.device)).reshape(units.shape[0], -1, self.k).cpu()

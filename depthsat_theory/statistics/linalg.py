@@ -139,12 +139,24 @@ class Spectrum:
         qk = self.vectors * self.scale[:, None]
         return (qk / self.values) @ qk.T
 
+    def _whitened(self, vecs: np.ndarray) -> torch.Tensor:
+        """``vecs D^{-1/2} Q Λ^{-1/2}`` ``(m, r)`` (torch matmul: torch's threads, no numpy BLAS pool)."""
+        qk = torch.from_numpy(np.ascontiguousarray(self.vectors * (self.scale[:, None] / np.sqrt(self.values))))
+        return torch.from_numpy(np.ascontiguousarray(vecs, dtype=np.float64)) @ qk
+
     def quadratic(self, vecs: np.ndarray) -> float:
-        """``tr(vecs Σ⁻ vecsᵀ)`` for rows ``vecs`` ``(m, k)``."""
+        """``tr(vecs Σ⁻ vecsᵀ)`` for rows ``vecs`` ``(m, k)``, without forming ``Σ⁻``."""
         if not self.values.size:
             return 0.0
-        proj = vecs @ (self.vectors * self.scale[:, None])
-        return float(np.sum(proj * proj / self.values))
+        return float(self._whitened(vecs).pow(2).sum())
+
+    def trace_product(self, mat: np.ndarray) -> float:
+        """``tr(Σ⁻ M)`` for a symmetric ``M`` ``(k, k)``, without forming ``Σ⁻`` (``O(k² r)``)."""
+        if not self.values.size:
+            return 0.0
+        qk = self.vectors * (self.scale[:, None] / np.sqrt(self.values))
+        left = torch.from_numpy(np.ascontiguousarray(mat, dtype=np.float64)) @ torch.from_numpy(qk)
+        return float((left * torch.from_numpy(qk)).sum())
 
 
 def _scaling(diag: np.ndarray) -> np.ndarray:
@@ -177,12 +189,15 @@ def resolve_spectrum(
     k = mat.shape[0]
     mat = 0.5 * (mat + mat.T)
     scale = _scaling(np.diag(mat).copy())
+    # torch's LAPACK, on torch's threads: numpy's BLAS pool would compete with them (oversubscription)
     if factor is not None:
-        sv, vt = np.linalg.svd(factor * scale[None, :], full_matrices=False)[1:]
+        sv_t, vt_t = torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)[1:]
+        sv, vt = sv_t.numpy(), vt_t.numpy()
         lam, q = sv**2, vt.T
         resolution = (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
     else:
-        lam, q = np.linalg.eigh(mat * np.outer(scale, scale))
+        lam_t, q_t = torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))
+        lam, q = lam_t.numpy(), q_t.numpy()
         resolution = _gram_rtol(k)
     lmax = float(lam.max()) if lam.size else 0.0
     data = _data_rtol(dtype, k)
@@ -220,20 +235,33 @@ def pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[floa
     return spec.quadratic(vecs), spec.rank, spec.cutoff, spec.pinv()
 
 
-def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: int) -> float:
+def _gamma_acc(summands: int, product_summands: int) -> float:
+    """``γ_acc = C_acc (L u64 + L_32 u32)``: float64 sums of length ``L`` of float32 products of length ``L_32``."""
+    u64, u32 = unit_roundoff(torch.float64), unit_roundoff(torch.float32)
+    return ACCUMULATION_FACTOR * (max(summands, 1) * u64 + max(int(product_summands), 0) * u32)
+
+
+def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: int, product_summands: int = 0) -> float:
     """Rounding level of ``‖G̃ v‖`` along a unit direction ``v``: ``A (ε_M + γ_acc sqrt(k̃))`` (thm-score-error).
+
+    ``product_summands`` is the length ``L_32`` of float32 per-batch products (``0``: float64 products).
 
     A dropped direction whose computed ``‖G̃ v‖`` exceeds this carries activation gradient the
     arithmetic cannot account for: ``ŝ`` may then miss it, and the verdict cannot be "saturated".
     """
-    u_in, u64 = unit_roundoff(dtype), unit_roundoff(torch.float64)
-    eps_m = FEATURE_ROUNDING_FACTOR * u_in * math.sqrt(k)
-    gamma_acc = ACCUMULATION_FACTOR * max(summands, 1) * u64
-    return ag_rms * (eps_m + gamma_acc * math.sqrt(k))
+    eps_m = FEATURE_ROUNDING_FACTOR * unit_roundoff(dtype) * math.sqrt(k)
+    return ag_rms * (eps_m + _gamma_acc(summands, product_summands) * math.sqrt(k))
 
 
 def score_error(
-    spec: Spectrum, *, score: float, ag_rms: float, dtype: torch.dtype, summands: int, k: int | None = None
+    spec: Spectrum,
+    *,
+    score: float,
+    ag_rms: float,
+    dtype: torch.dtype,
+    summands: int,
+    k: int | None = None,
+    product_summands: int = 0,
 ) -> float:
     r"""Rounding bound on ``|ŝ − s|`` (theory/numerics.md, ``thm-score-error``).
 
@@ -241,11 +269,13 @@ def score_error(
 
         e = C_g u_{in} A + \frac{A\,ε_M}{σ_{min} − ε_M} + \frac{A\,γ_{acc}\sqrt{k̃}}{σ_{min}}
             + \hat s\,\frac{η}{σ_{min}^2},
-        \qquad ε_M = C_φ u_{in} \sqrt{k̃},\; γ_{acc} = C_{acc} L\,u_{64},\;
+        \qquad ε_M = C_φ u_{in} \sqrt{k̃},\; γ_{acc} = C_{acc} (L\,u_{64} + L_{32}\,u_{32}),\;
         η = k̃\,(γ_{acc} + C_{res} u_{64}),
 
     with ``A = AG_rms``, ``L`` the length of the float64 sums (largest batch in units plus the
-    number of batches) and ``σ_min = sqrt(λ̃_min)`` the smallest kept
+    number of batches), ``L_32`` the length of the float32 per-batch products (the largest batch
+    so multiplied, in units; ``0`` when the products are float64, and then ``u_in ≥ u32``) and
+    ``σ_min = sqrt(λ̃_min)`` the smallest kept
     amplitude of the unit-diagonal Gram.  The terms: the gradient's own rounding (``Π`` is a
     contraction); the input rounding of the features, a perturbation of the scaled data
     matrix of norm ``≤ ε_M`` that tilts the projector by ``≤ ε_M/(σ_min − ε_M)`` (Wedin);
@@ -261,6 +291,7 @@ def score_error(
         dtype: the forward dtype (coarsest of the site tensors and gradients).
         summands: the length ``L`` of the float64 sums (largest batch in units + number of batches).
         k: the Gram's size ``k̃`` (default: that of ``spec``).
+        product_summands: ``L_32``, the length of the float32 per-batch products (``0``: none).
 
     Returns:
         The bound, in the units of ``s`` (e.g. nats per example per unit step); ``0`` for an
@@ -271,7 +302,7 @@ def score_error(
     kk = int(k if k is not None else spec.scale.size)
     u_in, u64 = unit_roundoff(dtype), unit_roundoff(torch.float64)
     eps_m = FEATURE_ROUNDING_FACTOR * u_in * math.sqrt(kk)
-    gamma_acc = ACCUMULATION_FACTOR * max(summands, 1) * u64
+    gamma_acc = _gamma_acc(summands, product_summands)
     if spec.factored:  # Householder QR: a backward error C_res sqrt(k̃) u64 in the data, no Gram rounding
         eps_m += RESOLUTION_FACTOR * math.sqrt(kk) * u64
         eta = 0.0

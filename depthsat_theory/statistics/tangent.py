@@ -29,7 +29,14 @@ import torch
 from torch import Tensor
 
 from depthsat_theory.families import ResidualFamily, to_rows
-from depthsat_theory.statistics.linalg import NOISE_ALPHA, Spectrum, gradient_rounding, noise_threshold, score_error
+from depthsat_theory.statistics.linalg import (
+    NOISE_ALPHA,
+    Spectrum,
+    gradient_rounding,
+    noise_threshold,
+    score_error,
+    unit_roundoff,
+)
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic, TiePool
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.vocabulary import Layout, Verdict
@@ -40,13 +47,8 @@ __all__ = ["TANGENT_GRAM_MAX_ELEMENTS", "TangentStatistics", "check_pair"]
 TANGENT_GRAM_MAX_ELEMENTS = 1 << 24
 
 
-def check_pair(z: Tensor, g: Tensor) -> None:
-    """Validate a batch of activations ``z`` and activation gradients ``g`` before it is streamed.
-
-    Raises:
-        StatisticsError: if ``z`` and ``g`` differ in shape, the batch is empty, or either is not
-            a floating tensor or contains NaN or Inf.
-    """
+def _check_pair_shapes(z: Tensor, g: Tensor) -> None:
+    """The shape and dtype part of :func:`check_pair` (no pass over the values)."""
     if z.shape != g.shape:
         raise StatisticsError(
             f"activations z {tuple(z.shape)} and activation gradients g {tuple(g.shape)} must have the same shape"
@@ -56,6 +58,17 @@ def check_pair(z: Tensor, g: Tensor) -> None:
     for name, t in (("z", z), ("g", g)):
         if not torch.is_floating_point(t):
             raise StatisticsError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
+def check_pair(z: Tensor, g: Tensor) -> None:
+    """Validate a batch of activations ``z`` and activation gradients ``g`` before it is streamed.
+
+    Raises:
+        StatisticsError: if ``z`` and ``g`` differ in shape, the batch is empty, or either is not
+            a floating tensor or contains NaN or Inf.
+    """
+    _check_pair_shapes(z, g)
+    for name, t in (("z", z), ("g", g)):
         if not torch.isfinite(t).all():
             raise StatisticsError(f"{name} contains NaN or Inf; fix the probe before scoring")
 
@@ -190,37 +203,46 @@ class TangentStatistics(StreamingStatistic):
             )
         return mask
 
-    def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
-        check_pair(z, g)
+    def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Validate a batch and add its counts and norms; returns ``g`` in float64 and ``‖g(x)‖_F²`` ``(B,)``.
+
+        The value checks read reductions the statistics need anyway (one fused pass per tensor);
+        the elementwise scans that name the fault run only when a reduction is not finite or tiny.
+        """
+        _check_pair_shapes(z, g)
         if tuple(z.shape[1:]) != self.shape:
             raise StatisticsError(
                 f"site tensors have per-example shape {tuple(z.shape[1:])}, the statistics were set up for {self.shape}"
             )
-        for name, t in (("z", z), ("g", g)):
-            big = float(t.detach().abs().max())
-            if 0.0 < big < 1e-150:
+        g64 = g.detach().to(torch.float64)
+        per_ex = torch.linalg.vector_norm(g64.flatten(1), dim=1).square()
+        z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
+        z_sq = float(torch.linalg.vector_norm(z_kept, dtype=torch.float64).square())
+        g_sq = float(per_ex.sum())
+        if not (math.isfinite(g_sq) and math.isfinite(z_sq)):
+            check_pair(z, g)  # NaN or Inf names itself; finite overflow is caught by result()
+        for name, t, sq in (("z", z, z_sq), ("g", g, g_sq)):
+            if sq < 1e-250 and 0.0 < float(t.detach().abs().max()) < 1e-150:
                 raise StatisticsError(
                     f"{name} is below ~1e-150 everywhere: its squares underflow float64; rescale it "
                     f"(s is homogeneous of degree 1 in g, and T is unchanged by rescaling z for the linear family)"
                 )
-        st = self.states
-        st["batches"] += 1
-        coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
-        st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
-        g64 = g.detach().to(torch.float64)
-        per_ex = g64.flatten(1).pow(2).sum(1)
         if bool((per_ex == 0).any()) and bool((g64.flatten(1)[per_ex == 0] != 0).any()):
             raise StatisticsError(
                 "activation gradients underflow when squared in float64 (|g| below ~1e-154); "
                 "rescale g (every score is homogeneous of degree 1 in g)"
             )
-        st["g_sq"] += float(per_ex.sum())
+        st = self.states
+        st["batches"] += 1
+        coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
+        st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
+        st["g_sq"] += g_sq
         st["g_max"] = torch.clamp_min(st["g_max"], float(per_ex.max().sqrt()))
-        z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
-        st["z_sq"] += float(z_kept.to(torch.float64).pow(2).sum())
+        st["z_sq"] += z_sq
         st["n"] += int(z.shape[0])
         if self.pool_ties:
             self._pool(z_kept, g64 if mask is None else g64[mask].unsqueeze(1))
+        return g64, per_ex
 
     def _pool(self, z: Tensor, g64: Tensor) -> None:
         if self.family.unit == "row":
@@ -272,6 +294,21 @@ class TangentStatistics(StreamingStatistic):
         """Length of the float64 sums: the largest batch in units plus the number of batches."""
         return round(float(self.states["batch_units_max"]) + float(self.states["batches"]))
 
+    def _rounding_inputs(self) -> tuple[torch.dtype, int, int]:
+        """``(u_in's dtype, L, L_32)`` of thm-score-error for what was streamed.
+
+        Float32 products round ``z``, ``φ̃`` and ``g`` to float32, so ``u_in ≥ u32`` then.
+        """
+        dtype = self.dtype or torch.float64
+        fast = self._product_summands()
+        if fast and unit_roundoff(dtype) < unit_roundoff(torch.float32):
+            dtype = torch.float32
+        return dtype, self._summands(), fast
+
+    def _product_summands(self) -> int:
+        """Length of the float32 per-batch products: the largest batch so multiplied, in units (``0``: none)."""
+        return round(float(self.states["product_units_max"])) if "product_units_max" in self.states else 0
+
     def _finish(
         self,
         spec: Spectrum,
@@ -300,16 +337,17 @@ class TangentStatistics(StreamingStatistic):
                 ``(1, p)``): dropped directions carrying more of it than rounding are unresolved.
         """
         self._require_examples()
-        dtype = self.dtype or torch.float64
+        dtype, summands, fast = self._rounding_inputs()
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
-        summands = self._summands()
-        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands)
+        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands, product_summands=fast)
         # a dropped direction matters when it carries activation gradient beyond rounding: one that does
         # not is indistinguishable from the model's or the Gram's rounding (theory/numerics.md)
         unresolved = spec.unresolved if grad_rows is None else 0
         if grad_rows is not None and spec.dropped.shape[1]:
-            level = gradient_rounding(ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size)
+            level = gradient_rounding(
+                ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size, product_summands=fast
+            )
             mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
             unresolved = int((mass > level).sum())
         tol = err if tol is None else float(tol)

@@ -200,10 +200,13 @@ def _registered_model(name: str, seed: int, n_batches: int | None, batch_size: i
 
 def _trained_model(name: str, seed: int, n_batches: int | None, batch_size: int | None) -> ResolvedModel:
     """A model trained here (mlp, cnn, gpt): its probe set cut into batches of 64 by default."""
-    from depthsat_theory.tasks.training import trained_task
+    from depthsat_theory.tasks.training import CacheDirError, default_cache_dir, trained_task
 
     size = batch_size or 64
-    task = trained_task(name, seed)
+    try:
+        task = trained_task(name, seed, cache_dir=default_cache_dir())
+    except CacheDirError as exc:
+        raise ModelSpecError(str(exc)) from None
     x, y = task.inputs, task.targets
     avail = -(-x.shape[0] // size)
     if n_batches is not None and n_batches > avail:
@@ -227,7 +230,9 @@ def _zoo_extra(zm: Any) -> dict:
 
 def _zoo_model(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size: int | None) -> ResolvedModel:
     """A zoo model, with ``n_batches`` mapped to ``n_examples = n_batches · batch size``."""
-    kw: dict = {"seed": seed}
+    from depthsat_theory.tasks.training import default_cache_dir
+
+    kw: dict = {"seed": seed, "cache_dir": default_cache_dir()}
     if batch_size is not None:
         kw["batch_size"] = batch_size
     if n_batches is not None:
