@@ -945,7 +945,7 @@ def test_diagnose_caches_trained_models_by_default(monkeypatch, tmp_path):
     Truth: ``$DEPTHSAT_CACHE`` when set, else ``$HOME/.cache/depthsat`` (as ``check`` does); before,
     ``diagnose`` passed none and retrained on every call.
     """
-    import depthsat_theory.tasks as tasks
+    import depthsat_theory.tasks.training as tasks
     from depthsat_theory.cli.inputs import UserError, diagnose_target
 
     seen: list = []

@@ -198,15 +198,26 @@ def _registered_model(name: str, seed: int, n_batches: int | None, batch_size: i
     return _zoo_model(zoo, name, seed, n_batches, batch_size)
 
 
+def _cache_dir() -> Path:
+    """The default weight cache (:func:`~depthsat_theory.tasks.training.default_cache_dir`), checked.
+
+    Raises:
+        ModelSpecError: if it exists and is a file.
+    """
+    from depthsat_theory.tasks.training import default_cache_dir
+
+    path = default_cache_dir()
+    if path.exists() and not path.is_dir():
+        raise ModelSpecError(f"the weight cache {path} ($DEPTHSAT_CACHE) is a file, not a folder; point it at a folder")
+    return path
+
+
 def _trained_model(name: str, seed: int, n_batches: int | None, batch_size: int | None) -> ResolvedModel:
     """A model trained here (mlp, cnn, gpt): its probe set cut into batches of 64 by default."""
-    from depthsat_theory.tasks.training import CacheDirError, default_cache_dir, trained_task
+    from depthsat_theory.tasks.training import trained_task
 
     size = batch_size or 64
-    try:
-        task = trained_task(name, seed, cache_dir=default_cache_dir())
-    except CacheDirError as exc:
-        raise ModelSpecError(str(exc)) from None
+    task = trained_task(name, seed, cache_dir=_cache_dir())
     x, y = task.inputs, task.targets
     avail = -(-x.shape[0] // size)
     if n_batches is not None and n_batches > avail:
@@ -230,9 +241,7 @@ def _zoo_extra(zm: Any) -> dict:
 
 def _zoo_model(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size: int | None) -> ResolvedModel:
     """A zoo model, with ``n_batches`` mapped to ``n_examples = n_batches · batch size``."""
-    from depthsat_theory.tasks.training import default_cache_dir
-
-    kw: dict = {"seed": seed, "cache_dir": default_cache_dir()}
+    kw: dict = {"seed": seed, "cache_dir": _cache_dir()}
     if batch_size is not None:
         kw["batch_size"] = batch_size
     if n_batches is not None:
