@@ -52,6 +52,124 @@ def test_kink_ties_count_each_primitive():
     assert kink_ties(torch.amax, (rows, 1)) == 2
 
 
+@pytest.mark.parametrize(
+    ("func", "extra"),
+    [
+        (torch.clamp_min, (0.0,)),
+        (torch.Tensor.clamp_min, (0.0,)),
+        (torch.clamp_max, (0.0,)),
+        (F.prelu, (torch.tensor([0.25]),)),
+        (F.rrelu, (0.1, 0.3, False)),
+        (F.elu, (0.5,)),
+        (F.selu, ()),
+        (F.hardshrink, (0.0,)),
+        (F.softshrink, (0.0,)),
+    ],
+)
+def test_kink_ties_elementwise_kinks_beyond_relu(func, extra):
+    """Each has a kink (or jump) at 0 for these arguments: the zeros of ``x`` are the ties (hand count)."""
+    x = _req(torch.tensor([[0.0, 1.0, -2.0], [0.0, 0.0, 3.0]]))
+    assert kink_ties(func, (x, *extra)) == 3
+
+
+def test_kink_ties_smooth_variants_are_not_counted():
+    x = _req(torch.zeros(5))
+    assert kink_ties(F.elu, (x, 1.0)) == 0  # alpha = 1: C¹ at 0
+    assert kink_ties(F.softshrink, (x + 0.5, 0.5)) == 5  # kink at ±λ
+    assert kink_ties(F.softshrink, (x, 0.5)) == 0
+
+
+def _binary_pool_ties(x: torch.Tensor, pool_kw: dict, ndim: int) -> int:
+    """Independent count on a 0/1 tensor from torch's sum pooling (avg_pool, divisor 1).
+
+    Per window: the max is 1 iff it holds a one; the extra attainments are (#ones − 1), else
+    (#in-bound elements − 1); ``avg_pool`` with zero padding and ``divisor_override=1`` sums them.
+    """
+    avg = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[ndim]
+    mx = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[ndim]
+    if ndim == 1:
+        ones = F.avg_pool2d(
+            x.unsqueeze(-2),
+            (1, pool_kw["kernel_size"]),
+            (1, pool_kw["stride"]),
+            (0, pool_kw["padding"]),
+            pool_kw["ceil_mode"],
+            True,
+            1,
+        ).squeeze(-2)
+        size = F.avg_pool2d(
+            torch.ones_like(x).unsqueeze(-2),
+            (1, pool_kw["kernel_size"]),
+            (1, pool_kw["stride"]),
+            (0, pool_kw["padding"]),
+            pool_kw["ceil_mode"],
+            True,
+            1,
+        ).squeeze(-2)
+    else:
+        kw = dict(pool_kw, count_include_pad=True, divisor_override=1)
+        ones, size = avg(x, **kw), avg(torch.ones_like(x), **kw)
+    m = mx(x, **pool_kw)
+    return int(torch.where(m == 1, ones - 1, size - 1).sum())
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("k", "s", "p", "ceil"), [(2, 2, 0, False), (3, 2, 1, True), (2, 3, 1, True), (3, 1, 1, False)]
+)
+@pytest.mark.parametrize("indices", [False, True])
+def test_kink_ties_max_pool_any_dim_ceil_padding_indices(ndim, k, s, p, ceil, indices):
+    gen = torch.Generator().manual_seed(ndim * 100 + k * 10 + s)
+    x = _req(torch.randint(0, 2, (2, 3, *([5] * ndim)), generator=gen).double())
+    kw = {"kernel_size": k, "stride": s, "padding": p, "ceil_mode": ceil}
+    expected = _binary_pool_ties(x.detach(), kw, ndim)
+    plain = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[ndim]
+    with_idx = {1: F.max_pool1d_with_indices, 2: F.max_pool2d_with_indices, 3: F.max_pool3d_with_indices}[ndim]
+    func = with_idx if indices else plain
+    assert kink_ties(func, (x, k, s, p, 1, ceil)) == expected
+
+
+def test_kink_ties_adaptive_max_pool_hand_count():
+    """Length 5 into 3: torch's windows [0,2), [1,4), [3,5); constant input: 1 + 2 + 1 extra per row."""
+    x = _req(torch.ones(2, 3, 5))
+    assert kink_ties(F.adaptive_max_pool1d, (x, 3)) == 4 * 6
+    assert kink_ties(F.adaptive_max_pool1d_with_indices, (x, 3)) == 4 * 6
+    img = _req(torch.ones(1, 1, 5, 4))
+    # rows [0,2),[1,4),[3,5) × columns [0,2),[2,4): sizes 2·2, 3·2, 2·2 → 3 + 5 + 3, twice
+    assert kink_ties(F.adaptive_max_pool2d, (img, (3, 2))) == 2 * (3 + 5 + 3)
+    assert kink_ties(F.adaptive_max_pool2d, (img, 1)) == 19
+    assert kink_ties(F.adaptive_max_pool3d, (_req(torch.ones(1, 2, 2, 2)), 1)) == 7
+
+
+def test_clamp_kink_ties_stop_a_wrong_improvable_verdict():
+    """``clamp_min(z, 0) + clamp_max(z, 0) = z`` exactly, so ``L(z) = z − that ≡ 0``: ``J`` is constant,
+    ``b = 0``; autograd passes 1 through both clamps at ``z = 0`` and says ``b = −1`` (improvable)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.site = nn.Linear(1, 1)
+            with torch.no_grad():
+                self.site.weight.zero_()
+                self.site.bias.zero_()
+
+        def forward(self, x):
+            z = self.site(x)
+            return z - z.clamp_min(0) - z.clamp_max(0)
+
+    x = torch.randn(8, 1, dtype=torch.float64)
+    net = Net().double()
+    with torch.no_grad():
+        for t in (1e-3, -1e-3):  # J(θ) is constant along the bias family
+            net.site.bias.fill_(t)
+            assert net(x).abs().max() == 0
+        net.site.bias.zero_()
+    res = diagnose(net, lambda out, _y: out.sum(1), [(x, torch.zeros(8))], sites=["site"])
+    r = res["site"].result
+    assert r.kink_ties == 16
+    assert r.verdict is Verdict.UNDETERMINED
+
+
 class _TwoSites(nn.Module):
     def __init__(self):
         super().__init__()

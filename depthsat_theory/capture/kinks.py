@@ -12,7 +12,9 @@ the loss), on tensors that require gradients.
 Execution order over-approximates data-flow order (an operation after the site that does not
 depend on it is counted too), and a max whose tied inputs are locally constant is counted
 although it is differentiable: the count is conservative, it never misses a tie of a listed
-primitive.  Continuous pre-activation laws put these ties on a null set
+primitive.  Not listed (ties there are missed): ``torch.where`` selections, ``topk``/``sort``
+ties, ``aten`` ops called directly, and kinks built from ``sign`` (``z * sign(z)``).
+Continuous pre-activation laws put these ties on a null set
 (``rem-kinks-null``), so on real data the count is usually ``0``.
 """
 
@@ -90,28 +92,77 @@ def _reduce_ties(args: tuple, kwargs: dict, *, largest: bool) -> int:
     return int(((x == ext).sum(dim=dims) - 1).clamp(min=0).sum())
 
 
+def _ntuple(value, ndim: int) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * ndim
+
+
+def _pool_len(n: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
+    """Output length of a max-pooling dimension (torch's ``pooling_output_shape``)."""
+    span = d * (k - 1) + 1
+    out = (n + 2 * p - span + (s - 1 if ceil else 0)) // s + 1
+    if ceil and (out - 1) * s >= n + p:
+        out -= 1
+    return out
+
+
+def _window_ties(cols: Tensor) -> int:
+    """Extra attainments of the max over the last dimension (one window per row)."""
+    ext = cols.amax(dim=-1, keepdim=True)
+    return int(((cols == ext).sum(dim=-1) - 1).clamp(min=0).sum())
+
+
 def _pool_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
-    """Extra attainments of the max in each max-pooling window (1-D and 2-D pooling)."""
+    """Extra attainments of the max in each max-pooling window (1-, 2- and 3-D, any ``ceil_mode``)."""
     x = args[0]
-    ks = _arg(args, kwargs, 1, "kernel_size")
-    stride = _arg(args, kwargs, 2, "stride") or ks
-    padding = _arg(args, kwargs, 3, "padding", 0)
-    dilation = _arg(args, kwargs, 4, "dilation", 1)
-    if ndim == 1:
-        x, ks, stride, padding, dilation = x.unsqueeze(-2), (1, ks), (1, stride), (0, padding), (1, dilation)
-    lead = x.shape[:-2]
-    img = x.reshape(-1, 1, *x.shape[-2:])
-    if padding not in (0, (0, 0)):
-        img = F.pad(img, _pad4(padding), value=float("-inf"))
-    cols = F.unfold(img, kernel_size=ks, dilation=dilation, stride=stride)  # (N, window, L)
-    del lead
-    ext = cols.amax(dim=1, keepdim=True)
-    return int(((cols == ext).sum(dim=1) - 1).clamp(min=0).sum())
+    ks = _ntuple(_arg(args, kwargs, 1, "kernel_size"), ndim)
+    stride = _ntuple(_arg(args, kwargs, 2, "stride") or ks, ndim)
+    padding = _ntuple(_arg(args, kwargs, 3, "padding", 0), ndim)
+    dilation = _ntuple(_arg(args, kwargs, 4, "dilation", 1), ndim)
+    ceil = bool(_arg(args, kwargs, 5, "ceil_mode", False))
+    first = x.dim() - ndim
+    for i in range(ndim):
+        dim, n = first + i, x.shape[first + i]
+        k, s, p, d = ks[i], stride[i], padding[i], dilation[i]
+        out, span = _pool_len(n, k, s, p, d, ceil), d * (k - 1) + 1
+        right = max((out - 1) * s + span - n - p, 0)
+        shape = list(x.shape)
+        parts = []
+        for width in (p, 0, right):
+            shape[dim] = width
+            parts.append(x.new_full(shape, float("-inf")) if width else None)
+        x = torch.cat([t for t in (parts[0], x, parts[2]) if t is not None], dim=dim)
+        x = x.unfold(dim, span, s).narrow(dim, 0, out)[..., ::d]
+    return _window_ties(x.flatten(-ndim))
 
 
-def _pad4(padding) -> tuple[int, int, int, int]:
-    ph, pw = (padding, padding) if isinstance(padding, int) else padding
-    return (pw, pw, ph, ph)
+def _adaptive_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
+    """Extra attainments of the max in each adaptive max-pooling window (torch's start/end rule)."""
+    x = args[0]
+    sizes = _ntuple(_arg(args, kwargs, 1, "output_size"), ndim)
+    first = x.dim() - ndim
+    for i in range(ndim):
+        dim, n = first + i, x.shape[first + i]
+        o = n if sizes[i] is None else int(sizes[i])
+        windows = [x.narrow(dim, (j * n) // o, -((-(j + 1) * n) // o) - (j * n) // o) for j in range(o)]
+        width = max(w.shape[dim] for w in windows)
+        padded = []
+        for w in windows:
+            shape = list(w.shape)
+            shape[dim] = width - w.shape[dim]
+            padded.append(torch.cat([w, w.new_full(shape, float("-inf"))], dim=dim) if shape[dim] else w)
+        x = torch.stack(padded, dim=dim).movedim(dim + 1, -1)
+    return _window_ties(x.flatten(-ndim))
+
+
+def _shrink_ties(args: tuple, kwargs: dict) -> int:
+    lambd = float(_arg(args, kwargs, 1, "lambd", 0.5))
+    return _at(args[0], lambd) + _at(args[0], -lambd) if lambd else _at(args[0], 0.0)
+
+
+def _elu_ties(args: tuple, kwargs: dict, *, name: str = "alpha", default: float = 1.0) -> int:
+    """``elu`` has a kink at ``0`` unless ``alpha = 1``; ``selu`` always has one."""
+    alpha = float(_arg(args, kwargs, 1, name, default))
+    return _at(args[0], 0.0) if alpha != 1.0 else 0
 
 
 #: the primitives whose kinks are looked for, with their tie counters
@@ -145,8 +196,29 @@ KINK_PRIMITIVES: dict[Callable, Callable[[tuple, dict], int]] = {
     Tensor.min: lambda a, k: _reduce_ties(a, k, largest=False),
     torch.amin: lambda a, k: _reduce_ties(a, k, largest=False),
     Tensor.amin: lambda a, k: _reduce_ties(a, k, largest=False),
+    torch.clamp_min: lambda a, k: _at(a[0], _arg(a, k, 1, "min")),
+    Tensor.clamp_min: lambda a, k: _at(a[0], _arg(a, k, 1, "min")),
+    torch.clamp_max: lambda a, k: _at(a[0], _arg(a, k, 1, "max")),
+    Tensor.clamp_max: lambda a, k: _at(a[0], _arg(a, k, 1, "max")),
+    torch.prelu: _zero_ties,
+    F.prelu: _zero_ties,
+    F.rrelu: _zero_ties,
+    F.elu: _elu_ties,
+    F.selu: lambda a, k: _at(a[0], 0.0),
+    F.hardshrink: _shrink_ties,
+    F.softshrink: _shrink_ties,
     F.max_pool1d: lambda a, k: _pool_ties(a, k, ndim=1),
     F.max_pool2d: lambda a, k: _pool_ties(a, k, ndim=2),
+    F.max_pool3d: lambda a, k: _pool_ties(a, k, ndim=3),
+    F.max_pool1d_with_indices: lambda a, k: _pool_ties(a, k, ndim=1),
+    F.max_pool2d_with_indices: lambda a, k: _pool_ties(a, k, ndim=2),
+    F.max_pool3d_with_indices: lambda a, k: _pool_ties(a, k, ndim=3),
+    F.adaptive_max_pool1d: lambda a, k: _adaptive_ties(a, k, ndim=1),
+    F.adaptive_max_pool2d: lambda a, k: _adaptive_ties(a, k, ndim=2),
+    F.adaptive_max_pool3d: lambda a, k: _adaptive_ties(a, k, ndim=3),
+    F.adaptive_max_pool1d_with_indices: lambda a, k: _adaptive_ties(a, k, ndim=1),
+    F.adaptive_max_pool2d_with_indices: lambda a, k: _adaptive_ties(a, k, ndim=2),
+    F.adaptive_max_pool3d_with_indices: lambda a, k: _adaptive_ties(a, k, ndim=3),
 }
 
 
@@ -159,9 +231,11 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None) -> int:
         kwargs: its keyword arguments.
 
     Returns:
-        The count of exact ties (``relu``/``leaky_relu``/``abs`` at ``0``, ``hardtanh``/``clamp``
-        at its bounds, ``maximum``/``minimum`` with equal arguments, extra attainments of a
-        max/min reduction or of a max-pooling window); ``0`` when ``args[0]`` does not require
+        The count of exact ties (``relu``/``leaky_relu``/``prelu``/``rrelu``/``abs``/``selu`` at ``0``,
+        ``elu`` at ``0`` unless ``alpha = 1``, ``hardshrink``/``softshrink`` at ``±λ``,
+        ``hardtanh``/``clamp``/``clamp_min``/``clamp_max`` at their bounds, ``maximum``/``minimum``
+        with equal arguments, extra attainments of a max/min reduction or of a max-pooling window
+        (1-, 2-, 3-D, adaptive, any ``ceil_mode``, with or without indices); ``0`` when ``args[0]`` does not require
         gradients (it cannot depend on the site).
     """
     counter = KINK_PRIMITIVES.get(func)
