@@ -170,6 +170,42 @@ def test_clamp_kink_ties_stop_a_wrong_improvable_verdict():
     assert r.verdict is Verdict.UNDETERMINED
 
 
+def test_l1_loss_ties_stop_a_wrong_improvable_verdict():
+    """Residuals ``r = (0, 0, −1)`` of a bias family ``θ``: ``J(θ) = (|θ| + |θ| + |θ − 1|)/3``.
+
+    By hand ``J(t) = (1 + t)/3`` and ``J(−t) = (1 + 3t)/3`` for ``0 < t < 1``: the origin is a strict
+    minimum (no block helps), but autograd takes ``sign(0) = 0`` and returns ``b = −1/3`` ("improvable").
+    """
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.site = nn.Linear(1, 1)
+            with torch.no_grad():
+                self.site.weight.zero_()
+                self.site.bias.zero_()
+
+        def forward(self, x):
+            return self.site(x)
+
+    x = torch.zeros(3, 1, dtype=torch.float64)
+    y = torch.tensor([[0.0], [0.0], [1.0]], dtype=torch.float64)
+    net = Net().double()
+
+    def loss(out, t):
+        return F.l1_loss(out, t, reduction="none").sum(1)
+
+    for t, want in ((0.25, (1 + 0.25) / 3), (-0.25, (1 + 3 * 0.25) / 3)):
+        with torch.no_grad():
+            net.site.bias.fill_(t)
+            assert float(loss(net(x), y).mean()) == pytest.approx(want, rel=1e-15) and want > 1 / 3
+    with torch.no_grad():
+        net.site.bias.zero_()
+    res = diagnose(net, loss, [(x, y)], sites=["site"])
+    r = res["site"].result
+    assert r.kink_ties == 2 and r.verdict is Verdict.UNDETERMINED
+
+
 class _TwoSites(nn.Module):
     def __init__(self):
         super().__init__()

@@ -206,6 +206,7 @@ KINK_PRIMITIVES: dict[Callable, Callable[[tuple, dict], int]] = {
     F.elu: _elu_ties,
     F.selu: lambda a, k: _at(a[0], 0.0),
     F.hardshrink: _shrink_ties,
+    F.l1_loss: lambda a, k: _at(a[0], _arg(a, k, 1, "target")),
     F.softshrink: _shrink_ties,
     F.max_pool1d: lambda a, k: _pool_ties(a, k, ndim=1),
     F.max_pool2d: lambda a, k: _pool_ties(a, k, ndim=2),
@@ -233,9 +234,10 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None) -> int:
     Returns:
         The count of exact ties (``relu``/``leaky_relu``/``prelu``/``rrelu``/``abs``/``selu`` at ``0``,
         ``elu`` at ``0`` unless ``alpha = 1``, ``hardshrink``/``softshrink`` at ``±λ``,
-        ``hardtanh``/``clamp``/``clamp_min``/``clamp_max`` at their bounds, ``maximum``/``minimum``
-        with equal arguments, extra attainments of a max/min reduction or of a max-pooling window
-        (1-, 2-, 3-D, adaptive, any ``ceil_mode``, with or without indices); ``0`` when ``args[0]`` does not require
+        ``l1_loss`` at a zero residual, ``hardtanh``/``clamp``/``clamp_min``/``clamp_max`` at their bounds,
+        ``maximum``/``minimum`` with equal arguments, extra attainments of a max/min reduction or of
+        a max-pooling window (1-, 2-, 3-D, adaptive, any ``ceil_mode``, with or without indices);
+        ``0`` when ``args[0]`` does not require
         gradients (it cannot depend on the site).
     """
     counter = KINK_PRIMITIVES.get(func)
