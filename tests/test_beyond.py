@@ -206,6 +206,16 @@ def test_l1_loss_ties_stop_a_wrong_improvable_verdict():
     assert r.kink_ties == 2 and r.verdict is Verdict.UNDETERMINED
 
 
+def test_kink_ties_when_only_the_second_operand_depends_on_the_site():
+    """``maximum(0, z)`` is ``relu(z)``; ``l1_loss(y, out)`` is ``|y − out|``: hand count of the ties."""
+    z = _req(torch.tensor([0.0, 1.0, -2.0, 0.0]))
+    zeros = torch.zeros(4)
+    assert kink_ties(torch.maximum, (zeros, z)) == 2
+    assert kink_ties(torch.max, (zeros, z)) == 2
+    assert kink_ties(F.l1_loss, (zeros, z)) == 2
+    assert kink_ties(torch.maximum, (zeros, z.detach())) == 0
+
+
 class _TwoSites(nn.Module):
     def __init__(self):
         super().__init__()

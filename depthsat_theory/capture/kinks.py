@@ -237,11 +237,13 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None) -> int:
         ``l1_loss`` at a zero residual, ``hardtanh``/``clamp``/``clamp_min``/``clamp_max`` at their bounds,
         ``maximum``/``minimum`` with equal arguments, extra attainments of a max/min reduction or of
         a max-pooling window (1-, 2-, 3-D, adaptive, any ``ceil_mode``, with or without indices);
-        ``0`` when ``args[0]`` does not require
-        gradients (it cannot depend on the site).
+        ``0`` when no tensor operand requires gradients (none can depend on the site).
     """
     counter = KINK_PRIMITIVES.get(func)
-    if counter is None or not args or not isinstance(args[0], Tensor) or not args[0].requires_grad:
+    if counter is None or not args or not isinstance(args[0], Tensor):
+        return 0
+    operands = [*args, *(kwargs or {}).values()]  # maximum(zeros, z): the site may be the second operand
+    if not any(isinstance(t, Tensor) and t.requires_grad for t in operands):
         return 0
     with torch.no_grad():
         return counter(args, kwargs or {})
