@@ -550,3 +550,33 @@ def test_head_input_curvature_is_below_the_cross_entropy_bound():
     sd = res["ln_f"]
     assert sd.curvature is not None and 0 < sd.curvature.curvature <= beta
     assert sd.guaranteed_decrease <= sd.curvature.local_decrease
+
+
+def test_saddle_score_equals_a_dense_torch_func_mixed_derivative():
+    """σ against an independent reference: ``torch.func`` mixed second derivative of
+    ``E[g · (W relu(U u + a) + c)]`` in ``((W, c), (U, a))`` at ``W = 0``, whitened by ``Σ^{-1/2}``
+    (``Σ = E[φ̃ φ̃ᵀ]``, ``φ̃ = (relu(U u + a), 1)``) per output coordinate, operator norm."""
+    from torch.func import jacrev
+
+    torch.manual_seed(3)
+    n, d, k = 40, 3, 4
+    u, g = torch.randn(n, d, dtype=torch.float64), torch.randn(n, d, dtype=torch.float64)
+    w_in, a = torch.randn(k, d, dtype=torch.float64), torch.randn(k, dtype=torch.float64)
+    stats = CrossBlockStatistics(parse_family(f"relu:{k}"), (d,), "vector")
+    stats.weight, stats.bias = w_in.clone(), a.clone()
+    stats.update(u, g)
+
+    def first_order(wc, psi):
+        w, c = wc[: d * k].reshape(d, k), wc[d * k :]
+        feats = torch.relu(u @ psi[: k * d].reshape(k, d).T + psi[k * d :])
+        return (g * (feats @ w.T + c)).sum(1).mean()
+
+    mixed = jacrev(jacrev(first_order, argnums=0), argnums=1)(
+        torch.zeros(d * k + d, dtype=torch.float64), torch.cat([w_in.flatten(), a])
+    )
+    rows = [r for i in range(d) for r in [*(i * k + j for j in range(k)), d * k + i]]
+    phi = torch.cat([torch.relu(u @ w_in.T + a), torch.ones(n, 1, dtype=torch.float64)], 1)
+    evals, evecs = torch.linalg.eigh(phi.T @ phi / n)
+    inv_half = evecs @ torch.diag(evals**-0.5) @ evecs.T
+    dense = torch.linalg.matrix_norm(torch.block_diag(*[inv_half] * d) @ mixed[rows], 2).item()
+    assert stats.result().saddle_score == pytest.approx(dense, rel=1e-10)
