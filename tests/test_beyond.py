@@ -216,6 +216,29 @@ def test_kink_ties_when_only_the_second_operand_depends_on_the_site():
     assert kink_ties(torch.maximum, (zeros, z.detach())) == 0
 
 
+@pytest.mark.parametrize("relu", [lambda: nn.ReLU(), lambda: nn.ReLU(inplace=True)])
+def test_max_pool_of_clamped_relu_zeros_is_not_a_tie(relu):
+    """relu → max-pool: a window whose maxima are relu zeros of strictly negative inputs is locally
+    constant (differentiable) and not counted; a maximum from an input exactly at 0 still is.
+
+    Hand count on 2 × 8 inputs, 2 × 2 windows over column pairs:
+    A = (−1, −2 | −3, −4): all clamped → 0;  B = (−1, 0 | −2, −3): the 0 is relu's own tie (1) and the
+    window's four zeros are maxima, one of them not locally constant → 3;  C = (1, 1 | −1, ½): two 1s → 1;
+    D = (−1, −1 | 2, −1): unique max → 0.  Total 1 + 3 + 1 = 5.
+    """
+    net = nn.Sequential(nn.Identity(), relu(), nn.MaxPool2d(2))
+    x = torch.tensor(
+        [[-1.0, -2.0, -1.0, 0.0, 1.0, 1.0, -1.0, -1.0], [-3.0, -4.0, -2.0, -3.0, -1.0, 0.5, 2.0, -1.0]]
+    ).reshape(1, 1, 2, 8)
+    counter = KinkCounter(net, ["0"])
+    with counter:
+        counter.wrap_loss(lambda out, _y: out.flatten(1).sum(1))(net(x.clone().requires_grad_(True) * 1.0), None)
+    assert counter.ties == {"0": 5}
+    # without the relu's mask (a plain max-pool of the same values) the clamped window A counts 3 more
+    clamped = torch.relu(x).requires_grad_(True)
+    assert kink_ties(F.max_pool2d, (clamped, 2)) == 3 + 3 + 1
+
+
 class _TwoSites(nn.Module):
     def __init__(self):
         super().__init__()

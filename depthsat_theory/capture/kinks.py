@@ -11,7 +11,9 @@ the loss), on tensors that require gradients.
 
 Execution order over-approximates data-flow order (an operation after the site that does not
 depend on it is counted too), and a max whose tied inputs are locally constant is counted
-although it is differentiable: the count is conservative, it never misses a tie of a listed
+although it is differentiable, except for a max-pooling window applied directly to a ``relu``
+output whose maxima are all zeros of strictly negative inputs (the usual conv → relu → max-pool,
+which would otherwise make every such CNN undetermined): the count is conservative, it never misses a tie of a listed
 primitive.  Not listed (ties there are missed): ``torch.where`` selections, ``topk``/``sort``
 ties, ``aten`` ops called directly, and kinks built from ``sign`` (``z * sign(z)``).
 Continuous pre-activation laws put these ties on a null set
@@ -20,6 +22,7 @@ Continuous pre-activation laws put these ties on a null set
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,9 +114,8 @@ def _window_ties(cols: Tensor) -> int:
     return int(((cols == ext).sum(dim=-1) - 1).clamp(min=0).sum())
 
 
-def _pool_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
-    """Extra attainments of the max in each max-pooling window (1-, 2- and 3-D, any ``ceil_mode``)."""
-    x = args[0]
+def _pool_windows(x: Tensor, args: tuple, kwargs: dict, ndim: int, fill: float) -> Tensor:
+    """The max-pooling windows of ``x`` as rows ``(..., window)`` (out-of-bounds entries ``fill``)."""
     ks = _ntuple(_arg(args, kwargs, 1, "kernel_size"), ndim)
     stride = _ntuple(_arg(args, kwargs, 2, "stride") or ks, ndim)
     padding = _ntuple(_arg(args, kwargs, 3, "padding", 0), ndim)
@@ -129,10 +131,26 @@ def _pool_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
         parts = []
         for width in (p, 0, right):
             shape[dim] = width
-            parts.append(x.new_full(shape, float("-inf")) if width else None)
+            parts.append(x.new_full(shape, fill) if width else None)
         x = torch.cat([t for t in (parts[0], x, parts[2]) if t is not None], dim=dim)
         x = x.unfold(dim, span, s).narrow(dim, 0, out)[..., ::d]
-    return _window_ties(x.flatten(-ndim))
+    return x.flatten(-ndim)
+
+
+def _pool_ties(args: tuple, kwargs: dict, *, ndim: int, constant: Tensor | None = None) -> int:
+    """Extra attainments of the max in each max-pooling window (1-, 2- and 3-D, any ``ceil_mode``).
+
+    ``constant`` marks the elements of ``args[0]`` that are locally constant in the site (a
+    ``relu`` output whose input was strictly negative): a window whose maxima are all such
+    elements is locally constant, hence differentiable, and is not counted.
+    """
+    cols = _pool_windows(args[0], args, kwargs, ndim, float("-inf"))
+    if constant is None:
+        return _window_ties(cols)
+    const = _pool_windows(constant.to(cols.dtype), args, kwargs, ndim, 1.0) > 0
+    tied = cols == cols.amax(dim=-1, keepdim=True)
+    moving = (tied & ~const).any(dim=-1)
+    return int(((tied.sum(dim=-1) - 1).clamp(min=0) * moving).sum())
 
 
 def _adaptive_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
@@ -223,13 +241,30 @@ KINK_PRIMITIVES: dict[Callable, Callable[[tuple, dict], int]] = {
 }
 
 
-def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None) -> int:
+#: max-pooling functions and their dimension (their ties can be refined by a constant mask)
+_POOLS: dict[Callable, int] = {
+    F.max_pool1d: 1,
+    F.max_pool2d: 2,
+    F.max_pool3d: 3,
+    F.max_pool1d_with_indices: 1,
+    F.max_pool2d_with_indices: 2,
+    F.max_pool3d_with_indices: 3,
+}
+
+#: ``relu`` forms whose output is locally constant (``0``) where the input is strictly negative
+_RELUS = (F.relu, torch.relu, Tensor.relu, torch.relu_, Tensor.relu_, F.relu_)
+
+
+def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None, *, constant: Tensor | None = None) -> int:
     """Number of elements at a kink of ``func`` for this call (``0`` for other functions).
 
     Args:
         func: the called torch function (e.g. ``torch.nn.functional.relu``).
         args: its positional arguments; ``args[0]`` is the tensor tested.
         kwargs: its keyword arguments.
+        constant: for max pooling, a boolean mask of the elements of ``args[0]`` known to be locally
+            constant in the site (``relu`` outputs of strictly negative inputs); windows whose maxima
+            are all such elements are not counted (``max(0, 0) = 0`` near a strictly negative input).
 
     Returns:
         The count of exact ties (``relu``/``leaky_relu``/``prelu``/``rrelu``/``abs``/``selu`` at ``0``,
@@ -246,6 +281,8 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None) -> int:
     if not any(isinstance(t, Tensor) and t.requires_grad for t in operands):
         return 0
     with torch.no_grad():
+        if constant is not None and func in _POOLS and constant.shape == args[0].shape:
+            return _pool_ties(args, kwargs or {}, ndim=_POOLS[func], constant=constant)
         return counter(args, kwargs or {})
 
 
@@ -256,9 +293,17 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.owner.active:
-            self.owner.total += kink_ties(func, args, kwargs)
-        return func(*args, **kwargs)
+        if not self.owner.active:
+            return func(*args, **kwargs)
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        known = self.owner._constant.get(id(x)) if x is not None else None
+        constant = known[1] if known is not None and known[0]() is x else None
+        self.owner.total += kink_ties(func, args, kwargs, constant=constant)
+        mask = (x < 0).detach() if func in _RELUS and x is not None and x.requires_grad else None
+        out = func(*args, **kwargs)
+        if mask is not None and isinstance(out, Tensor):
+            self.owner._constant[id(out)] = (weakref.ref(out), mask)
+        return out
 
 
 class KinkCounter:
@@ -292,6 +337,7 @@ class KinkCounter:
         self._calls: dict[str, int] = {}
         self._handles: list = []
         self._mode = _Mode(self)
+        self._constant: dict[int, tuple] = {}  # id(relu output) → (weakref, locally constant mask)
 
     def _site_hook(self, base: str):
         def hook(module, args, output):
@@ -311,7 +357,7 @@ class KinkCounter:
     def _finish(self) -> None:
         for key, at in self._at.items():
             self.ties[key] += self.total - at
-        self._at, self._calls = {}, {}
+        self._at, self._calls, self._constant = {}, {}, {}
         self.active = False
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
