@@ -239,6 +239,18 @@ def test_max_pool_of_clamped_relu_zeros_is_not_a_tie(relu):
     assert kink_ties(F.max_pool2d, (clamped, 2)) == 3 + 3 + 1
 
 
+def test_global_max_pool_of_clamped_relu_zeros_is_not_a_tie():
+    """relu → adaptive (global) max-pool per channel: channel 0 all strictly negative → relu zeros,
+    locally constant → 0; channel 1 = (0, −1, −2, −3): relu's tie at the 0 (1) and four tied zeros
+    with a non-constant one (3); channel 2 = (2, 2, 1, −1): two 2s (1).  Hand count 5."""
+    net = nn.Sequential(nn.Identity(), nn.ReLU(), nn.AdaptiveMaxPool2d(1))
+    x = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [0.0, -1.0, -2.0, -3.0], [2.0, 2.0, 1.0, -1.0]]).reshape(1, 3, 2, 2)
+    counter = KinkCounter(net, ["0"])
+    with counter:
+        counter.wrap_loss(lambda out, _y: out.flatten(1).sum(1))(net(x.clone().requires_grad_(True) * 1.0), None)
+    assert counter.ties == {"0": 5}
+
+
 class _TwoSites(nn.Module):
     def __init__(self):
         super().__init__()

@@ -147,15 +147,11 @@ def _pool_ties(args: tuple, kwargs: dict, *, ndim: int, constant: Tensor | None 
     cols = _pool_windows(args[0], args, kwargs, ndim, float("-inf"))
     if constant is None:
         return _window_ties(cols)
-    const = _pool_windows(constant.to(cols.dtype), args, kwargs, ndim, 1.0) > 0
-    tied = cols == cols.amax(dim=-1, keepdim=True)
-    moving = (tied & ~const).any(dim=-1)
-    return int(((tied.sum(dim=-1) - 1).clamp(min=0) * moving).sum())
+    return _masked_ties(cols, _pool_windows(constant.to(cols.dtype), args, kwargs, ndim, 1.0) > 0)
 
 
-def _adaptive_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
-    """Extra attainments of the max in each adaptive max-pooling window (torch's start/end rule)."""
-    x = args[0]
+def _adaptive_windows(x: Tensor, args: tuple, kwargs: dict, ndim: int, fill: float) -> Tensor:
+    """The adaptive max-pooling windows of ``x`` as rows (torch's start/end rule; short ones ``fill``-padded)."""
     sizes = _ntuple(_arg(args, kwargs, 1, "output_size"), ndim)
     first = x.dim() - ndim
     for i in range(ndim):
@@ -167,9 +163,24 @@ def _adaptive_ties(args: tuple, kwargs: dict, *, ndim: int) -> int:
         for w in windows:
             shape = list(w.shape)
             shape[dim] = width - w.shape[dim]
-            padded.append(torch.cat([w, w.new_full(shape, float("-inf"))], dim=dim) if shape[dim] else w)
+            padded.append(torch.cat([w, w.new_full(shape, fill)], dim=dim) if shape[dim] else w)
         x = torch.stack(padded, dim=dim).movedim(dim + 1, -1)
-    return _window_ties(x.flatten(-ndim))
+    return x.flatten(-ndim)
+
+
+def _adaptive_ties(args: tuple, kwargs: dict, *, ndim: int, constant: Tensor | None = None) -> int:
+    """Extra attainments of the max in each adaptive max-pooling window (``constant`` as for :func:`_pool_ties`)."""
+    cols = _adaptive_windows(args[0], args, kwargs, ndim, float("-inf"))
+    if constant is None:
+        return _window_ties(cols)
+    return _masked_ties(cols, _adaptive_windows(constant.to(cols.dtype), args, kwargs, ndim, 1.0) > 0)
+
+
+def _masked_ties(cols: Tensor, const: Tensor) -> int:
+    """Extra attainments per window, counting only windows with a maximum that is not locally constant."""
+    tied = cols == cols.amax(dim=-1, keepdim=True)
+    moving = (tied & ~const).any(dim=-1)
+    return int(((tied.sum(dim=-1) - 1).clamp(min=0) * moving).sum())
 
 
 def _shrink_ties(args: tuple, kwargs: dict) -> int:
@@ -242,13 +253,19 @@ KINK_PRIMITIVES: dict[Callable, Callable[[tuple, dict], int]] = {
 
 
 #: max-pooling functions and their dimension (their ties can be refined by a constant mask)
-_POOLS: dict[Callable, int] = {
-    F.max_pool1d: 1,
-    F.max_pool2d: 2,
-    F.max_pool3d: 3,
-    F.max_pool1d_with_indices: 1,
-    F.max_pool2d_with_indices: 2,
-    F.max_pool3d_with_indices: 3,
+_POOLS: dict[Callable, tuple[Callable, int]] = {
+    F.max_pool1d: (_pool_ties, 1),
+    F.max_pool2d: (_pool_ties, 2),
+    F.max_pool3d: (_pool_ties, 3),
+    F.max_pool1d_with_indices: (_pool_ties, 1),
+    F.max_pool2d_with_indices: (_pool_ties, 2),
+    F.max_pool3d_with_indices: (_pool_ties, 3),
+    F.adaptive_max_pool1d: (_adaptive_ties, 1),
+    F.adaptive_max_pool2d: (_adaptive_ties, 2),
+    F.adaptive_max_pool3d: (_adaptive_ties, 3),
+    F.adaptive_max_pool1d_with_indices: (_adaptive_ties, 1),
+    F.adaptive_max_pool2d_with_indices: (_adaptive_ties, 2),
+    F.adaptive_max_pool3d_with_indices: (_adaptive_ties, 3),
 }
 
 #: ``relu`` forms whose output is locally constant (``0``) where the input is strictly negative
@@ -282,7 +299,8 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None, *, consta
         return 0
     with torch.no_grad():
         if constant is not None and func in _POOLS and constant.shape == args[0].shape:
-            return _pool_ties(args, kwargs or {}, ndim=_POOLS[func], constant=constant)
+            windowed, ndim = _POOLS[func]
+            return windowed(args, kwargs or {}, ndim=ndim, constant=constant)
         return counter(args, kwargs or {})
 
 
