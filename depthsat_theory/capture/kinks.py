@@ -299,6 +299,7 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None, *, consta
         return 0
     with torch.no_grad():
         if constant is not None and func in _POOLS and constant.shape == args[0].shape:
+            constant = constant & (args[0] == 0)  # still relu's zeros (not changed in place since)
             windowed, ndim = _POOLS[func]
             return windowed(args, kwargs or {}, ndim=ndim, constant=constant)
         return counter(args, kwargs or {})
