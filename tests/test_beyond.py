@@ -52,6 +52,205 @@ def test_kink_ties_count_each_primitive():
     assert kink_ties(torch.amax, (rows, 1)) == 2
 
 
+@pytest.mark.parametrize(
+    ("func", "extra"),
+    [
+        (torch.clamp_min, (0.0,)),
+        (torch.Tensor.clamp_min, (0.0,)),
+        (torch.clamp_max, (0.0,)),
+        (F.prelu, (torch.tensor([0.25]),)),
+        (F.rrelu, (0.1, 0.3, False)),
+        (F.elu, (0.5,)),
+        (F.selu, ()),
+        (F.hardshrink, (0.0,)),
+        (F.softshrink, (0.0,)),
+    ],
+)
+def test_kink_ties_elementwise_kinks_beyond_relu(func, extra):
+    """Each has a kink (or jump) at 0 for these arguments: the zeros of ``x`` are the ties (hand count)."""
+    x = _req(torch.tensor([[0.0, 1.0, -2.0], [0.0, 0.0, 3.0]]))
+    assert kink_ties(func, (x, *extra)) == 3
+
+
+def test_kink_ties_smooth_variants_are_not_counted():
+    x = _req(torch.zeros(5))
+    assert kink_ties(F.elu, (x, 1.0)) == 0  # alpha = 1: C¹ at 0
+    assert kink_ties(F.softshrink, (x + 0.5, 0.5)) == 5  # kink at ±λ
+    assert kink_ties(F.softshrink, (x, 0.5)) == 0
+
+
+def _binary_pool_ties(x: torch.Tensor, pool_kw: dict, ndim: int) -> int:
+    """Independent count on a 0/1 tensor from torch's sum pooling (avg_pool, divisor 1).
+
+    Per window: the max is 1 iff it holds a one; the extra attainments are (#ones − 1), else
+    (#in-bound elements − 1); ``avg_pool`` with zero padding and ``divisor_override=1`` sums them.
+    """
+    avg = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[ndim]
+    mx = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[ndim]
+    if ndim == 1:
+        ones = F.avg_pool2d(
+            x.unsqueeze(-2),
+            (1, pool_kw["kernel_size"]),
+            (1, pool_kw["stride"]),
+            (0, pool_kw["padding"]),
+            pool_kw["ceil_mode"],
+            True,
+            1,
+        ).squeeze(-2)
+        size = F.avg_pool2d(
+            torch.ones_like(x).unsqueeze(-2),
+            (1, pool_kw["kernel_size"]),
+            (1, pool_kw["stride"]),
+            (0, pool_kw["padding"]),
+            pool_kw["ceil_mode"],
+            True,
+            1,
+        ).squeeze(-2)
+    else:
+        kw = dict(pool_kw, count_include_pad=True, divisor_override=1)
+        ones, size = avg(x, **kw), avg(torch.ones_like(x), **kw)
+    m = mx(x, **pool_kw)
+    return int(torch.where(m == 1, ones - 1, size - 1).sum())
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("k", "s", "p", "ceil"), [(2, 2, 0, False), (3, 2, 1, True), (2, 3, 1, True), (3, 1, 1, False)]
+)
+@pytest.mark.parametrize("indices", [False, True])
+def test_kink_ties_max_pool_any_dim_ceil_padding_indices(ndim, k, s, p, ceil, indices):
+    gen = torch.Generator().manual_seed(ndim * 100 + k * 10 + s)
+    x = _req(torch.randint(0, 2, (2, 3, *([5] * ndim)), generator=gen).double())
+    kw = {"kernel_size": k, "stride": s, "padding": p, "ceil_mode": ceil}
+    expected = _binary_pool_ties(x.detach(), kw, ndim)
+    plain = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[ndim]
+    with_idx = {1: F.max_pool1d_with_indices, 2: F.max_pool2d_with_indices, 3: F.max_pool3d_with_indices}[ndim]
+    func = with_idx if indices else plain
+    assert kink_ties(func, (x, k, s, p, 1, ceil)) == expected
+
+
+def test_kink_ties_adaptive_max_pool_hand_count():
+    """Length 5 into 3: torch's windows [0,2), [1,4), [3,5); constant input: 1 + 2 + 1 extra per row."""
+    x = _req(torch.ones(2, 3, 5))
+    assert kink_ties(F.adaptive_max_pool1d, (x, 3)) == 4 * 6
+    assert kink_ties(F.adaptive_max_pool1d_with_indices, (x, 3)) == 4 * 6
+    img = _req(torch.ones(1, 1, 5, 4))
+    # rows [0,2),[1,4),[3,5) × columns [0,2),[2,4): sizes 2·2, 3·2, 2·2 → 3 + 5 + 3, twice
+    assert kink_ties(F.adaptive_max_pool2d, (img, (3, 2))) == 2 * (3 + 5 + 3)
+    assert kink_ties(F.adaptive_max_pool2d, (img, 1)) == 19
+    assert kink_ties(F.adaptive_max_pool3d, (_req(torch.ones(1, 2, 2, 2)), 1)) == 7
+
+
+def test_clamp_kink_ties_stop_a_wrong_improvable_verdict():
+    """``clamp_min(z, 0) + clamp_max(z, 0) = z`` exactly, so ``L(z) = z − that ≡ 0``: ``J`` is constant,
+    ``b = 0``; autograd passes 1 through both clamps at ``z = 0`` and says ``b = −1`` (improvable)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.site = nn.Linear(1, 1)
+            with torch.no_grad():
+                self.site.weight.zero_()
+                self.site.bias.zero_()
+
+        def forward(self, x):
+            z = self.site(x)
+            return z - z.clamp_min(0) - z.clamp_max(0)
+
+    x = torch.randn(8, 1, dtype=torch.float64)
+    net = Net().double()
+    with torch.no_grad():
+        for t in (1e-3, -1e-3):  # J(θ) is constant along the bias family
+            net.site.bias.fill_(t)
+            assert net(x).abs().max() == 0
+        net.site.bias.zero_()
+    res = diagnose(net, lambda out, _y: out.sum(1), [(x, torch.zeros(8))], sites=["site"])
+    r = res["site"].result
+    assert r.kink_ties == 16
+    assert r.verdict is Verdict.UNDETERMINED
+
+
+def test_l1_loss_ties_stop_a_wrong_improvable_verdict():
+    """Residuals ``r = (0, 0, −1)`` of a bias family ``θ``: ``J(θ) = (|θ| + |θ| + |θ − 1|)/3``.
+
+    By hand ``J(t) = (1 + t)/3`` and ``J(−t) = (1 + 3t)/3`` for ``0 < t < 1``: the origin is a strict
+    minimum (no block helps), but autograd takes ``sign(0) = 0`` and returns ``b = −1/3`` ("improvable").
+    """
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.site = nn.Linear(1, 1)
+            with torch.no_grad():
+                self.site.weight.zero_()
+                self.site.bias.zero_()
+
+        def forward(self, x):
+            return self.site(x)
+
+    x = torch.zeros(3, 1, dtype=torch.float64)
+    y = torch.tensor([[0.0], [0.0], [1.0]], dtype=torch.float64)
+    net = Net().double()
+
+    def loss(out, t):
+        return F.l1_loss(out, t, reduction="none").sum(1)
+
+    for t, want in ((0.25, (1 + 0.25) / 3), (-0.25, (1 + 3 * 0.25) / 3)):
+        with torch.no_grad():
+            net.site.bias.fill_(t)
+            assert float(loss(net(x), y).mean()) == pytest.approx(want, rel=1e-15) and want > 1 / 3
+    with torch.no_grad():
+        net.site.bias.zero_()
+    res = diagnose(net, loss, [(x, y)], sites=["site"])
+    r = res["site"].result
+    assert r.kink_ties == 2 and r.verdict is Verdict.UNDETERMINED
+
+
+def test_kink_ties_when_only_the_second_operand_depends_on_the_site():
+    """``maximum(0, z)`` is ``relu(z)``; ``l1_loss(y, out)`` is ``|y − out|``: hand count of the ties."""
+    z = _req(torch.tensor([0.0, 1.0, -2.0, 0.0]))
+    zeros = torch.zeros(4)
+    assert kink_ties(torch.maximum, (zeros, z)) == 2
+    assert kink_ties(torch.max, (zeros, z)) == 2
+    assert kink_ties(F.l1_loss, (zeros, z)) == 2
+    assert kink_ties(torch.maximum, (zeros, z.detach())) == 0
+
+
+@pytest.mark.parametrize("relu", [lambda: nn.ReLU(), lambda: nn.ReLU(inplace=True)])
+def test_max_pool_of_clamped_relu_zeros_is_not_a_tie(relu):
+    """relu → max-pool: a window whose maxima are relu zeros of strictly negative inputs is locally
+    constant (differentiable) and not counted; a maximum from an input exactly at 0 still is.
+
+    Hand count on 2 × 8 inputs, 2 × 2 windows over column pairs:
+    A = (−1, −2 | −3, −4): all clamped → 0;  B = (−1, 0 | −2, −3): the 0 is relu's own tie (1) and the
+    window's four zeros are maxima, one of them not locally constant → 3;  C = (1, 1 | −1, ½): two 1s → 1;
+    D = (−1, −1 | 2, −1): unique max → 0.  Total 1 + 3 + 1 = 5.
+    """
+    net = nn.Sequential(nn.Identity(), relu(), nn.MaxPool2d(2))
+    x = torch.tensor(
+        [[-1.0, -2.0, -1.0, 0.0, 1.0, 1.0, -1.0, -1.0], [-3.0, -4.0, -2.0, -3.0, -1.0, 0.5, 2.0, -1.0]]
+    ).reshape(1, 1, 2, 8)
+    counter = KinkCounter(net, ["0"])
+    with counter:
+        counter.wrap_loss(lambda out, _y: out.flatten(1).sum(1))(net(x.clone().requires_grad_(True) * 1.0), None)
+    assert counter.ties == {"0": 5}
+    # without the relu's mask (a plain max-pool of the same values) the clamped window A counts 3 more
+    clamped = torch.relu(x).requires_grad_(True)
+    assert kink_ties(F.max_pool2d, (clamped, 2)) == 3 + 3 + 1
+
+
+def test_global_max_pool_of_clamped_relu_zeros_is_not_a_tie():
+    """relu → adaptive (global) max-pool per channel: channel 0 all strictly negative → relu zeros,
+    locally constant → 0; channel 1 = (0, −1, −2, −3): relu's tie at the 0 (1) and four tied zeros
+    with a non-constant one (3); channel 2 = (2, 2, 1, −1): two 2s (1).  Hand count 5."""
+    net = nn.Sequential(nn.Identity(), nn.ReLU(), nn.AdaptiveMaxPool2d(1))
+    x = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [0.0, -1.0, -2.0, -3.0], [2.0, 2.0, 1.0, -1.0]]).reshape(1, 3, 2, 2)
+    counter = KinkCounter(net, ["0"])
+    with counter:
+        counter.wrap_loss(lambda out, _y: out.flatten(1).sum(1))(net(x.clone().requires_grad_(True) * 1.0), None)
+    assert counter.ties == {"0": 5}
+
+
 class _TwoSites(nn.Module):
     def __init__(self):
         super().__init__()
@@ -386,3 +585,33 @@ def test_head_input_curvature_is_below_the_cross_entropy_bound():
     sd = res["ln_f"]
     assert sd.curvature is not None and 0 < sd.curvature.curvature <= beta
     assert sd.guaranteed_decrease <= sd.curvature.local_decrease
+
+
+def test_saddle_score_equals_a_dense_torch_func_mixed_derivative():
+    """σ against an independent reference: ``torch.func`` mixed second derivative of
+    ``E[g · (W relu(U u + a) + c)]`` in ``((W, c), (U, a))`` at ``W = 0``, whitened by ``Σ^{-1/2}``
+    (``Σ = E[φ̃ φ̃ᵀ]``, ``φ̃ = (relu(U u + a), 1)``) per output coordinate, operator norm."""
+    from torch.func import jacrev
+
+    torch.manual_seed(3)
+    n, d, k = 40, 3, 4
+    u, g = torch.randn(n, d, dtype=torch.float64), torch.randn(n, d, dtype=torch.float64)
+    w_in, a = torch.randn(k, d, dtype=torch.float64), torch.randn(k, dtype=torch.float64)
+    stats = CrossBlockStatistics(parse_family(f"relu:{k}"), (d,), "vector")
+    stats.weight, stats.bias = w_in.clone(), a.clone()
+    stats.update(u, g)
+
+    def first_order(wc, psi):
+        w, c = wc[: d * k].reshape(d, k), wc[d * k :]
+        feats = torch.relu(u @ psi[: k * d].reshape(k, d).T + psi[k * d :])
+        return (g * (feats @ w.T + c)).sum(1).mean()
+
+    mixed = jacrev(jacrev(first_order, argnums=0), argnums=1)(
+        torch.zeros(d * k + d, dtype=torch.float64), torch.cat([w_in.flatten(), a])
+    )
+    rows = [r for i in range(d) for r in [*(i * k + j for j in range(k)), d * k + i]]
+    phi = torch.cat([torch.relu(u @ w_in.T + a), torch.ones(n, 1, dtype=torch.float64)], 1)
+    evals, evecs = torch.linalg.eigh(phi.T @ phi / n)
+    inv_half = evecs @ torch.diag(evals**-0.5) @ evecs.T
+    dense = torch.linalg.matrix_norm(torch.block_diag(*[inv_half] * d) @ mixed[rows], 2).item()
+    assert stats.result().saddle_score == pytest.approx(dense, rel=1e-10)

@@ -250,3 +250,25 @@ def test_monitor_schedule_mode_rng_device_and_errors(device):
         SaturationMonitor([], _per_example_ce, every=1)
     with pytest.raises(ValueError, match="checkpoint do not apply"):
         SaturationMonitor([(x, y)], _per_example_ce, every=1, checkpoint="x")
+
+
+def test_monitor_restores_each_submodule_mode_and_the_trajectory():
+    """A submodule frozen in eval mode inside a training model (a frozen dropout/BatchNorm) stays so.
+
+    Independent truth: the modes recorded before the measurement, and the training steps of a
+    deep copy run without the monitor (dropout ``p = 0.5`` would change the next step's output if
+    the frozen dropout came back in train mode).
+    """
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), _Block(4), nn.Linear(4, 2)).train()
+    net[1].eval()  # the user froze this dropout
+    before = [m.training for m in net.modules()]
+    twin = copy.deepcopy(net)
+    x, y = torch.randn(10, 3), torch.randint(0, 2, (10,))
+    mon = SaturationMonitor([(x, y)], _per_example_ce, every=1, sites=["2"])
+    mon.measure(net, 1)
+    assert [m.training for m in net.modules()] == before
+    torch.manual_seed(1)
+    out = net(x)
+    torch.manual_seed(1)
+    assert torch.equal(out, twin(x))

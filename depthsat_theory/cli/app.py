@@ -148,7 +148,12 @@ def score(
     ),
     alpha: float = typer.Option(0.05, "--alpha", help="Level of the noise test behind 'improvable', in (0, 0.215]."),
     beta: float | None = typer.Option(
-        None, "--beta", help="Smoothness β of the loss in the added field: also the guaranteed decrease s²/(2β)."
+        None,
+        "--beta",
+        help=(
+            "Smoothness β of the loss in the added field at this site: also the guaranteed decrease s²/(2β) "
+            "(½‖W‖₂² for a cross-entropy head W holds at the head's input only)."
+        ),
     ),
     second_order: bool = typer.Option(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
@@ -361,7 +366,12 @@ def diagnose_cmd(
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     beta: float | None = typer.Option(
-        None, "--beta", help="Smoothness β of the loss in the added field: report the guaranteed decrease s²/(2β)."
+        None,
+        "--beta",
+        help=(
+            "Smoothness β of the loss in the added field, valid at every diagnosed site: report the guaranteed "
+            "decrease s²/(2β). ½‖W‖₂² (cross-entropy head W) holds at the head's input only: use it with --sites."
+        ),
     ),
     second_order: bool = typer.Option(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."

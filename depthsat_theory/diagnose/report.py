@@ -198,34 +198,38 @@ class Diagnosis:
         for c in cols:
             t.add_column(c, justify="left" if c in ("site", "verdict") else "right", no_wrap=c != "verdict")
         for sd in self.sites:
-            r = sd.result
-            row = [
-                str(sd.depth),
-                sd.site,
-                "×".join(map(str, sd.shape)),
-                _g(r.score),
-                _g(r.score_error),
-                _g(r.relative_score),
-                _g(r.ag_rms),
-                _g(r.ag_max),
-                f"{r.tangent_rank}/{r.tangent_dim}",
-                *_extra_cells(sd, extra),
-            ]
-            if self.realizability:
-                row += [_g(r.raw_score), _g(r.realizability_defect)]
-            if self.delta is not None:
-                iv = sd.interval
-                row += ["—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"]
-            row += [_SHORT.get(sd.verdict, "undetermined" if sd.verdict.startswith("undetermined") else sd.verdict)]
-            if noisy:
-                need = r.examples_needed if r.verdict is Verdict.UNDETERMINED else None
-                row += ["—" if need is None else str(need)]
-            if uncertified:
-                iv = sd.interval
-                plan = None if iv is None or iv.score_lower > 0 else iv.n_to_certify
-                row += ["—" if plan is None else str(plan)]
-            t.add_row(*row)
+            t.add_row(*self._row(sd, extra, noisy=bool(noisy), uncertified=bool(uncertified)))
         return t
+
+    def _row(self, sd, extra: list[str], *, noisy: bool, uncertified: bool) -> list[str]:
+        """One site's cells of :meth:`table`, in its column order."""
+        r = sd.result
+        row = [
+            str(sd.depth),
+            sd.site,
+            "×".join(map(str, sd.shape)),
+            _g(r.score),
+            _g(r.score_error),
+            _g(r.relative_score),
+            _g(r.ag_rms),
+            _g(r.ag_max),
+            f"{r.tangent_rank}/{r.tangent_dim}",
+            *_extra_cells(sd, extra),
+        ]
+        if self.realizability:
+            row += [_g(r.raw_score), _g(r.realizability_defect)]
+        if self.delta is not None:
+            iv = sd.interval
+            row += ["—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"]
+        row += [_SHORT.get(sd.verdict, "undetermined" if sd.verdict.startswith("undetermined") else sd.verdict)]
+        if noisy:
+            need = r.examples_needed if r.verdict is Verdict.UNDETERMINED else None
+            row += ["—" if need is None else str(need)]
+        if uncertified:
+            iv = sd.interval
+            plan = None if iv is None or iv.score_lower > 0 else iv.n_to_certify
+            row += ["—" if plan is None else str(plan)]
+        return row
 
     def plot(self, path: str | os.PathLike) -> list[Path]:
         """Plot ``s`` (with the interval when present) and ``s / AG_rms`` against depth.

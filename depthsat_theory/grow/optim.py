@@ -56,7 +56,9 @@ def zero_state_param_groups(
             an iterable of parameters.
         freeze_old: set ``requires_grad = False`` on every parameter already in the optimizer
             (they get no gradient, so the optimizer skips them: LLaMA-Pro trains only the new blocks).
-        lr: the new group's learning rate (default: the optimizer's default ``lr``).
+        lr: the new group's learning rate (default: the optimizer's default ``lr``).  Every other
+            option of the new group is the optimizer's constructor default too (not an existing
+            group's); set it on the returned group to match.  Build LR schedulers after this call.
 
     Returns:
         The new parameter group (a dict, as in ``optimizer.param_groups``).

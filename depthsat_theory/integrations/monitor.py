@@ -102,8 +102,9 @@ class SaturationMonitor:
     def measure(self, model: nn.Module, step: int) -> dict[str, float]:
         """Diagnose ``model`` now and return its :func:`saturation_metrics`.
 
-        The model runs in eval mode (train-mode dropout would make ``g`` random) and is put back
-        in its mode; the RNG streams (CPU and the model's CUDA device) are saved and restored, and
+        The model runs in eval mode (train-mode dropout would make ``g`` random) and every
+        submodule is put back in its own mode (a submodule the user froze in eval mode stays so);
+        the RNG streams (CPU and the model's CUDA device) are saved and restored, and
         no parameter gradient is formed (``diagnose`` differentiates with respect to the sites
         only), so the training run continues exactly as without the monitor.
 
@@ -119,13 +120,14 @@ class SaturationMonitor:
         """
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         batches = self._batches_on(device)
-        was_training = model.training
+        modes = [(m, m.training) for m in model.modules()]  # per module: a frozen BatchNorm stays in eval
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model.eval()
             try:
                 d = diagnose(model, self.loss_fn, batches, sites=self.sites, family=self.family, **self.kwargs)
             finally:
-                model.train(was_training)
+                for m, training in modes:
+                    m.training = training
         if self.sites is None:
             self.sites = [s.site for s in d.sites]
         self.diagnosis, self.step = d, step
