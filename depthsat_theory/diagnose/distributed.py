@@ -23,6 +23,7 @@ exits; the other ranks then fail in the collective (or wait for ``torchrun``'s t
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 from collections.abc import Sequence
@@ -52,7 +53,8 @@ def init_from_env(backend: str | None = None) -> bool:
     """Join the process group described by ``torchrun``'s environment, if any.
 
     Reads ``WORLD_SIZE``/``RANK``/``MASTER_ADDR``/``MASTER_PORT`` (set by ``torchrun``).
-    Does nothing when ``WORLD_SIZE`` is unset or ``1``, or when a group exists already.
+    Does nothing when ``WORLD_SIZE`` is unset or ``1``, or when a group exists already. A group
+    created here is destroyed at interpreter exit.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"`` (default: ``nccl`` if CUDA is available,
@@ -70,7 +72,14 @@ def init_from_env(backend: str | None = None) -> bool:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
+    atexit.register(_destroy)  # a group left alive at exit can abort the process (std::terminate in gloo)
     return True
+
+
+def _destroy() -> None:
+    """Tear down the group this module created (registered with :mod:`atexit`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _device() -> torch.device:
