@@ -924,3 +924,31 @@ def test_n_to_certify_is_none_without_signal():
         z, np.zeros_like(z), parse_family("linear"), delta=0.1, bootstrap=0, grad_max=1.0, leverage_max=4.0
     )
     assert iv.score == 0 and iv.n_to_certify is None
+
+
+def _lower_end_given_v(n, s, v, gam, big_l, dim, delta):
+    """As :func:`_lower_end_by_hand` with the user's ``V`` (δ split over two events)."""
+    u1, u2 = math.log(4 / delta), math.log(4 * dim / delta)
+    l1 = max(big_l, 1.0)
+    dev = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+    if dev >= 1:
+        return -math.inf
+    return s * math.sqrt(1 - dev) - (math.sqrt(2 * v * u1 / n) + 2 * gam * math.sqrt(big_l) * u1 / n)
+
+
+@pytest.mark.parametrize("given_v", [False, True])
+def test_n_to_certify_is_minimal_across_signal_strengths(given_v):
+    """For a grid of ``ŝ`` the plan is the first ``n`` whose hand-written lower end is positive."""
+    from depthsat_theory.bounds import n_to_certify
+
+    rng = np.random.default_rng(6)
+    z = rng.uniform(-1, 1, size=(200, 1))
+    g = 0.3 * z + rng.uniform(-1, 1, size=(200, 1))
+    kw = dict(grad_max=1.3, leverage_max=4.0) | (dict(variance=0.9) if given_v else {})
+    iv = interval_from_probe(z, g, parse_family("linear"), delta=0.1, bootstrap=0, **kw)
+    hand = _lower_end_given_v if given_v else _lower_end_by_hand
+    v = 0.9 if given_v else iv.variance_plugin
+    for s in (0.05, 0.1, 0.2, 0.4, 0.8, 1.3):
+        n_star = n_to_certify(s, iv.variance_plugin, iv.constants, 0.1)
+        args = (s, v, 1.3, 4.0, 2, 0.1)
+        assert hand(n_star, *args) > 0 >= hand(n_star - 1, *args), s

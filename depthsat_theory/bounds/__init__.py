@@ -39,6 +39,7 @@ from depthsat_theory.bounds.interval import (
     ag_rms_upper,
     bootstrap_interval,
     interval_from_moments,
+    n_to_certify,
     unbiased_score_squared,
 )
 from depthsat_theory.bounds.moments import Estimate, ProbeMoments, estimate
@@ -66,6 +67,7 @@ __all__ = [
     "halfwidth",
     "interval_from_moments",
     "interval_from_probe",
+    "n_to_certify",
     "plan_bound",
     "required_n",
     "spending",
