@@ -2,4 +2,5 @@
 
 from depthsat_theory.cli import main
 
-main()
+if __name__ == "__main__":  # importing the module (autosummary, pydoc) must not run the CLI
+    main()
