@@ -463,3 +463,37 @@ def test_unknown_products_dtype_is_a_one_line_error():
     assert isinstance(fam, FeatureFamily)
     with pytest.raises(StatisticsError, match="products='float16'"):
         FeatureStatistics(fam, (3,), "vector", products="float16")
+
+
+def _tiny_direction_probe(eta: float, *, orthogonal: bool, n: int = 400, d: int = 8, seed: int = 0):
+    """float32 ``z`` with ``z₂ = z₁ + η w`` (amplitude η below the float32 data resolution, above the float64
+    Gram's) and ``g`` along ``w`` made orthogonal to the other features; ``orthogonal`` also to ``z₂ − z₁``."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((n, d))
+    w = rng.standard_normal(n)
+    z[:, 1] = z[:, 0] + eta * w
+    zz = z.astype(np.float32).astype(np.float64)
+    cols = [zz[:, [0, *range(2, d)]], np.ones((n, 1))] + ([zz[:, [1]] - zz[:, [0]]] if orthogonal else [])
+    design = np.concatenate(cols, 1)
+    wr = w - design @ np.linalg.lstsq(design, w, rcond=None)[0]
+    g = np.zeros((n, d))
+    g[:, 0] = wr
+    return torch.from_numpy(zz.astype(np.float32)), torch.from_numpy(g.astype(np.float32))
+
+
+@pytest.mark.parametrize("eta", [3e-7, 1e-6])
+def test_a_real_direction_below_the_data_resolution_is_never_grounds_for_saturated(eta):
+    """A feature direction of relative amplitude η (5–17 u32) that carries the whole activation gradient:
+    the exact score of the stored arrays is ≈ AG_rms, so "saturated" would be false; the direction is
+    dropped by the data resolution, its gradient passes the noise test, so it is unresolved. With ``g``
+    also orthogonal to that direction (exact score ≈ 0) the site is saturated."""
+    z, g = _tiny_direction_probe(eta, orthogonal=False)
+    truth = exact_score(z.double().numpy(), g.double().numpy())
+    res = _result(z, g)
+    assert truth > 0.5 * res.ag_rms and res.tangent_rank < res.tangent_dim
+    assert res.unresolved >= 1 and res.verdict is not Verdict.SATURATED
+    assert res.probe_verdict is not Verdict.SATURATED
+    z, g = _tiny_direction_probe(eta, orthogonal=True)
+    truth = exact_score(z.double().numpy(), g.double().numpy())
+    res = _result(z, g)
+    assert truth <= res.score_error and res.verdict is Verdict.SATURATED

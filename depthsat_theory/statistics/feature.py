@@ -374,7 +374,8 @@ class FeatureStatistics(TangentStatistics):
         self._check_finite(sig, big_g)
         spec = self.spectrum(rtol=rtol)
         self._spec_g = (spec, big_g)  # Π g (u) = G Σ⁻ φ̃(u), formed only if the tie pool asks (_project_units)
-        q_trace = spec.trace_product(self.noise_moment())  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻
+        moment = self.noise_moment()
+        q_trace = spec.trace_product(moment)  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻
         return self._finish(
             spec,
             spec.quadratic(big_g),
@@ -385,6 +386,7 @@ class FeatureStatistics(TangentStatistics):
             q_trace=q_trace,
             alpha=alpha,
             grad_rows=big_g,
+            noise_moment=moment,
         )
 
     def _project_units(self, units: Tensor) -> Tensor:

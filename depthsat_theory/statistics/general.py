@@ -149,9 +149,18 @@ class GeneralStatistics(TangentStatistics):
         spec = resolve_spectrum(kmat, dtype=self.dtype or torch.float64, rtol=rtol)
         inv = spec.pinv()
         self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
-        q_trace = float(np.sum(inv * self.noise_moment()))
+        moment = self.noise_moment()
+        q_trace = float(np.sum(inv * moment))
         return self._finish(
-            spec, spec.quadratic(b[None, :]), b, self.p, tol, q_trace=q_trace, alpha=alpha, grad_rows=b[None, :]
+            spec,
+            spec.quadratic(b[None, :]),
+            b,
+            self.p,
+            tol,
+            q_trace=q_trace,
+            alpha=alpha,
+            grad_rows=b[None, :],
+            noise_moment=moment,
         )
 
     def _project_units(self, units: Tensor) -> Tensor:

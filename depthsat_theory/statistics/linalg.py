@@ -24,7 +24,7 @@ ground a "saturated" verdict.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -110,6 +110,9 @@ class Spectrum:
         rtol: the relative cutoff used.
         unresolved: dropped directions above the data resolution (``ŝ`` is then a lower bound).
         dropped: eigenvectors of the dropped directions above zero amplitude, scaled coordinates ``(k, m)``.
+        band: ``(m,)`` bool, which dropped directions lie above what the arithmetic itself resolves
+            (the float64 Gram's ``C_res k̃ u64`` or the factor's ``(C_res sqrt(k̃) u64)²``): dropped by the
+            data resolution only, so they may be real directions of tiny amplitude.
         factored: whether the spectrum came from a triangular factor (backward stable in the data)
             rather than from the Gram.
     """
@@ -123,6 +126,7 @@ class Spectrum:
     unresolved: int
     dropped: np.ndarray
     factored: bool = False
+    band: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     @property
     def rank(self) -> int:
@@ -209,8 +213,10 @@ def resolve_spectrum(
         unresolved = int(((lam > data * lmax) & ~keep).sum())
     order = np.argsort(-lam[keep])
     live = scale > 0
-    dropped = q[:, ~keep]
-    dropped = dropped[:, np.abs(dropped[live]).sum(0) > 0] if live.any() else dropped[:, :0]
+    dropped, dropped_lam = q[:, ~keep], lam[~keep]
+    nonzero = np.abs(dropped[live]).sum(0) > 0 if live.any() else np.zeros(dropped.shape[1], dtype=bool)
+    dropped, dropped_lam = dropped[:, nonzero], dropped_lam[nonzero]
+    band = dropped_lam > resolution * lmax if rtol is None and lmax > 0 else np.zeros(dropped_lam.shape, dtype=bool)
     return Spectrum(
         scale=scale,
         values=lam[keep][order],
@@ -221,6 +227,7 @@ def resolve_spectrum(
         unresolved=unresolved,
         dropped=dropped,
         factored=factor is not None,
+        band=band,
     )
 
 

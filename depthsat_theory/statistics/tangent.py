@@ -77,6 +77,26 @@ def check_pair(z: Tensor, g: Tensor) -> None:
 _EPS_DTYPES = {float(torch.finfo(t).eps): t for t in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 
 
+def _significant_dropped(spec: Spectrum, mass: np.ndarray, noise_moment: np.ndarray, n: int, alpha: float):
+    """Which dropped directions in :attr:`Spectrum.band` carry a gradient the noise test calls real.
+
+    For a dropped direction ``u = D^{-1/2} v`` the statistic ``n ‖E_n[X u]‖² / E_n‖X u‖²`` is the noise
+    test's ratio on that direction alone (scale-free, so a tiny amplitude does not hide it); it is
+    compared with ``χ²_{1, 1−α/m}`` over the ``m`` band directions. A direction created by rounding
+    (e.g. the exact dependency of a LayerNorm output) carries gradient uncorrelated with it and
+    passes with probability about ``α/m``.
+    """
+    flagged = np.zeros(mass.shape, dtype=bool)
+    idx = np.flatnonzero(spec.band)
+    if n < 2 or not idx.size:
+        return flagged
+    u = spec.dropped[:, idx] * spec.scale[:, None]
+    var = np.einsum("ij,ij->j", noise_moment @ u, u)
+    ratio = np.where(var > 0, n * mass[idx] ** 2 / np.where(var > 0, var, 1.0), 0.0)
+    flagged[idx] = ratio > noise_threshold(alpha / idx.size)
+    return flagged
+
+
 class TangentStatistics(StreamingStatistic):
     """Shared streaming state: counts, ‖g‖², max ‖g‖, ‖z‖², the forward dtype, tie pooling.
 
@@ -321,6 +341,7 @@ class TangentStatistics(StreamingStatistic):
         q_trace: float = math.nan,
         alpha: float = NOISE_ALPHA,
         grad_rows: np.ndarray | None = None,
+        noise_moment: np.ndarray | None = None,
     ) -> SaturationResult:
         """Assemble the :class:`SaturationResult` (theory/numerics.md: error bound and noise test).
 
@@ -335,6 +356,10 @@ class TangentStatistics(StreamingStatistic):
             alpha: level of the noise test.
             grad_rows: the gradient as rows over the Gram's coordinates (``G`` ``(d, k)`` or ``b``
                 ``(1, p)``): dropped directions carrying more of it than rounding are unresolved.
+            noise_moment: ``E[XᵀX]`` over the Gram's coordinates (``(k, k)`` or ``(p, p)``): a dropped
+                direction the arithmetic resolves (:attr:`Spectrum.band`) whose gradient passes the
+                noise test (Bonferroni over those directions) is unresolved too, however small its
+                amplitude (``thm-noise-test`` on that direction alone).
         """
         self._require_examples()
         dtype, summands, fast = self._rounding_inputs()
@@ -349,7 +374,10 @@ class TangentStatistics(StreamingStatistic):
                 ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size, product_summands=fast
             )
             mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
-            unresolved = int((mass > level).sum())
+            flagged = mass > level
+            if noise_moment is not None and spec.band.any():
+                flagged |= _significant_dropped(spec, mass, noise_moment, self.n, alpha)
+            unresolved = int(flagged.sum())
         tol = err if tol is None else float(tol)
         raw = rho = float("nan")
         if self.pool_ties:
