@@ -52,14 +52,14 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "no unit-diagonal scaling (Gram)": (
         LIN,
-        "np.linalg.eigh(mat * np.outer(scale, scale))",
-        "np.linalg.eigh(mat)",
+        "torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))",
+        "torch.linalg.eigh(torch.from_numpy(mat))",
         [SCALING],
     ),
     "no unit-diagonal scaling (factor)": (
         LIN,
-        "np.linalg.svd(factor * scale[None, :], full_matrices=False)",
-        "np.linalg.svd(factor, full_matrices=False)",
+        "torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)",
+        "torch.linalg.svd(torch.from_numpy(factor), full_matrices=False)",
         [SCALING],
     ),
     "no unit-diagonal scaling (scale = 1)": (
@@ -71,8 +71,8 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
     "saturated at equality excluded": (RES, "if self.score <= self.tol:", "if self.score < self.tol:", [KILL]),
     "unresolved ignored": (
         RES,
-        "return Verdict.UNDETERMINED if self.unresolved else Verdict.SATURATED",
-        "return Verdict.SATURATED",
+        "return Verdict.UNDETERMINED if self.unresolved or self._vacuous_bound else Verdict.SATURATED",
+        "return Verdict.UNDETERMINED if self._vacuous_bound else Verdict.SATURATED",
         [KILL, NUM],
     ),
     "infinite bound saturated": (

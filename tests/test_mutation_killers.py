@@ -206,16 +206,18 @@ def test_triangular_factor_resolves_to_the_data_resolution():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_unit_diagonal_scaling_makes_a_tiny_feature_resolvable(dtype):
-    """Kills dropping the unit-diagonal scaling: a feature of scale ``2⁻³⁰`` carrying all of ``g``.
+    """Kills dropping the unit-diagonal scaling: a feature of scale ``2⁻ᵐ`` carrying all of ``g``.
 
-    Unscaled, its Gram eigenvalue is ``2⁻⁶⁰`` of the largest, below every cutoff; scaled it is an
-    ordinary direction and the exact score (rational truth) is ``AG_rms``.
+    Unscaled, its Gram eigenvalue is ``2⁻²ᵐ`` of the largest (``m = 30``: below every Gram cutoff) and
+    its amplitude ``2⁻ᵐ`` (``m = 55`` for float64 probes, whose TSQR factor resolves amplitudes down to
+    ``8 sqrt(k̃) u64``); scaled it is an ordinary direction and the exact score (rational truth) is ``AG_rms``.
     """
     rng = np.random.default_rng(9)
     n = 200
-    z64 = np.stack([rng.standard_normal(n), 2.0**-30 * rng.standard_normal(n)], 1)
+    m = 55 if dtype == torch.float64 else 30
+    z64 = np.stack([rng.standard_normal(n), 2.0**-m * rng.standard_normal(n)], 1)
     w = z64[:, 1] - np.mean(z64[:, 1])
-    g64 = np.stack([w, -w], 1) * 2.0**30
+    g64 = np.stack([w, -w], 1) * 2.0**m
     z, g = torch.from_numpy(z64).to(dtype), torch.from_numpy(g64).to(dtype)
     truth = exact_score(z.double().numpy(), g.double().numpy())
     res = _result(z, g)
