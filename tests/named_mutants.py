@@ -75,16 +75,12 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
         "return Verdict.UNDETERMINED if self._vacuous_bound else Verdict.SATURATED",
         [KILL, NUM],
     ),
-    "infinite bound saturated": (
-        RES,
-        "        if not math.isfinite(self.tol):\n            return Verdict.UNDETERMINED\n",
-        "",
-        [KILL, NUM],
-    ),
+    # "infinite bound saturated" (deleting the isfinite check) is equivalent since the vacuous-bound
+    # rule: an infinite tol has 2 tol ≥ AG_rms, so the verdict is undetermined either way.
     "degenerate last": (
         RES,
-        "        if self.degenerate:\n            return Verdict.DEGENERATE\n        if not math.isfinite",
-        "        if not math.isfinite",
+        "        if self.degenerate:\n            return Verdict.DEGENERATE\n        if self.kink_ties",
+        "        if self.kink_ties",
         [KILL, NUM],
     ),
     "noise test ignored": (
@@ -119,7 +115,7 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "noise moment dropped (feature)": (
         FEA,
-        'self.states["q_sum"] += _noise_moment(*per_example)',
+        '_noise_moment(self.states["q_sum"], phi_x, g_x, None if mask is not None else g_norm2)',
         "pass",
         [KILL, NUM],
     ),
