@@ -944,10 +944,10 @@ def test_n_to_certify_is_minimal_across_signal_strengths(given_v):
     rng = np.random.default_rng(6)
     z = rng.uniform(-1, 1, size=(200, 1))
     g = 0.3 * z + rng.uniform(-1, 1, size=(200, 1))
-    kw = dict(grad_max=1.3, leverage_max=4.0) | (dict(variance=0.9) if given_v else {})
+    kw = dict(grad_max=1.3, leverage_max=4.0) | (dict(variance=2.5) if given_v else {})
     iv = interval_from_probe(z, g, parse_family("linear"), delta=0.1, bootstrap=0, **kw)
     hand = _lower_end_given_v if given_v else _lower_end_by_hand
-    v = 0.9 if given_v else iv.variance_plugin
+    v = 2.5 if given_v else iv.variance_plugin
     for s in (0.05, 0.1, 0.2, 0.4, 0.8, 1.3):
         n_star = n_to_certify(s, iv.variance_plugin, iv.constants, 0.1)
         args = (s, v, 1.3, 4.0, 2, 0.1)
