@@ -18,6 +18,7 @@ import typer
 
 from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
 from depthsat_theory.cli import render
+from depthsat_theory.cli.experiment import experiment_app
 from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
 from depthsat_theory.cli.inputs import (
     UserError,
@@ -44,6 +45,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="First-order residual depth saturation: checks, scores and diagnostics.",
 )
+app.add_typer(experiment_app, name="experiment")
 
 
 DEVICE_HELP = "Where the model runs: cpu, cuda (cuda:N) or auto (cuda when available)."

@@ -1,0 +1,195 @@
+"""Writing an experiment's results: tables, summary, figures and provenance, atomically.
+
+A result folder is built in a temporary sibling folder and moved into place with one rename, so
+readers see the previous complete results or the new complete results, never a mix.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ExperimentError", "provenance", "summarize", "write_results"]
+
+#: where ``depthsat experiment`` writes by default (relative to the working directory)
+DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
+
+
+class ExperimentError(ValueError):
+    """A bad experiment configuration or output folder (the CLI prints it in one line, exit 2)."""
+
+
+def _git_commit() -> dict[str, Any]:
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: float | None = None) -> dict[str, Any]:
+    """What made a result: command line, commit, seeds, configuration, software and machine.
+
+    Args:
+        seeds: the seeds the experiment ran.
+        config: the experiment's full configuration (JSON-serialisable values).
+        started: ``time.time()`` at the start, to record the wall time in seconds.
+
+    Returns:
+        A JSON-serialisable dict (``command``, ``commit``, ``dirty``, ``seeds``, ``config``, ``versions``,
+        ``machine``, ``finished``, ``wall_s``).
+    """
+    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("depthsat", "numpy", "scipy", "transformers", "matplotlib"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    now = time.time()
+    return {
+        "command": " ".join(["depthsat", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("depthsat") else " ".join(sys.argv),
+        **_git_commit(),
+        "seeds": list(seeds),
+        "config": dict(config),
+        "versions": versions,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        },
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "wall_s": None if started is None else round(now - started, 1),
+    }
+
+
+def summarize(values: Sequence[float], *, confidence: float = 0.95) -> dict[str, float]:
+    """Mean, sample standard deviation and a Student-t confidence interval of the mean.
+
+    Args:
+        values: one value per seed (NaN values are an error: a failed run must not average away).
+        confidence: the interval's coverage.
+
+    Returns:
+        ``{"mean", "std", "n", "ci_low", "ci_high"}``; with one value the spread and interval are NaN.
+
+    Raises:
+        ExperimentError: if ``values`` is empty or holds a NaN/Inf.
+    """
+    from scipy import stats
+
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ExperimentError("summarize: no values (no seed finished)")
+    if not all(math.isfinite(x) for x in xs):
+        raise ExperimentError(f"summarize: non-finite value among {xs} (a run diverged; see its row)")
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return {"mean": mean, "std": math.nan, "n": n, "ci_low": math.nan, "ci_high": math.nan}
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
+    return {"mean": mean, "std": std, "n": n, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return _clean(obj.tolist())
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
+
+
+def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    fields: list[str] = []
+    for row in rows:
+        fields.extend(k for k in row if k not in fields)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _clean(v) for k, v in row.items()})
+
+
+def write_results(
+    folder: str | os.PathLike,
+    *,
+    tables: Mapping[str, Sequence[Mapping[str, Any]]],
+    summary: Mapping[str, Any],
+    figures: Mapping[str, Any] | None = None,
+    meta: Mapping[str, Any],
+) -> Path:
+    """Write one experiment's results into ``folder``, replacing what was there in one rename.
+
+    Args:
+        folder: the result folder (e.g. ``experiments/results/sweep``); its parent is created.
+        tables: ``{name: rows}``; each becomes ``name.csv`` (columns: the union of the rows' keys).
+        summary: the headline numbers; written with ``meta`` into ``summary.json``.
+        figures: ``{name: matplotlib Figure}``; each is saved as ``name.png`` and ``name.svg``.
+        meta: :func:`provenance` of the run.
+
+    Returns:
+        The folder written.
+
+    Raises:
+        ExperimentError: if ``folder`` exists and is not a directory.
+        OSError: if the parent is not writable (nothing is left behind).
+    """
+    target = Path(folder)
+    if target.exists() and not target.is_dir():
+        raise ExperimentError(f"--out {target}: exists and is not a folder; name a folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        for name, rows in tables.items():
+            _write_csv(tmp / f"{name}.csv", rows)
+        for name, fig in (figures or {}).items():
+            fig.savefig(tmp / f"{name}.png", dpi=120, bbox_inches="tight")
+            fig.savefig(tmp / f"{name}.svg", bbox_inches="tight", metadata={"Date": None})
+        with open(tmp / "summary.json", "w") as fh:
+            json.dump(_clean({"meta": meta, "summary": summary}), fh, indent=1, sort_keys=False)
+            fh.write("\n")
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}-old-{os.getpid()}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
