@@ -153,8 +153,9 @@ def score(
         None,
         "--beta",
         help=(
-            "Smoothness β of the loss in the added field at this site: also the guaranteed decrease s²/(2β) "
-            "(½‖W‖₂² for a cross-entropy head W holds at the head's input only)."
+            "Smoothness β of the loss in the added field at this site: also s²/(2β), guaranteed only if β is "
+            "proven here (½‖W‖₂² for a cross-entropy head W at the head's input; prop-beta-composed deeper); "
+            "unchecked on a dumped probe."
         ),
     ),
     second_order: bool = typer.Option(
@@ -223,6 +224,9 @@ def _beyond_fields(fam, z, g, score: float, beta: float | None, second_order: bo
     if beta is not None:
         out["beta"] = beta
         out["guaranteed_decrease"] = guaranteed_decrease(score, beta)
+        out["beta_status"] = (
+            "unchecked (a dumped probe has no model to run the step −Πg/β on: holds only if β is proven at this site)"
+        )
     if second_order:
         if not isinstance(fam, FeatureFamily):
             raise UserError(f"--second-order needs a random-feature family (relu:K, gelu:K, tanh:K), not {fam.spec!r}")
@@ -371,8 +375,9 @@ def diagnose_cmd(
         None,
         "--beta",
         help=(
-            "Smoothness β of the loss in the added field, valid at every diagnosed site: report the guaranteed "
-            "decrease s²/(2β). ½‖W‖₂² (cross-entropy head W) holds at the head's input only: use it with --sites."
+            "Smoothness β of the loss in the added field at the diagnosed sites: report s²/(2β). Each site's β is "
+            "checked by running the step −Πg/β on the probe; where it removes less, β is marked refuted and no "
+            "decrease is reported. ½‖W‖₂² (cross-entropy head W) holds at the head's input only."
         ),
     ),
     second_order: bool = typer.Option(

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
-from depthsat_theory.capture.curvature import field_curvature
+from depthsat_theory.capture.curvature import field_curvature, step_decrease
 from depthsat_theory.capture.kinks import KinkCounter
 from depthsat_theory.capture.probe import update_statistics
 from depthsat_theory.diagnose.errors import DiagnoseError
@@ -127,6 +127,47 @@ def measure_curvatures(
             st.feature_gram(),
             layout=sd.layout,
             score=sd.result.score,
+        )
+
+
+def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family, stats, reduction: str) -> None:
+    """Run the step ``−Πg/β`` on the probe at every site with a ``β`` (``cor-beta-refuted``).
+
+    Sites where the step cannot be run (a streamed probe, a family without fixed features, a
+    sequence/image site, batch-reduced losses) keep ``beta_check = None`` (status ``unchecked``),
+    and a note says so: their ``s²/(2β)`` holds only if the given ``β`` is a smoothness constant there.
+    """
+    runnable = isinstance(batches, (list, tuple)) and isinstance(family, FeatureFamily) and reduction == "none"
+    unchecked = []
+    for sd in diagnosis.sites:
+        if sd.beta is None or sd.result.score == 0:
+            continue
+        if not runnable or len(sd.shape) != 1:
+            unchecked.append(sd.site)
+            continue
+        st = stats[sd.site]
+        sd.beta_check = step_decrease(
+            model,
+            loss_fn,
+            batches,
+            sd.site,
+            family,
+            st.cross_gradient(),
+            st.feature_gram(),
+            layout=sd.layout,
+            step=-1.0 / sd.beta,
+        )
+    refuted = [sd.site for sd in diagnosis.sites if sd.beta_status == "refuted"]
+    if refuted:
+        diagnosis.notes.append(
+            f"β refuted at {', '.join(refuted)}: the step −Πg/β removed less than s²/(2β) on the probe, so β is not "
+            "a smoothness constant there (cor-beta-refuted); no decrease is guaranteed. ½‖W‖₂² holds at the head's "
+            "input only (lem-ce-smoothness); deeper sites need prop-beta-composed"
+        )
+    if unchecked:
+        diagnosis.notes.append(
+            f"β not checked at {', '.join(unchecked)} (needs a list probe, a feature family, per-example losses and a "
+            "vector site): s²/(2β) there holds only if β is a smoothness constant at that site (marked ?)"
         )
 
 

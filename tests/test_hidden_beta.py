@@ -1,0 +1,97 @@
+"""Smoothness at hidden sites (``prop-beta-composed``, ``cor-beta-chain``) and refuting a ``β`` on the
+probe (``cor-beta-refuted``): the tool never reports as guaranteed a decrease the real step contradicts.
+
+Independent truths: the closed form of ``ex-beta-misapplied`` (``F(θ) = ¾ sp(−2aθ) + ¼ sp(2aθ)``),
+hand-composed chain constants, and ``½‖W‖²`` recomputed with numpy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthsat_theory.diagnose import diagnose
+from depthsat_theory.statistics.decrease import (
+    ACTIVATION_CONSTANTS,
+    chain_constants,
+    composed_smoothness,
+    cross_entropy_smoothness,
+)
+
+
+class _Deeper(nn.Module):
+    def __init__(self, a: float):
+        super().__init__()
+        self.site = nn.Linear(1, 1, bias=False).double()
+        self.scale = nn.Linear(1, 1, bias=False).double()
+        self.head = nn.Linear(1, 2, bias=False).double()
+        with torch.no_grad():
+            self.site.weight.zero_()
+            self.scale.weight.fill_(a)
+            self.head.weight.copy_(torch.tensor([[1.0], [-1.0]], dtype=torch.float64))
+
+    def forward(self, x):
+        return self.head(self.scale(self.site(x)))
+
+
+def _loss(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def _closed_form(a: float, theta: float) -> float:
+    return 0.75 * math.log1p(math.exp(-2 * a * theta)) + 0.25 * math.log1p(math.exp(2 * a * theta))
+
+
+def test_the_head_bound_one_map_deeper_is_refuted_and_never_printed_as_guaranteed():
+    a = 3.0
+    net = _Deeper(a)
+    x, y = torch.ones(8, 1, dtype=torch.float64), torch.tensor([0, 0, 0, 1, 0, 0, 0, 1])
+    res = diagnose(net, _loss, [(x, y)], sites=["site"], beta=1.0)  # ½‖W‖² = 1: the head's input bound
+    sd = res["site"]
+    assert sd.result.score == pytest.approx(a / 2, rel=1e-12)
+    raised = _closed_form(a, 1.5) - math.log(2)  # the step θ = s/β = 3/2 (2.25 − 0.693 nats)
+    assert raised == pytest.approx(1.5570, abs=1e-4)
+    assert -sd.beta_check.decrease == pytest.approx(raised, rel=1e-10)
+    assert sd.beta_status == "refuted" and sd.guaranteed_decrease is None
+    assert sd.to_dict()["guaranteed_decrease"] is None and sd.to_dict()["beta_status"] == "refuted"
+    assert any("refuted" in note for note in res.notes)
+    # the composed constant a² (prop-beta-composed with L = a, H = 0) is consistent and its promise holds
+    beta = composed_smoothness(net.head.weight, *chain_constants([net.scale]))
+    assert beta == pytest.approx(a * a, rel=1e-12)
+    ok = diagnose(net, _loss, [(x, y)], sites=["site"], beta=beta)["site"]
+    assert ok.beta_status == "consistent"
+    assert ok.guaranteed_decrease == pytest.approx((a / 2) ** 2 / (2 * a * a), rel=1e-12)
+    assert math.log(2) - _closed_form(a, (a / 2) / beta) >= ok.guaranteed_decrease
+
+
+def test_chain_constants_hand_composition():
+    lin1, lin2 = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        lin1.weight.copy_(torch.diag(torch.tensor([2.0, 1.0, 0.5])))
+        lin2.weight.copy_(torch.diag(torch.tensor([-3.0, 1.0, 0.0])))
+    c2 = 4 / (3 * math.sqrt(3))
+    lip, curv = chain_constants([lin1, nn.Tanh(), lin2])
+    assert lip == pytest.approx(6.0) and curv == pytest.approx(3 * c2 * 4)  # H = ‖A₂‖ c₂ ‖A₁‖²
+    lip, curv = chain_constants([("residual", [lin1, nn.Tanh(), lin2])])
+    assert lip == pytest.approx(7.0) and curv == pytest.approx(12 * c2)
+    assert ACTIVATION_CONSTANTS["gelu"][1] == pytest.approx(math.sqrt(2 / math.pi))
+
+
+@pytest.mark.parametrize("step", [nn.ReLU(), nn.LayerNorm(3), nn.GELU(approximate="tanh")])
+def test_chain_constants_refuse_kinks_and_norms(step):
+    with pytest.raises(ValueError, match="no smoothness constant is proven through"):
+        chain_constants([nn.Linear(3, 3), step])
+
+
+def test_composed_smoothness_reduces_to_the_head_bound():
+    w = torch.randn(5, 4, dtype=torch.float64)
+    assert composed_smoothness(w, 1.0, 0.0) == pytest.approx(cross_entropy_smoothness(w), rel=1e-12)
+    want = 0.5 * np.linalg.norm(w.numpy(), 2) ** 2 * 4 + math.sqrt(2) * np.linalg.norm(w.numpy(), 2) * 0.5
+    assert composed_smoothness(w, 2.0, 0.5, units_per_example=2) == pytest.approx(want / 2, rel=1e-12)
+    with pytest.raises(ValueError, match="lipschitz"):
+        composed_smoothness(w, -1.0, 0.0)
