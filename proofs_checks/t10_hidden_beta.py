@@ -1,4 +1,4 @@
-"""Smoothness constants at hidden sites, and refuting a ``β`` on the probe (theory/decrease.md).
+"""Smoothness at hidden sites, refuting a ``β``, honest cross-fit intervals (decrease.md, raw-score.md).
 
 Claims:
 
@@ -14,6 +14,8 @@ Claims:
   (``torch.func.hessian``) at the probe points and at random far points stays within
   ``β = composed_smoothness(W, *chain_constants(chain))``, and ``diagnose(beta=β)`` at the chain's
   input reports ``consistent`` with the step removing at least ``s²/(2β)``.
+- ``t10-crossfit-interval`` (coverage, ``cor-crossfit-interval``): populations in ``d = 4`` with
+  known ``r²`` and ``ρ`` at ``n = 2000``: ``r̂²`` runs low, the intervals cover.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import cast
 
+import numpy as np
 import sympy as sp
 import torch
 import torch.nn.functional as F
@@ -187,3 +190,55 @@ def beta_composed(ctx: Context) -> Outcome:
         b, w = _chain_instance(gen, "tanh" if i % 2 == 0 else "gelu")
         bad, worst = bad + b, max(worst, w)
     return Outcome(count, bad, detail=f"largest |Hessian eigenvalue| / composed β = {worst:.3g}")
+
+
+# ----------------------------------------------------------------------------- cross-fit intervals
+
+
+def _crossfit_population(rng, n: int, which: int):
+    """``u ~ N(0, I₄)``, ``g = (m(u) + ε, 0, 0, 0)``: ``m = u₁u₂`` (r² = 1, ρ = 1) or
+    ``m = u₁ + (u₂² − 1)/√2`` (r² = 2, Πm = u₁ so s² = 1, ρ = √½).
+    """
+    u = rng.standard_normal((n, 4))
+    m = u[:, 0] * u[:, 1] if which == 0 else u[:, 0] + (u[:, 1] ** 2 - 1) / math.sqrt(2)
+    g = np.zeros((n, 4))
+    g[:, 0] = m + rng.standard_normal(n)
+    return u, g, (1.0, 1.0) if which == 0 else (2.0, math.sqrt(0.5))
+
+
+@check("T6", "cor-crossfit-interval", "t10-crossfit-interval", "coverage")
+def crossfit_interval(ctx: Context) -> Outcome:
+    """Known r², ρ in d = 4 at n = 2000: the point estimate runs low, the 95% intervals cover."""
+    from depthsat_theory.families import parse_family
+    from depthsat_theory.statistics import statistics_for
+    from depthsat_theory.statistics.realizability import crossfit_realizability
+
+    rng = ctx.rng("crossfit-interval")
+    reps, n = ctx.count(20, 6), 2000
+    bad, rows = 0, []
+    for which in (0, 1):
+        miss_r = miss_rho = 0
+        est_sum = 0.0
+        truth = (0.0, 0.0)
+        for _ in range(reps):
+            u, g, truth = _crossfit_population(rng, n, which)
+            st = statistics_for(parse_family("linear"), (4,), "vector")
+            st.update(torch.from_numpy(u), torch.from_numpy(g))
+            res = st.result()
+            est = crossfit_realizability(
+                u, g, score_squared=res.score_squared_unbiased, score_squared_se=res.score_squared_se
+            )
+            lo, hi = est.raw_score_squared_interval
+            a, b = est.realizability_defect_interval
+            miss_r += int(not lo <= truth[0] <= hi)
+            miss_rho += int(not a <= truth[1] <= b)
+            est_sum += est.raw_score_squared
+        # 95% intervals: allow up to 2 misses out of 20 (binomial tail at 0.05 is 0.26) and 1 of 6
+        allowed = 2 if reps >= 20 else 1
+        bad += int(miss_r > allowed) + int(miss_rho > allowed)
+        rows.append([truth[0], round(est_sum / reps, 3), f"{reps - miss_r}/{reps}", f"{reps - miss_rho}/{reps}"])
+    return Outcome(
+        2 * reps,
+        bad,
+        detail="r², mean r̂² (runs low), r² covered, ρ covered: " + "; ".join(map(str, rows)),
+    )

@@ -212,7 +212,11 @@ def score(
         out = render.score_fields(result, interval)
         out.update(_beyond_fields(fam, z, g, result.score, beta, second_order))
         if crossfit:
-            out.update(crossfit_realizability(z, g, score_squared=result.score_squared_unbiased).to_dict())
+            out.update(
+                crossfit_realizability(
+                    z, g, score_squared=result.score_squared_unbiased, score_squared_se=result.score_squared_se
+                ).to_dict()
+            )
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         render.fail(exc)
     render.print_score(out, probe, as_json=as_json)

@@ -13,12 +13,21 @@ by the orthogonalised moment (``thm-crossfit-raw-score``)
 (``m̂_{−i}`` fitted on the other fold), whose bias is ``−‖m̂ − m‖²``: second order in the regression
 error.  With ``s²`` from the unbiased U-statistic, ``ρ̂² = max(0, 1 − ŝ²_U / r̂²)`` (Pythagoras,
 ``Πm = Πg`` under ``asm-unit-tangent``).
+
+The bias ``−‖m̂ − m‖²`` is never positive: ``r̂²`` runs **low** whenever the regression has not
+converged (in wide sites at realistic ``n`` it can be far low: the ``k``-NN rate is
+``n^{−2/(d+2)}``).  So only one-sided statements are honest without a rate assumption
+(``cor-crossfit-interval``): ``r̂² − z SE`` is an asymptotic lower confidence bound for ``r²``
+(the bias only makes it more conservative), and ``r² ≤ E‖g‖² = AG_rms²`` (Jensen) gives the upper
+end; ``ρ`` gets the interval these imply with the interval of ``s²``.  The point estimates are
+reported as lower-biased.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -34,8 +43,16 @@ class CrossFitRealizability:
         raw_score_squared: ``r̂²`` (can be negative by sampling error when ``m ≈ 0``).
         raw_score: ``sqrt(max(r̂², 0))``.
         realizability_defect: ``ρ̂ = sqrt(max(0, 1 − s²/r̂²))`` (``nan`` when ``r̂² ≤ 0`` or ``s²`` not given).
-        standard_error: plug-in standard error of ``r̂²`` (the per-unit terms' spread over ``sqrt(n)``).
+        standard_error: plug-in standard error of ``r̂²`` (the per-unit terms' spread over ``sqrt(n)``);
+            it measures sampling noise only, not the (negative) bias ``−‖m̂ − m‖²``.
         neighbours: ``k`` used; n: units used.
+        raw_score_squared_interval: ``(lower, upper)``, an asymptotic ``1 − α`` interval for ``r²``
+            valid whatever the regression error (``cor-crossfit-interval``): ``r̂² − z SE`` (the bias
+            is ``≤ 0``) and ``AG_rms² + z SE`` (``r² ≤ E‖g‖²``), ``z`` the ``1 − α/2`` normal quantile
+            (``α/2`` per end; ``α/4`` per end when ``ρ``'s interval also uses ``s²``'s).
+        realizability_defect_interval: ``(lower, upper)`` for ``ρ`` from the intervals of ``r²`` and
+            ``s²`` (``nan`` without ``score_squared_se``).
+        alpha: ``α`` of the intervals.
     """
 
     raw_score_squared: float
@@ -44,13 +61,23 @@ class CrossFitRealizability:
     standard_error: float
     neighbours: int
     n: int
+    raw_score_squared_interval: tuple[float, float] = (float("nan"), float("nan"))
+    realizability_defect_interval: tuple[float, float] = (float("nan"), float("nan"))
+    alpha: float = 0.05
 
     def to_dict(self) -> dict:
         """JSON-ready dictionary (``nan`` as ``None``), keys suffixed ``_crossfit``."""
-        return {
-            f"{k}_crossfit": (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in self.__dict__.items()
-        }
+        out: dict = {}
+        for k, v in self.__dict__.items():
+            if isinstance(v, tuple):
+                v = [None if not math.isfinite(x) else x for x in v]
+            elif isinstance(v, float) and not math.isfinite(v):
+                v = None
+            out[f"{k}_crossfit"] = v
+        out["note_crossfit"] = (
+            "r̂² and ρ̂ run low by the regression error ‖m̂ − m‖² (never high); the intervals hold regardless"
+        )
+        return out
 
 
 def knn_regression(train_u: np.ndarray, train_g: np.ndarray, query: np.ndarray, k: int) -> np.ndarray:
@@ -82,6 +109,8 @@ def crossfit_realizability(
     score_squared: float | None = None,
     neighbours: int | None = None,
     seed: int = 0,
+    score_squared_se: float | None = None,
+    alpha: float = 0.05,
 ) -> CrossFitRealizability:
     """Cross-fitted ``k``-NN estimate of ``r²`` and ``ρ`` from units and activation gradients.
 
@@ -92,13 +121,18 @@ def crossfit_realizability(
             for ``ρ̂``; ``None``: ``ρ̂`` is ``nan``.
         neighbours: ``k`` (default ``⌈sqrt(n/2)⌉``: ``k → ∞``, ``k/n → 0``, the consistency regime).
         seed: seed of the random split into two folds.
+        score_squared_se: standard error of ``score_squared`` (``score_squared_se`` of the result):
+            with it, an interval for ``ρ`` too.
+        alpha: the intervals' level ``1 − α`` (asymptotic, normal quantiles), ``0 < α < 1``.
 
     Returns:
         A :class:`CrossFitRealizability`.
 
     Raises:
-        ValueError: fewer than 4 rows, mismatched row counts, non-finite values or a bad ``k``.
+        ValueError: fewer than 4 rows, mismatched row counts, non-finite values, a bad ``k`` or ``α``.
     """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     u, g = np.asarray(u, dtype=np.float64), np.asarray(g, dtype=np.float64)
     if u.ndim != 2 or g.ndim != 2 or u.shape[0] != g.shape[0] or u.shape[0] < 4:
         raise ValueError(f"u and g must be (n, d) and (n, e) with the same n >= 4, got {u.shape} and {g.shape}")
@@ -119,4 +153,16 @@ def crossfit_realizability(
     rho = float("nan")
     if score_squared is not None and r2 > 0:
         rho = math.sqrt(max(0.0, 1.0 - max(float(score_squared), 0.0) / r2))
-    return CrossFitRealizability(r2, math.sqrt(max(r2, 0.0)), rho, se, k, n)
+    with_rho = score_squared is not None and score_squared_se is not None
+    z = float(NormalDist().inv_cdf(1 - alpha / (4 if with_rho else 2)))
+    g2 = np.einsum("ij,ij->i", g, g)
+    r2_lo = r2 - z * se
+    r2_hi = float(g2.mean() + z * g2.std(ddof=1) / math.sqrt(n))
+    rho_int = (float("nan"), float("nan"))
+    if with_rho:
+        s2_lo = max(float(score_squared) - z * float(score_squared_se), 0.0)  # type: ignore[arg-type]
+        s2_hi = float(score_squared) + z * float(score_squared_se)  # type: ignore[arg-type]
+        lo = math.sqrt(max(0.0, 1.0 - s2_hi / r2_lo)) if r2_lo > 0 else 0.0
+        hi = math.sqrt(max(0.0, 1.0 - s2_lo / r2_hi)) if r2_hi > 0 else 1.0
+        rho_int = (lo, hi)
+    return CrossFitRealizability(r2, math.sqrt(max(r2, 0.0)), rho, se, k, n, (r2_lo, r2_hi), rho_int, alpha)
