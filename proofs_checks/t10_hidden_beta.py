@@ -196,8 +196,9 @@ def beta_composed(ctx: Context) -> Outcome:
 
 
 def _crossfit_population(rng, n: int, which: int):
-    """``u ~ N(0, I₄)``, ``g = (m(u) + ε, 0, 0, 0)``: ``m = u₁u₂`` (r² = 1, ρ = 1) or
-    ``m = u₁ + (u₂² − 1)/√2`` (r² = 2, Πm = u₁ so s² = 1, ρ = √½).
+    """``u ~ N(0, I₄)``, ``g = (m(u) + ε, 0, 0, 0)`` with known ``r²`` and ``ρ``.
+
+    ``m = u₁u₂`` (r² = 1, ρ = 1) or ``m = u₁ + (u₂² − 1)/√2`` (r² = 2, Πm = u₁ so s² = 1, ρ = √½).
     """
     u = rng.standard_normal((n, 4))
     m = u[:, 0] * u[:, 1] if which == 0 else u[:, 0] + (u[:, 1] ** 2 - 1) / math.sqrt(2)
