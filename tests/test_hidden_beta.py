@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from depthsat_theory.diagnose import diagnose
+from depthsat_theory.diagnose.report import _beta_cell
 from depthsat_theory.statistics.decrease import (
     ACTIVATION_CONSTANTS,
     chain_constants,
@@ -60,6 +61,7 @@ def test_the_head_bound_one_map_deeper_is_refuted_and_never_printed_as_guarantee
     assert sd.beta_status == "refuted" and sd.guaranteed_decrease is None
     assert sd.to_dict()["guaranteed_decrease"] is None and sd.to_dict()["beta_status"] == "refuted"
     assert any("refuted" in note for note in res.notes)
+    assert _beta_cell(sd) == f"refuted: removed {-raised:.3g} < {(a / 2) ** 2 / 2:.3g}"
     # the composed constant a² (prop-beta-composed with L = a, H = 0) is consistent and its promise holds
     beta = composed_smoothness(net.head.weight, *chain_constants([net.scale]))
     assert beta == pytest.approx(a * a, rel=1e-12)

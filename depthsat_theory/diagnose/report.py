@@ -358,12 +358,13 @@ def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
 
 
 def _beta_cell(sd: SiteDiagnosis) -> str:
-    """``s²/(2β)``; ``refuted (step +x)`` when the real step contradicts it; a ``?`` when unchecked."""
+    """``s²/(2β)``; ``refuted: removed x < y`` when the real step contradicts it; a ``?`` when unchecked."""
     status = sd.beta_status
     if status is None:
         return "—"
     if status == "refuted":
-        return f"refuted (step {-sd.beta_check.decrease:+.3g})"  # type: ignore[union-attr]
+        promised = guaranteed_decrease(sd.result.score, sd.beta)  # type: ignore[arg-type]
+        return f"refuted: removed {sd.beta_check.decrease:.3g} < {promised:.3g}"  # type: ignore[union-attr]
     return _g(sd.guaranteed_decrease) + ("?" if status == "unchecked" else "")
 
 
