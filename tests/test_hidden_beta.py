@@ -97,3 +97,49 @@ def test_composed_smoothness_reduces_to_the_head_bound():
     assert composed_smoothness(w, 2.0, 0.5, units_per_example=2) == pytest.approx(want / 2, rel=1e-12)
     with pytest.raises(ValueError, match="lipschitz"):
         composed_smoothness(w, -1.0, 0.0)
+
+
+class _Tokens(nn.Module):
+    """``(B, T, d)`` tokens ``↦`` site (Linear) ``↦`` tanh mixing ``↦`` per-token head; loss: token mean."""
+
+    def __init__(self, d: int = 3, classes: int = 4):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.site = nn.Linear(d, d).double()
+        self.mix = nn.Linear(d, d).double()
+        self.head = nn.Linear(d, classes).double()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.site(x))))
+
+
+def _token_loss(out, y):
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+
+
+@pytest.mark.parametrize(("beta", "status"), [(0.05, "refuted"), (50.0, "consistent")])
+def test_the_step_check_at_a_sequence_site_matches_an_independent_least_squares_step(beta, status):
+    """The field ``Πg`` of the linear family is the least-squares fit of the per-token ``g`` on
+    ``(z, 1)`` (numpy ``lstsq``, independent of the engine's eigensolves); inserting ``z ↦ z − fit/β``
+    by hand and evaluating the loss gives the decrease the check must report."""
+    net = _Tokens()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (6, 5), generator=gen)
+    sd = diagnose(net, _token_loss, [(x[:3], y[:3]), (x[3:], y[3:])], sites=["site"], beta=beta)["site"]
+    z = net.site(x).detach().requires_grad_(True)
+    losses = _token_loss(net.head(torch.tanh(net.mix(z))), y)
+    (g,) = torch.autograd.grad(losses.sum(), z)  # per-example activation gradients (def-setting)
+    design = np.concatenate([z.detach().reshape(-1, 3).numpy(), np.ones((30, 1))], axis=1)
+    coef, *_ = np.linalg.lstsq(design, g.reshape(-1, 3).numpy(), rcond=None)
+    fit = torch.from_numpy(design @ coef).reshape(6, 5, 3)
+    with torch.no_grad():
+        before = float(_token_loss(net(x), y).mean())
+        after = float(_token_loss(net.head(torch.tanh(net.mix(z - fit / beta))), y).mean())
+    assert sd.beta_check is not None
+    assert sd.beta_check.decrease == pytest.approx(before - after, rel=1e-8, abs=1e-12)
+    promised = sd.result.score**2 / (2 * beta)
+    assert sd.beta_status == ("refuted" if before - after < promised else "consistent") == status

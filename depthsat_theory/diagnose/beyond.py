@@ -133,8 +133,8 @@ def measure_curvatures(
 def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family, stats, reduction: str) -> None:
     """Run the step ``−Πg/β`` on the probe at every site with a ``β`` (``cor-beta-refuted``).
 
-    Sites where the step cannot be run (a streamed probe, a family without fixed features, a
-    sequence/image site, batch-reduced losses) keep ``beta_check = None`` (status ``unchecked``),
+    Sites where the step cannot be run (a streamed probe, a family without fixed features,
+    batch-reduced losses) keep ``beta_check = None`` (status ``unchecked``),
     and a note says so: their ``s²/(2β)`` holds only if the given ``β`` is a smoothness constant there.
     """
     runnable = isinstance(batches, (list, tuple)) and isinstance(family, FeatureFamily) and reduction == "none"
@@ -142,7 +142,7 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
     for sd in diagnosis.sites:
         if sd.beta is None or sd.result.score == 0:
             continue
-        if not runnable or len(sd.shape) != 1:
+        if not runnable:
             unchecked.append(sd.site)
             continue
         st = stats[sd.site]
@@ -166,8 +166,8 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
         )
     if unchecked:
         diagnosis.notes.append(
-            f"β not checked at {', '.join(unchecked)} (needs a list probe, a feature family, per-example losses and a "
-            "vector site): s²/(2β) there holds only if β is a smoothness constant at that site (marked ?)"
+            f"β not checked at {', '.join(unchecked)} (needs a list probe, a feature family and per-example "
+            "losses): s²/(2β) there holds only if β is a smoothness constant at that site (marked ?)"
         )
 
 

@@ -44,7 +44,7 @@ class SiteDiagnosis:
         curvature: the measured curvature along ``Πg`` (``curvature=True``), or ``None``.
         beta_check: the loss change of the step ``−Πg/β`` measured on the probe
             (``cor-beta-refuted``), or ``None`` when it could not be run (a streamed probe, a
-            non-feature family, a sequence/image site, per-batch losses).
+            non-feature family, per-batch losses).
     """
 
     site: str
