@@ -1,4 +1,6 @@
-"""Smoothness at hidden sites, refuting a ``β``, honest cross-fit intervals (decrease.md, raw-score.md).
+"""Smoothness at hidden sites, refuting a ``β``, honest cross-fit intervals, selection ties.
+
+Pages: theory/decrease.md, theory/raw-score.md, theory/gradient.md.
 
 Claims:
 
@@ -14,6 +16,10 @@ Claims:
   (``torch.func.hessian``) at the probe points and at random far points stays within
   ``β = composed_smoothness(W, *chain_constants(chain))``, and ``diagnose(beta=β)`` at the chain's
   input reports ``consistent`` with the step removing at least ``s²/(2β)``.
+- ``t10-selection-ties`` (converse, ``thm-gradient``/``thm-directional``): downstream maps known in
+  closed form built from selections (``where``, a mask, ``sign``, ``sort``, ``topk``) at ``z = 0``:
+  autograd's ``b`` disagrees with the one-sided derivatives of ``J``, and the kink counter counts
+  the ties (data flow), so the verdict is ``undetermined``.
 - ``t10-crossfit-interval`` (coverage, ``cor-crossfit-interval``): populations in ``d = 4`` with
   known ``r²`` and ``ρ`` at ``n = 2000``: ``r̂²`` runs low, the intervals cover.
 """
@@ -93,7 +99,9 @@ def beta_misapplied(ctx: Context) -> Outcome:
         removed = math.log(2) - _example_loss(a, s / beta)
         bad += int(abs(beta - a * a) > 1e-9 or good.beta_status != "consistent")
         bad += int(removed < guaranteed_decrease(s, beta) - 1e-12)
-        rows.append([a, head_beta, round(raised, 4), beta, round(removed, 4), round(s * s / (2 * beta), 4)])
+        rows.append(
+            [a, round(head_beta, 9), round(raised, 4), round(beta, 9), round(removed, 4), round(s * s / (2 * beta), 4)]
+        )
     return Outcome(
         len(rows),
         bad,
@@ -242,4 +250,79 @@ def crossfit_interval(ctx: Context) -> Outcome:
         2 * reps,
         bad,
         detail="r², mean r̂² (runs low), r² covered, ρ covered: " + "; ".join(map(str, rows)),
+    )
+
+
+# ----------------------------------------------------------------------------- selection ties (T1)
+
+
+def _selection_maps() -> dict:
+    def zero(z):
+        return torch.zeros_like(z)
+
+    def top(v, k=1):
+        return torch.topk(v, k).values[..., 0]
+
+    return {  # name → (L(z), right derivative, left derivative, ties per example)
+        "where": (lambda z: torch.where(z > 0, z, 0.0) + torch.where(z < 0, z, 0.0), 1.0, 1.0, 2),
+        "mask": (lambda z: z * (z > 0) + z * (z < 0), 1.0, 1.0, 2),
+        "sign": (lambda z: z + z * torch.sign(z), 2.0, 0.0, 1),
+        "sort": (
+            lambda z: (
+                torch.sort(torch.stack([z, zero(z)], -1), -1).values[..., -1]
+                - torch.sort(torch.stack([-z, zero(z)], -1), -1).values[..., -1]
+            ),
+            1.0,
+            1.0,
+            2,
+        ),
+        "topk": (lambda z: top(torch.stack([z, zero(z)], -1)) - top(torch.stack([-z, zero(z)], -1)), 1.0, 1.0, 2),
+    }
+
+
+class _SelectionNet(nn.Module):
+    """``x ↦ z = 0·x`` (the site) ``+ θ`` (the bias block) ``↦ L(z)``, summed over the unit."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.site = nn.Identity()
+        self.bias = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.site(0 * x) + self.bias).sum(1)
+
+
+@check("T1", ("thm-gradient", "thm-directional"), "t10-selection-ties", "converse")
+def selection_ties(ctx: Context) -> Outcome:
+    """Selections at a tie: autograd's b is not the derivative; the counter sees every tie."""
+    from depthsat_theory.capture.kinks import KinkCounter
+
+    gen = ctx.torch_generator("selection-ties")
+    maps = _selection_maps()
+    bad, wrong = 0, []
+    for name, (fn, right, left, per) in maps.items():
+        n = 5
+        net = _SelectionNet(fn)
+        x = torch.randn(n, 1, generator=gen, dtype=torch.float64)
+        h = 2.0**-10  # the maps are piecewise linear: one-sided differences are exact
+        with torch.no_grad():
+            j0 = float(net(x).mean())
+            net.bias.fill_(h)
+            up = (float(net(x).mean()) - j0) / h
+            net.bias.fill_(-h)
+            down = (j0 - float(net(x).mean())) / h
+            net.bias.zero_()
+        counter = KinkCounter(net, ["site"])
+        with counter:
+            loss = counter.wrap_loss(lambda out, _y: out)(net(x), None).mean()
+        (b,) = torch.autograd.grad(loss, net.bias)
+        broken = not (float(b) == up == down)
+        bad += int(not broken or up != right or down != left or counter.ties["site"] != per * n)
+        wrong.append(f"{name}: b = {float(b):g}, J' = ({down:g}, {up:g})")
+    return Outcome(
+        len(maps),
+        bad,
+        converse=f"{len(maps)}/{len(maps)} selections: autograd's b is not J's derivative; ties counted",
+        detail="; ".join(wrong),
     )
