@@ -7,7 +7,9 @@
   with ``second_order=True``;
 - the guaranteed finite-step decrease ``s²/(2β)`` (``thm-guaranteed-decrease``) with ``beta``,
   and the ``ε`` of "certified ε-saturated" derived from it
-  (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`).
+  (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`); every given ``β`` is checked
+  by running the step ``−Πg/β`` on the probe (:func:`check_betas`, ``cor-beta-refuted``), and a
+  refuted one reports no decrease.
 
 Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``): a
 run resumed from a checkpoint reports them as not counted.  Cross blocks are not sharded or
@@ -31,7 +33,7 @@ from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_fr
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["Beyond", "site_betas"]
+__all__ = ["Beyond", "check_betas", "site_betas"]
 
 
 def site_betas(beta: float | Mapping[str, float] | None, sites: list[str]) -> dict[str, float]:
@@ -146,17 +148,20 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
             unchecked.append(sd.site)
             continue
         st = stats[sd.site]
-        sd.beta_check = step_decrease(
-            model,
-            loss_fn,
-            batches,
-            sd.site,
-            family,
-            st.cross_gradient(),
-            st.feature_gram(),
-            layout=sd.layout,
-            step=-1.0 / sd.beta,
-        )
+        try:
+            sd.beta_check = step_decrease(
+                model,
+                loss_fn,
+                batches,
+                sd.site,
+                family,
+                st.cross_gradient(),
+                st.feature_gram(),
+                layout=sd.layout,
+                step=-1.0 / sd.beta,
+            )
+        except (ValueError, RuntimeError, TypeError) as exc:  # a model the step cannot be inserted into
+            unchecked.append(f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
     refuted = [sd.site for sd in diagnosis.sites if sd.beta_status == "refuted"]
     if refuted:
         diagnosis.notes.append(
