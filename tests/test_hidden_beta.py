@@ -143,3 +143,15 @@ def test_the_step_check_at_a_sequence_site_matches_an_independent_least_squares_
     assert sd.beta_check.decrease == pytest.approx(before - after, rel=1e-8, abs=1e-12)
     promised = sd.result.score**2 / (2 * beta)
     assert sd.beta_status == ("refuted" if before - after < promised else "consistent") == status
+
+
+def test_a_promise_below_the_loss_rounding_is_marked_untestable():
+    """β = 10¹⁶: s²/(2β) ≈ 1e-16 nats, below the float64 rounding of J ≈ 0.69 (64u|J| ≈ 1e-14)."""
+    net = _Deeper(3.0)
+    x, y = torch.ones(8, 1, dtype=torch.float64), torch.tensor([0, 0, 0, 1, 0, 0, 0, 1])
+    res = diagnose(net, _loss, [(x, y)], sites=["site"], beta=1e16)
+    sd = res["site"]
+    assert sd.guaranteed_decrease == pytest.approx(1.5**2 / 2e16)
+    assert sd.beta_check.tolerance > 10 * sd.guaranteed_decrease
+    assert sd.beta_status == "within rounding" and _beta_cell(sd).endswith("?")
+    assert any("cannot test" in note for note in res.notes)

@@ -169,6 +169,12 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
             "a smoothness constant there (cor-beta-refuted); no decrease is guaranteed. ½‖W‖₂² holds at the head's "
             "input only (lem-ce-smoothness); deeper sites need prop-beta-composed"
         )
+    small = [sd.site for sd in diagnosis.sites if sd.beta_status == "within rounding"]
+    if small:
+        diagnosis.notes.append(
+            f"β at {', '.join(small)}: the promised s²/(2β) and what the step −Πg/β removed differ by less than the "
+            "rounding of the loss, so the probe cannot test it (marked ?)"
+        )
     if unchecked:
         diagnosis.notes.append(
             f"β not checked at {', '.join(unchecked)} (needs a list probe, a feature family and per-example "

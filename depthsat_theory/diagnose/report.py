@@ -62,16 +62,19 @@ class SiteDiagnosis:
     def beta_status(self) -> str | None:
         """What the probe says of this site's ``β`` (``None`` without one).
 
-        ``"refuted"`` when the step ``−Πg/β`` removed less than ``s²/(2β)`` on the probe (so ``β`` is
-        *not* a smoothness constant here, ``cor-beta-refuted``), ``"consistent"`` when it removed at
-        least that, ``"unchecked"`` when the step was not run.
+        ``"refuted"`` when the step ``−Πg/β`` removed less than ``s²/(2β)`` on the probe by more than
+        the rounding of the two loss evaluations (so ``β`` is *not* a smoothness constant here,
+        ``cor-beta-refuted``), ``"consistent"`` when it removed at least that by more than the
+        rounding, ``"within rounding"`` when the difference is below the rounding (the promise is
+        too small to test), ``"unchecked"`` when the step was not run.
         """
         if self.beta is None:
             return None
         if self.beta_check is None:
             return "unchecked"
         promised = guaranteed_decrease(self.result.score, self.beta)
-        return "refuted" if self.beta_check.decrease < promised - self.beta_check.tolerance else "consistent"
+        gap, tol = self.beta_check.decrease - promised, self.beta_check.tolerance
+        return "refuted" if gap < -tol else "consistent" if gap >= tol else "within rounding"
 
     @property
     def guaranteed_decrease(self) -> float | None:
@@ -358,14 +361,14 @@ def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
 
 
 def _beta_cell(sd: SiteDiagnosis) -> str:
-    """``s²/(2β)``; ``refuted: removed x < y`` when the real step contradicts it; a ``?`` when unchecked."""
+    """``s²/(2β)``; ``refuted: removed x < y`` when the step contradicts it; ``?`` when unchecked or within rounding."""
     status = sd.beta_status
     if status is None:
         return "—"
     if status == "refuted":
         promised = guaranteed_decrease(sd.result.score, sd.beta)  # type: ignore[arg-type]
         return f"refuted: removed {sd.beta_check.decrease:.3g} < {promised:.3g}"  # type: ignore[union-attr]
-    return _g(sd.guaranteed_decrease) + ("?" if status == "unchecked" else "")
+    return _g(sd.guaranteed_decrease) + ("" if status == "consistent" else "?")
 
 
 def _save_figure(fig, fmt: str, fh) -> None:
