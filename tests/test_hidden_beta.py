@@ -155,3 +155,18 @@ def test_a_promise_below_the_loss_rounding_is_marked_untestable():
     assert sd.beta_check.tolerance > 10 * sd.guaranteed_decrease
     assert sd.beta_status == "within rounding" and _beta_cell(sd).endswith("?")
     assert any("cannot test" in note for note in res.notes)
+
+
+def test_second_order_refuses_cross_blocks_beyond_the_memory_limit(monkeypatch):
+    """relu:4 at a width-8 site: 4·8·9 float64 = 2304 bytes per site; a 4000-byte limit fits one site."""
+    from depthsat_theory.diagnose import beyond
+    from depthsat_theory.diagnose.errors import DiagnoseError
+    from depthsat_theory.tasks import ResidualMLP, classification_loss
+
+    monkeypatch.setattr(beyond, "SECOND_ORDER_MAX_BYTES", 4000)
+    net = ResidualMLP(in_dim=4, width=8, depth=2, n_classes=3).double().eval()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    ok = diagnose(net, classification_loss, [(x, y)], sites=["blocks.0"], family="relu:4", second_order=True)
+    assert ok["blocks.0"].saddle is not None
+    with pytest.raises(DiagnoseError, match=r"at most 1 sites per run \(--sites\)"):
+        diagnose(net, classification_loss, [(x, y)], sites=["blocks.0", "blocks.1"], family="relu:4", second_order=True)

@@ -33,7 +33,11 @@ from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_fr
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["Beyond", "check_betas", "site_betas"]
+__all__ = ["SECOND_ORDER_MAX_BYTES", "Beyond", "check_betas", "site_betas"]
+
+#: Largest total size of the streamed cross blocks of one run (all sites together), in bytes.  SmolLM2
+#: at all 30 sites with ``relu:16`` needs 1.19 GiB (``16·576·577`` float64 per site).
+SECOND_ORDER_MAX_BYTES = 8 * 2**30
 
 
 def site_betas(beta: float | Mapping[str, float] | None, sites: list[str]) -> dict[str, float]:
@@ -90,7 +94,20 @@ class Beyond:
                     self.cross[s] = CrossBlockStatistics(self.family, tuple(pb.z[s].shape[1:]), layouts[s])  # type: ignore[arg-type]
                 except FamilyError as exc:
                     raise DiagnoseError(f"site {s!r}: {exc}") from None
+                self._check_memory()
             update_statistics(self.cross[s], pb.z[s], pb.g[s], pb.mask, s)  # padded rows dropped
+
+    def _check_memory(self) -> None:
+        """Refuse, in one line, cross blocks above :data:`SECOND_ORDER_MAX_BYTES` in all (before they grow)."""
+        total = sum(c.blocks.numel() * c.blocks.element_size() for c in self.cross.values())
+        if total > SECOND_ORDER_MAX_BYTES:
+            per = total / len(self.cross)
+            fit = max(int(SECOND_ORDER_MAX_BYTES // per), 1)
+            raise DiagnoseError(
+                f"second_order: the cross blocks of {len(self.cross)} of {len(self.sites)} sites already take "
+                f"{total / 2**30:.2f} GiB (K·d·(d+1) float64 per site, limit {SECOND_ORDER_MAX_BYTES / 2**30:g} GiB): "
+                f"diagnose at most {fit} sites per run (--sites) or use fewer features"
+            )
 
     def reduce(self) -> None:
         """Sum the kink ties over the ranks under ``torchrun`` (a no-op in one process)."""
