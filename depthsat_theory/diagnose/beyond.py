@@ -183,8 +183,9 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
     if refuted:
         diagnosis.notes.append(
             f"β refuted at {', '.join(refuted)}: the step −Πg/β removed less than s²/(2β) on the probe, so β is not "
-            "a smoothness constant there (cor-beta-refuted); no decrease is guaranteed. ½‖W‖₂² holds at the head's "
-            "input only (lem-ce-smoothness); deeper sites need prop-beta-composed"
+            "a smoothness constant there (cor-beta-refuted); no decrease is guaranteed, and an ε derived from this β "
+            "bounds s but not the loss. ½‖W‖₂² holds at the head's input only (lem-ce-smoothness); deeper sites need "
+            "prop-beta-composed"
         )
     small = [sd.site for sd in diagnosis.sites if sd.beta_status == "within rounding"]
     if small:
