@@ -162,7 +162,12 @@ def score(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
     ),
     crossfit: bool = typer.Option(
-        False, "--crossfit", help="Also the cross-fitted k-NN estimates of r and ρ (consistent for continuous units)."
+        False,
+        "--crossfit",
+        help="Also cross-fitted estimates of r and ρ (consistent for continuous units; biased low, with intervals).",
+    ),
+    crossfit_regression: str = typer.Option(
+        "knn", "--crossfit-regression", help="Regression of the cross-fit: knn or local-linear (less bias, moderate d)."
     ),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
@@ -211,12 +216,20 @@ def score(
             )
         out = render.score_fields(result, interval)
         out.update(_beyond_fields(fam, z, g, result.score, beta, second_order))
+        if crossfit_regression != "knn" and not crossfit:
+            raise UserError("--crossfit-regression needs --crossfit")
         if crossfit:
-            out.update(
-                crossfit_realizability(
-                    z, g, score_squared=result.score_squared_unbiased, score_squared_se=result.score_squared_se
-                ).to_dict()
-            )
+            try:
+                est = crossfit_realizability(
+                    z,
+                    g,
+                    score_squared=result.score_squared_unbiased,
+                    score_squared_se=result.score_squared_se,
+                    regression=crossfit_regression,
+                )
+            except ValueError as exc:
+                raise UserError(f"--crossfit: {exc}") from None
+            out.update(est.to_dict())
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         render.fail(exc)
     render.print_score(out, probe, as_json=as_json)
