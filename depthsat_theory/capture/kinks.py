@@ -455,14 +455,14 @@ def _tensors(obj, depth: int = 0) -> list[Tensor]:
     """The tensors in ``obj`` (an argument, a list/tuple/dict of them, a model output), two levels deep."""
     if isinstance(obj, Tensor):
         return [obj]
-    if depth > 2:
+    if depth > 2 or obj is None or isinstance(obj, (int, float, bool, str)):
         return []
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    elif hasattr(obj, "to_tuple") and callable(obj.to_tuple):  # transformers' ModelOutput
-        obj = obj.to_tuple()
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in _tensors(o, depth + 1)]
+    if isinstance(obj, dict):  # also transformers' ModelOutput (an OrderedDict)
+        return [t for o in obj.values() for t in _tensors(o, depth + 1)]
+    if isinstance(obj, Mapping):
+        return [t for o in obj.values() for t in _tensors(o, depth + 1)]
     return []
 
 
@@ -487,7 +487,7 @@ class _Mode(TorchFunctionMode):
         owner = self.owner
         if not owner.active:
             return func(*args, **kwargs)
-        taint = owner.taint_of(_tensors(list(args) + list(kwargs.values())))
+        taint = owner.taint_of(_tensors(args) + (_tensors(list(kwargs.values())) if kwargs else []))
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if taint:
             owner.count(func, args, kwargs, x, taint)
@@ -554,10 +554,14 @@ class KinkCounter:
 
     def mark(self, t: Tensor, sites: frozenset[str]) -> None:
         """Record that ``t`` depends on ``sites`` (in addition to what it already depends on)."""
-        known = self._taint.get(id(t))
-        old = known[1] if known is not None and known[0]() is t else frozenset()
+        key = id(t)
+        known = self._taint.get(key)
+        if known is not None and known[0]() is t:
+            if not sites <= known[1]:
+                self._taint[key] = (known[0], known[1] | sites)
+            return
         with contextlib.suppress(TypeError):  # not weak-referenceable: left to the conservative rule
-            self._taint[id(t)] = (weakref.ref(t), old | sites)
+            self._taint[key] = (weakref.ref(t), sites)
 
     def count(self, func: Callable, args: tuple, kwargs: dict, x: Tensor | None, taint: frozenset[str]) -> None:
         """Add this call's kink ties to every site in ``taint``."""
@@ -572,7 +576,8 @@ class KinkCounter:
     def propagate(self, func: Callable, x: Tensor | None, kwargs: dict, out, taint: frozenset[str]) -> None:
         """Mark the call's outputs (and an in-place target and its base) with the operands' sites."""
         written = [x] if x is not None and _inplace(func) else []
-        written += _tensors(kwargs.get("out"))
+        if kwargs and "out" in kwargs:
+            written += _tensors(kwargs["out"])
         for t in written + [b for b in (getattr(w, "_base", None) for w in written) if b is not None]:
             self.mark(t, taint)
         for t in _tensors(out):
