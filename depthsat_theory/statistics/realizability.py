@@ -173,25 +173,12 @@ def crossfit_realizability(
     Raises:
         ValueError: fewer than 4 rows, mismatched row counts, non-finite values, a bad ``k`` or ``α``.
     """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    if regression not in ("knn", "local-linear"):
-        raise ValueError(f"regression must be 'knn' or 'local-linear', got {regression!r}")
-    u, g = np.asarray(u, dtype=np.float64), np.asarray(g, dtype=np.float64)
-    if u.ndim != 2 or g.ndim != 2 or u.shape[0] != g.shape[0] or u.shape[0] < 4:
-        raise ValueError(f"u and g must be (n, d) and (n, e) with the same n >= 4, got {u.shape} and {g.shape}")
-    if not (np.isfinite(u).all() and np.isfinite(g).all()):
-        raise ValueError("u or g has NaN/Inf values")
+    u, g = _check_rows(u, g, alpha, regression)
     n = u.shape[0]
     perm = np.random.default_rng(seed).permutation(n)
     folds = (perm[: n // 2], perm[n // 2 :])
-    local = regression == "local-linear"
-    k = math.ceil(math.sqrt(n / 2))
-    k = int(neighbours) if neighbours is not None else (min(max(4 * k, u.shape[1] + 2), n // 2) if local else k)
-    low = u.shape[1] + 2 if local else 1
-    if not low <= k <= n // 2:
-        raise ValueError(f"neighbours must be in [{low}, {n // 2}] (half the probe) for {regression}, got {k}")
-    fit_fn = local_linear_regression if local else knn_regression
+    k = _neighbours(neighbours, n, u.shape[1], regression)
+    fit_fn = local_linear_regression if regression == "local-linear" else knn_regression
     terms = np.empty(n)
     for fit, ev in (folds, folds[::-1]):
         pred = fit_fn(u[fit], g[fit], u[ev], k)
@@ -201,16 +188,46 @@ def crossfit_realizability(
     rho = float("nan")
     if score_squared is not None and r2 > 0:
         rho = math.sqrt(max(0.0, 1.0 - max(float(score_squared), 0.0) / r2))
+    r2_int, rho_int = _intervals(r2, se, g, score_squared, score_squared_se, alpha)
+    return CrossFitRealizability(r2, math.sqrt(max(r2, 0.0)), rho, se, k, n, r2_int, rho_int, alpha)
+
+
+def _check_rows(u, g, alpha: float, regression: str) -> tuple[np.ndarray, np.ndarray]:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    if regression not in ("knn", "local-linear"):
+        raise ValueError(f"regression must be 'knn' or 'local-linear', got {regression!r}")
+    u, g = np.asarray(u, dtype=np.float64), np.asarray(g, dtype=np.float64)
+    if u.ndim != 2 or g.ndim != 2 or u.shape[0] != g.shape[0] or u.shape[0] < 4:
+        raise ValueError(f"u and g must be (n, d) and (n, e) with the same n >= 4, got {u.shape} and {g.shape}")
+    if not (np.isfinite(u).all() and np.isfinite(g).all()):
+        raise ValueError("u or g has NaN/Inf values")
+    return u, g
+
+
+def _neighbours(neighbours: int | None, n: int, d: int, regression: str) -> int:
+    local = regression == "local-linear"
+    k = math.ceil(math.sqrt(n / 2))
+    k = int(neighbours) if neighbours is not None else (min(max(4 * k, d + 2), n // 2) if local else k)
+    low = d + 2 if local else 1
+    if not low <= k <= n // 2:
+        raise ValueError(f"neighbours must be in [{low}, {n // 2}] (half the probe) for {regression}, got {k}")
+    return k
+
+
+def _intervals(
+    r2: float, se: float, g: np.ndarray, score_squared: float | None, score_squared_se: float | None, alpha: float
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The ``cor-crossfit-interval`` intervals of ``r²`` and ``ρ`` (``ρ``'s ``nan`` without ``s²``'s SE)."""
     with_rho = score_squared is not None and score_squared_se is not None
     z = float(NormalDist().inv_cdf(1 - alpha / (4 if with_rho else 2)))
     g2 = np.einsum("ij,ij->i", g, g)
     r2_lo = r2 - z * se
-    r2_hi = float(g2.mean() + z * g2.std(ddof=1) / math.sqrt(n))
-    rho_int = (float("nan"), float("nan"))
-    if with_rho:
-        s2_lo = max(float(score_squared) - z * float(score_squared_se), 0.0)  # type: ignore[arg-type]
-        s2_hi = float(score_squared) + z * float(score_squared_se)  # type: ignore[arg-type]
-        lo = math.sqrt(max(0.0, 1.0 - s2_hi / r2_lo)) if r2_lo > 0 else 0.0
-        hi = math.sqrt(max(0.0, 1.0 - s2_lo / r2_hi)) if r2_hi > 0 else 1.0
-        rho_int = (lo, hi)
-    return CrossFitRealizability(r2, math.sqrt(max(r2, 0.0)), rho, se, k, n, (r2_lo, r2_hi), rho_int, alpha)
+    r2_hi = float(g2.mean() + z * g2.std(ddof=1) / math.sqrt(g.shape[0]))
+    if score_squared is None or score_squared_se is None:
+        return (r2_lo, r2_hi), (float("nan"), float("nan"))
+    s2_lo = max(float(score_squared) - z * float(score_squared_se), 0.0)
+    s2_hi = float(score_squared) + z * float(score_squared_se)
+    lo = math.sqrt(max(0.0, 1.0 - s2_hi / r2_lo)) if r2_lo > 0 else 0.0
+    hi = math.sqrt(max(0.0, 1.0 - s2_lo / r2_hi)) if r2_hi > 0 else 1.0
+    return (r2_lo, r2_hi), (lo, hi)
