@@ -19,6 +19,7 @@ MODULES = (
     "t7_finite_sample",
     "t8_numerics",
     "t9_beyond",
+    "t10_hidden_beta",
 )
 
 __all__ = [

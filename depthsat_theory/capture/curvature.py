@@ -21,7 +21,7 @@ from depthsat_theory.capture.probe import call_model, unpack_batch
 from depthsat_theory.capture.sites import resolve_module, split_output
 from depthsat_theory.families import FeatureFamily
 
-__all__ = ["FieldCurvature", "field_curvature", "steepest_field_coefficients"]
+__all__ = ["FieldCurvature", "StepCheck", "field_curvature", "steepest_field_coefficients", "step_decrease"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +124,95 @@ def field_curvature(
     kappa = second / s2 if s2 > 0 else float("nan")
     local = s2 / (2 * kappa) if kappa > 0 else float("inf")
     return FieldCurvature(slope=slope, second=second, curvature=kappa, local_decrease=local, n=n)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The loss change of the finite step ``f = t Πg`` on the probe (``cor-beta-refuted``).
+
+    Attributes:
+        step: ``t`` (``−1/β`` for the step of ``thm-guaranteed-decrease``).
+        loss_before: ``J(0)``, mean probe loss (loss units per example).
+        decrease: ``J(0) − J(t Πg)`` measured on the probe (negative: the step raised the loss).
+        tolerance: rounding allowance of the two loss evaluations (``64 u max(1, |J|)``, ``u`` of
+            the model's dtype).
+        n: probe examples.
+    """
+
+    step: float
+    loss_before: float
+    decrease: float
+    tolerance: float
+    n: int
+
+
+def step_decrease(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    batches: Iterable,
+    site: str,
+    family: FeatureFamily,
+    cross: np.ndarray,
+    sigma: np.ndarray,
+    *,
+    layout: str,
+    step: float,
+) -> StepCheck:
+    """``J(0) − J(t Πg)``: insert the block whose field is ``t Πg`` at ``site`` and evaluate the probe.
+
+    Args:
+        model: the reference network.
+        loss_fn: per-example losses ``(B,)`` (loss units per example).
+        batches: the probe (iterated once), ``(inputs, targets)`` batches.
+        site: a module name.
+        family: the zero-output family whose statistics gave ``cross`` and ``sigma``.
+        cross: the probe's ``G`` ``(d, k̃)`` float64.
+        sigma: the probe's ``Σ`` ``(k̃, k̃)`` float64.
+        layout: the site's layout.
+        step: ``t`` (finite).
+
+    Returns:
+        A :class:`StepCheck`.
+
+    Raises:
+        ValueError: an empty probe, losses that are not ``(B,)``, or a non-finite step.
+    """
+    if not np.isfinite(step):
+        raise ValueError(f"step must be finite, got {step}")
+    d = cross.shape[0]
+    theta_np = _flat_to_theta(steepest_field_coefficients(cross, sigma), d, family.bias)
+    module = resolve_module(model, site)
+    scale = {"t": 0.0}
+
+    def hook(_m, _a, out):
+        z, rebuild = split_output(out, None, site)
+        theta = torch.as_tensor(theta_np * scale["t"], dtype=z.dtype, device=z.device)
+        return rebuild(z + family.functional(theta, z, layout))
+
+    totals = {0.0: 0.0, float(step): 0.0}
+    n, eps = 0, 0.0
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                x, y, _ = unpack_batch(batch)
+                for t in totals:
+                    scale["t"] = t
+                    losses = loss_fn(call_model(model, x), y)
+                    if losses.dim() != 1:
+                        raise ValueError(f"loss_fn must return per-example losses (B,), got {tuple(losses.shape)}")
+                    totals[t] += float(losses.to(torch.float64).sum())
+                    eps = max(eps, float(torch.finfo(losses.dtype).eps))
+                n += int(losses.shape[0])
+    finally:
+        handle.remove()
+    if n == 0:
+        raise ValueError("the probe is empty (no examples)")
+    before, after = totals[0.0] / n, totals[float(step)] / n
+    return StepCheck(
+        step=float(step),
+        loss_before=before,
+        decrease=before - after,
+        tolerance=64 * eps * max(1.0, abs(before), abs(after)),
+        n=n,
+    )

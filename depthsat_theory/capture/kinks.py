@@ -6,24 +6,35 @@ A piecewise-linear primitive evaluated *exactly* at its kink (``relu(0)``, ``abs
 in a max) breaks this: autograd then returns a one-sided convention, and a saturated verdict
 can be wrong (``ex-kink-tie``: ``relu(z) − relu(−z)`` at ``z = 0`` gives autograd ``b = 0``
 while ``J(θ) = θ``).  :class:`KinkCounter` counts, per site, the elements that sit exactly at
-a kink in the operations executed after the site's output in the same forward pass (and in
+a kink in the operations that depend on the site's output in the same forward pass (and in
 the loss), on tensors that require gradients.
 
-Execution order over-approximates data-flow order (an operation after the site that does not
-depend on it is counted too), and a max whose tied inputs are locally constant is counted
-although it is differentiable, except for a max-pooling window applied directly to a ``relu``
-output whose maxima are all zeros of strictly negative inputs (the usual conv → relu → max-pool,
-which would otherwise make every such CNN undetermined): the count is conservative, it never misses a tie of a listed
-primitive.  Not listed (ties there are missed): ``torch.where`` selections, ``topk``/``sort``
-ties, ``aten`` ops called directly, and kinks built from ``sign`` (``z * sign(z)``).
+Ties are attributed by data flow: each tensor of the forward pass carries the set of sites it
+depends on, and a tie counts for the sites its operands depend on (an operation after a site in
+execution order that does not depend on it is not counted for it).  Selections are covered through
+the comparison that builds them: ``x > c``, ``x == c`` … count the elements exactly at ``c``, which
+catches ``torch.where(z > 0, …)``, masks ``z * (z > 0)`` and hand-made kinks; ``sign``/``heaviside``
+count zeros (``z * sign(z) = |z|``), ``floor``/``ceil``/``trunc``/``frac`` integers, ``round``
+half-integers, ``sort``/``argsort``/``median``/``kthvalue``/``mode`` every tie along the sorted
+dimension, ``topk`` ties among the ``k + 1`` best, ``argmax``/``argmin``/``cummax``/``cummin``
+repeated extremes.  A max whose tied maxima are all locally constant is differentiable: a
+max-pooling window or a ``max``/``amax``/``min`` reduction applied directly to a ``relu`` output
+whose tied extremes are all zeros of strictly negative inputs is not counted (the usual conv →
+relu → max-pool, which would otherwise make every such CNN undetermined).  Otherwise the count is
+conservative (a max of tied but locally constant inputs, an equality test ``x == x.max()``, are
+counted).  Still missed: ``aten`` operations called directly and C++ code that bypasses
+``__torch_function__`` (their outputs are taken to depend on every site already run, but kinks
+inside them are not seen), and integer casts (``x.long()``).
 Continuous pre-activation laws put these ties on a null set
 (``rem-kinks-null``), so on real data the count is usually ``0``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +104,101 @@ def _reduce_ties(args: tuple, kwargs: dict, *, largest: bool) -> int:
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     ext = x.amax(dim=dims, keepdim=True) if largest else x.amin(dim=dims, keepdim=True)
     return int(((x == ext).sum(dim=dims) - 1).clamp(min=0).sum())
+
+
+def _reduce_dims(x: Tensor, args: tuple, kwargs: dict) -> tuple | None:
+    """The reduced dimensions of a max/min-type reduction (``None``: the whole tensor)."""
+    dim = _arg(args, kwargs, 1, "dim")
+    if dim is None:
+        return None
+    return (dim,) if isinstance(dim, int) else tuple(dim)
+
+
+def _masked_reduce_ties(x: Tensor, args: tuple, kwargs: dict, const: Tensor, *, largest: bool) -> int:
+    """:func:`_reduce_ties` counting only reductions with a maximum (minimum) that is not locally constant."""
+    dims = _reduce_dims(x, args, kwargs)
+    if dims is None:
+        x, const, dims = x.reshape(1, -1), const.reshape(1, -1), (1,)
+    ext = x.amax(dim=dims, keepdim=True) if largest else x.amin(dim=dims, keepdim=True)
+    tied = x == ext
+    moving = (tied & ~const).any(dim=dims)
+    return int(((tied.sum(dim=dims) - 1).clamp(min=0) * moving).sum())
+
+
+def _compare_ties(args: tuple, kwargs: dict) -> int:
+    """Elements exactly at the threshold of a comparison (``x > c`` selects discontinuously at ``x = c``)."""
+    other = _arg(args, kwargs, 1, "other")
+    if not isinstance(other, (Tensor, int, float, bool)):
+        return 0
+    return _at(args[0], other)
+
+
+def _integer_ties(args: tuple, kwargs: dict) -> int:
+    """``floor``/``ceil``/``trunc``/``frac`` jump at the integers."""
+    x = args[0]
+    return int((x == torch.floor(x)).sum()) if x.is_floating_point() else 0
+
+
+def _half_integer_ties(args: tuple, kwargs: dict) -> int:
+    """``round`` jumps at the half-integers (scaled by ``10^decimals``)."""
+    x = args[0]
+    if not x.is_floating_point():
+        return 0
+    y = x * (10.0 ** int(_arg(args, kwargs, 1, "decimals", 0) or 0))
+    return int((y - torch.floor(y) == 0.5).sum())
+
+
+def _adjacent_ties(v: Tensor, dim: int) -> int:
+    """Equal neighbours along ``dim`` of sorted values ``v``."""
+    n = v.shape[dim] if v.dim() else 0
+    if n < 2:
+        return 0
+    return int((v.narrow(dim, 1, n - 1) == v.narrow(dim, 0, n - 1)).sum())
+
+
+def _sort_ties(args: tuple, kwargs: dict, *, dim_default: int | None = -1) -> int:
+    """``sort``/``argsort``/``msort``/``median``/``kthvalue``/``mode``: every tie along the sorted dimension."""
+    x = args[0]
+    if x.dim() == 0 or x.numel() == 0:
+        return 0
+    dim = kwargs.get("dim", dim_default)
+    if dim_default is not None and len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
+        dim = args[1]
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    return _adjacent_ties(x.sort(dim=dim).values, dim)
+
+
+def _kth_ties(args: tuple, kwargs: dict) -> int:
+    """``kthvalue(x, k, dim)``: every tie along ``dim`` (conservative)."""
+    x = args[0]
+    if x.dim() == 0 or x.numel() == 0:
+        return 0
+    dim = _arg(args, kwargs, 2, "dim", -1)
+    return _adjacent_ties(x.sort(dim=dim).values, dim)
+
+
+def _topk_ties(args: tuple, kwargs: dict) -> int:
+    """``topk(x, k, dim, largest)``: ties among the ``k + 1`` best along ``dim`` (inside or at the boundary)."""
+    x = args[0]
+    if x.dim() == 0 or x.numel() == 0:
+        return 0
+    k = int(_arg(args, kwargs, 1, "k"))
+    dim = _arg(args, kwargs, 2, "dim", -1)
+    largest = bool(_arg(args, kwargs, 3, "largest", True))
+    v = x.sort(dim=dim, descending=largest).values
+    return _adjacent_ties(v.narrow(dim, 0, min(k + 1, v.shape[dim])), dim)
+
+
+def _cumulative_ties(args: tuple, kwargs: dict, *, largest: bool) -> int:
+    """``cummax``/``cummin``: an element equal to the running extreme before it."""
+    x = args[0]
+    dim = _arg(args, kwargs, 1, "dim")
+    if x.dim() == 0 or dim is None or x.shape[dim] < 2:
+        return 0
+    run = (torch.cummax if largest else torch.cummin)(x, dim).values
+    n = x.shape[dim]
+    return int((x.narrow(dim, 1, n - 1) == run.narrow(dim, 0, n - 1)).sum())
 
 
 def _ntuple(value, ndim: int) -> tuple:
@@ -252,6 +358,41 @@ KINK_PRIMITIVES: dict[Callable, Callable[[tuple, dict], int]] = {
 }
 
 
+def _register(names: Sequence[str], counter: Callable[[tuple, dict], int], *, torch_too: bool = True) -> None:
+    """Add ``Tensor.<name>`` (and ``torch.<name>``) for each name to :data:`KINK_PRIMITIVES`."""
+    for name in names:
+        for owner in (Tensor, torch) if torch_too else (Tensor,):
+            func = getattr(owner, name, None)
+            if func is not None:
+                KINK_PRIMITIVES[func] = counter
+
+
+# comparisons: a selection (``torch.where``, a boolean mask, ``x * (x > 0)``) jumps where the compared
+# values are equal; ``where`` itself only sees the boolean condition, so its ties are counted here
+_COMPARISONS = ("gt", "ge", "lt", "le", "eq", "ne", "greater", "greater_equal", "less", "less_equal", "not_equal")
+_register(_COMPARISONS, _compare_ties)
+_register(("__gt__", "__ge__", "__lt__", "__le__", "__eq__", "__ne__"), _compare_ties, torch_too=False)
+_register(("sign", "sgn", "heaviside", "signbit", "bool"), _zero_ties)  # jump at 0 (z * sign(z) = |z|)
+_register(("floor", "ceil", "trunc", "fix", "frac"), _integer_ties)
+_register(("round",), _half_integer_ties)
+_register(("sort", "argsort", "median", "nanmedian", "mode"), _sort_ties)
+_register(("msort",), functools.partial(_sort_ties, dim_default=0))
+_register(("kthvalue",), _kth_ties)
+_register(("topk",), _topk_ties)
+_register(("argmax",), lambda a, k: _reduce_ties(a, k, largest=True))
+_register(("argmin",), lambda a, k: _reduce_ties(a, k, largest=False))
+_register(("cummax",), functools.partial(_cumulative_ties, largest=True))
+_register(("cummin",), functools.partial(_cumulative_ties, largest=False))
+
+#: max/min reductions whose ties can be refined by a locally-constant mask (``amax`` after ``relu``)
+_REDUCTIONS: dict[Callable, bool] = {
+    f: largest
+    for largest, names in ((True, ("max", "amax", "argmax")), (False, ("min", "amin", "argmin")))
+    for owner in (torch, Tensor)
+    for f in [getattr(owner, n) for n in names]
+}
+
+
 #: max-pooling functions and their dimension (their ties can be refined by a constant mask)
 _POOLS: dict[Callable, tuple[Callable, int]] = {
     F.max_pool1d: (_pool_ties, 1),
@@ -302,7 +443,38 @@ def kink_ties(func: Callable, args: tuple, kwargs: dict | None = None, *, consta
             constant = constant & (args[0] == 0)  # still relu's zeros (not changed in place since)
             windowed, ndim = _POOLS[func]
             return windowed(args, kwargs or {}, ndim=ndim, constant=constant)
+        if constant is not None and func in _REDUCTIONS and constant.shape == args[0].shape:
+            dim = _arg(args, kwargs or {}, 1, "dim")
+            if not isinstance(dim, Tensor):  # torch.max(a, b) is elementwise
+                constant = constant & (args[0] == 0)
+                return _masked_reduce_ties(args[0], args, kwargs or {}, constant, largest=_REDUCTIONS[func])
         return counter(args, kwargs or {})
+
+
+def _tensors(obj, depth: int = 0) -> list[Tensor]:
+    """The tensors in ``obj`` (an argument, a list/tuple/dict of them, a model output), two levels deep."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if depth > 2 or obj is None or isinstance(obj, (int, float, bool, str)):
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o, depth + 1)]
+    if isinstance(obj, dict):  # also transformers' ModelOutput (an OrderedDict)
+        return [t for o in obj.values() for t in _tensors(o, depth + 1)]
+    if isinstance(obj, Mapping):
+        return [t for o in obj.values() for t in _tensors(o, depth + 1)]
+    return []
+
+
+_NOT_INPLACE = frozenset({"__init__", "__int__", "__index__", "__invert__", "__iter__"})
+
+
+def _inplace(func: Callable) -> bool:
+    """Whether ``func`` writes into its first argument (``relu_``, ``add_``, ``__iadd__``, ``__setitem__``)."""
+    name = getattr(func, "__name__", "")
+    if name == "__setitem__" or (name.startswith("__i") and name.endswith("__") and name not in _NOT_INPLACE):
+        return True
+    return name.endswith("_") and not name.startswith("_")
 
 
 class _Mode(TorchFunctionMode):
@@ -312,16 +484,18 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.owner.active:
+        owner = self.owner
+        if not owner.active:
             return func(*args, **kwargs)
+        taint = owner.taint_of(_tensors(args) + (_tensors(list(kwargs.values())) if kwargs else []))
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        known = self.owner._constant.get(id(x)) if x is not None else None
-        constant = known[1] if known is not None and known[0]() is x else None
-        self.owner.total += kink_ties(func, args, kwargs, constant=constant)
+        if taint:
+            owner.count(func, args, kwargs, x, taint)
         mask = (x < 0).detach() if func in _RELUS and x is not None and x.requires_grad else None
         out = func(*args, **kwargs)
+        owner.propagate(func, x, kwargs, out, taint)
         if mask is not None and isinstance(out, Tensor):
-            self.owner._constant[id(out)] = (weakref.ref(out), mask)
+            owner._constant[id(out)] = (weakref.ref(out), mask)
         return out
 
 
@@ -336,13 +510,21 @@ class KinkCounter:
         counter.ties   # {"blocks.0": 3, "blocks.1": 0}
 
     A forward pass starts at the model's forward pre-hook and ends when the wrapped loss
-    function returns; a tie found after site ``s``'s output in that window is counted for
-    ``s``.  Use the same site names as :class:`~depthsat_theory.capture.sites.SiteRecorder`
-    (``"name#k"`` for the ``k``-th call of a repeated module).
+    function returns.  Ties are attributed by **data flow**: every tensor produced by a torch
+    function in the window carries the set of sites it depends on (the union over its tensor
+    operands; a site's output gets its own name; an in-place operation adds to its target and the
+    target's base), and a tie found at a kink counts for exactly the sites its operands depend on.
+    A tensor the counter has not seen is taken to depend on nothing if it is a leaf (parameters,
+    inputs: no gradient flows through them to a site) and, conservatively, on every site already
+    run in this forward otherwise (the output of a custom ``autograd.Function``, e.g. the
+    recorder's tap, or of a path that bypasses ``__torch_function__``).  Use the same site names as
+    :class:`~depthsat_theory.capture.sites.SiteRecorder` (``"name#k"`` for the ``k``-th call of a
+    repeated module).
 
     Attributes:
         ties: site → number of exact ties at kinks downstream of it, summed over forwards.
         forwards: forward passes seen.
+        total: ties found on tensors that depend on at least one site.
     """
 
     def __init__(self, model: nn.Module, sites: Sequence[str]):
@@ -352,19 +534,64 @@ class KinkCounter:
         self.forwards = 0
         self.total = 0
         self.active = False
-        self._at: dict[str, int] = {}
+        self._fired: frozenset[str] = frozenset()
+        self._taint: dict[int, tuple] = {}  # id(tensor) → (weakref, frozenset of site names)
         self._calls: dict[str, int] = {}
         self._handles: list = []
         self._mode = _Mode(self)
         self._constant: dict[int, tuple] = {}  # id(relu output) → (weakref, locally constant mask)
 
+    def taint_of(self, tensors: Sequence[Tensor]) -> frozenset[str]:
+        """The sites the given tensors depend on (see the class docstring for unseen tensors)."""
+        out: frozenset[str] = frozenset()
+        for t in tensors:
+            known = self._taint.get(id(t))
+            if known is not None and known[0]() is t:
+                out |= known[1]
+            elif t.grad_fn is not None:
+                out |= self._fired
+        return out
+
+    def mark(self, t: Tensor, sites: frozenset[str]) -> None:
+        """Record that ``t`` depends on ``sites`` (in addition to what it already depends on)."""
+        key = id(t)
+        known = self._taint.get(key)
+        if known is not None and known[0]() is t:
+            if not sites <= known[1]:
+                self._taint[key] = (known[0], known[1] | sites)
+            return
+        with contextlib.suppress(TypeError):  # not weak-referenceable: left to the conservative rule
+            self._taint[key] = (weakref.ref(t), sites)
+
+    def count(self, func: Callable, args: tuple, kwargs: dict, x: Tensor | None, taint: frozenset[str]) -> None:
+        """Add this call's kink ties to every site in ``taint``."""
+        known = self._constant.get(id(x)) if x is not None else None
+        constant = known[1] if known is not None and known[0]() is x else None
+        n = kink_ties(func, args, kwargs, constant=constant)
+        if n:
+            self.total += n
+            for key in taint:
+                self.ties[key] += n
+
+    def propagate(self, func: Callable, x: Tensor | None, kwargs: dict, out, taint: frozenset[str]) -> None:
+        """Mark the call's outputs (and an in-place target and its base) with the operands' sites."""
+        written = [x] if x is not None and _inplace(func) else []
+        if kwargs and "out" in kwargs:
+            written += _tensors(kwargs["out"])
+        for t in written + [b for b in (getattr(w, "_base", None) for w in written) if b is not None]:
+            self.mark(t, taint)
+        for t in _tensors(out):
+            self.mark(t, taint)  # also the empty set: a seen tensor that depends on no site
+
     def _site_hook(self, base: str):
         def hook(module, args, output):
             occ = self._calls.get(base, 0)
             self._calls[base] = occ + 1
-            for key in (base, f"{base}#{occ}"):
-                if key in self.ties and key not in self._at:
-                    self._at[key] = self.total
+            keys = frozenset(k for k in (base, f"{base}#{occ}") if k in self.ties)
+            if keys and self.active:
+                self._fired |= keys
+                for t in _tensors(output):
+                    self.mark(t, keys)
 
         return hook
 
@@ -374,9 +601,8 @@ class KinkCounter:
         self.forwards += 1
 
     def _finish(self) -> None:
-        for key, at in self._at.items():
-            self.ties[key] += self.total - at
-        self._at, self._calls, self._constant = {}, {}, {}
+        self._calls, self._constant, self._taint = {}, {}, {}
+        self._fired = frozenset()
         self.active = False
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:

@@ -153,15 +153,21 @@ def score(
         None,
         "--beta",
         help=(
-            "Smoothness β of the loss in the added field at this site: also the guaranteed decrease s²/(2β) "
-            "(½‖W‖₂² for a cross-entropy head W holds at the head's input only)."
+            "Smoothness β of the loss in the added field at this site: also s²/(2β), guaranteed only if β is "
+            "proven here (½‖W‖₂² for a cross-entropy head W at the head's input; prop-beta-composed deeper); "
+            "unchecked on a dumped probe."
         ),
     ),
     second_order: bool = typer.Option(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
     ),
     crossfit: bool = typer.Option(
-        False, "--crossfit", help="Also the cross-fitted k-NN estimates of r and ρ (consistent for continuous units)."
+        False,
+        "--crossfit",
+        help="Also cross-fitted estimates of r and ρ (consistent for continuous units; biased low, with intervals).",
+    ),
+    crossfit_regression: str = typer.Option(
+        "knn", "--crossfit-regression", help="Regression of the cross-fit: knn or local-linear (less bias, moderate d)."
     ),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
@@ -210,8 +216,20 @@ def score(
             )
         out = render.score_fields(result, interval)
         out.update(_beyond_fields(fam, z, g, result.score, beta, second_order))
+        if crossfit_regression != "knn" and not crossfit:
+            raise UserError("--crossfit-regression needs --crossfit")
         if crossfit:
-            out.update(crossfit_realizability(z, g, score_squared=result.score_squared_unbiased).to_dict())
+            try:
+                est = crossfit_realizability(
+                    z,
+                    g,
+                    score_squared=result.score_squared_unbiased,
+                    score_squared_se=result.score_squared_se,
+                    regression=crossfit_regression,
+                )
+            except ValueError as exc:
+                raise UserError(f"--crossfit: {exc}") from None
+            out.update(est.to_dict())
     except (UserError, FamilyError, StatisticsError, BoundError) as exc:
         render.fail(exc)
     render.print_score(out, probe, as_json=as_json)
@@ -223,6 +241,9 @@ def _beyond_fields(fam, z, g, score: float, beta: float | None, second_order: bo
     if beta is not None:
         out["beta"] = beta
         out["guaranteed_decrease"] = guaranteed_decrease(score, beta)
+        out["beta_status"] = (
+            "unchecked (a dumped probe has no model to run the step −Πg/β on: holds only if β is proven at this site)"
+        )
     if second_order:
         if not isinstance(fam, FeatureFamily):
             raise UserError(f"--second-order needs a random-feature family (relu:K, gelu:K, tanh:K), not {fam.spec!r}")
@@ -371,8 +392,9 @@ def diagnose_cmd(
         None,
         "--beta",
         help=(
-            "Smoothness β of the loss in the added field, valid at every diagnosed site: report the guaranteed "
-            "decrease s²/(2β). ½‖W‖₂² (cross-entropy head W) holds at the head's input only: use it with --sites."
+            "Smoothness β of the loss in the added field at the diagnosed sites: report s²/(2β). Each site's β is "
+            "checked by running the step −Πg/β on the probe; where it removes less, β is marked refuted and no "
+            "decrease is reported. ½‖W‖₂² (cross-entropy head W) holds at the head's input only."
         ),
     ),
     second_order: bool = typer.Option(

@@ -7,7 +7,9 @@
   with ``second_order=True``;
 - the guaranteed finite-step decrease ``s²/(2β)`` (``thm-guaranteed-decrease``) with ``beta``,
   and the ``ε`` of "certified ε-saturated" derived from it
-  (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`).
+  (:func:`~depthsat_theory.statistics.decrease.epsilon_from_nats`); every given ``β`` is checked
+  by running the step ``−Πg/β`` on the probe (:func:`check_betas`, ``cor-beta-refuted``), and a
+  refuted one reports no decrease.
 
 Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``): a
 run resumed from a checkpoint reports them as not counted.  Cross blocks are not sharded or
@@ -22,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
-from depthsat_theory.capture.curvature import field_curvature
+from depthsat_theory.capture.curvature import field_curvature, step_decrease
 from depthsat_theory.capture.kinks import KinkCounter
 from depthsat_theory.capture.probe import update_statistics
 from depthsat_theory.diagnose.errors import DiagnoseError
@@ -31,7 +33,11 @@ from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_fr
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["Beyond", "site_betas"]
+__all__ = ["SECOND_ORDER_MAX_BYTES", "Beyond", "check_betas", "site_betas"]
+
+#: Largest total size of the streamed cross blocks of one run (all sites together), in bytes.  SmolLM2
+#: at all 30 sites with ``relu:16`` needs 1.19 GiB (``16·576·577`` float64 per site).
+SECOND_ORDER_MAX_BYTES = 8 * 2**30
 
 
 def site_betas(beta: float | Mapping[str, float] | None, sites: list[str]) -> dict[str, float]:
@@ -88,7 +94,20 @@ class Beyond:
                     self.cross[s] = CrossBlockStatistics(self.family, tuple(pb.z[s].shape[1:]), layouts[s])  # type: ignore[arg-type]
                 except FamilyError as exc:
                     raise DiagnoseError(f"site {s!r}: {exc}") from None
+                self._check_memory()
             update_statistics(self.cross[s], pb.z[s], pb.g[s], pb.mask, s)  # padded rows dropped
+
+    def _check_memory(self) -> None:
+        """Refuse, in one line, cross blocks above :data:`SECOND_ORDER_MAX_BYTES` in all (before they grow)."""
+        total = sum(c.blocks.numel() * c.blocks.element_size() for c in self.cross.values())
+        if total > SECOND_ORDER_MAX_BYTES:
+            per = total / len(self.cross)
+            fit = max(int(SECOND_ORDER_MAX_BYTES // per), 1)
+            raise DiagnoseError(
+                f"second_order: the cross blocks of {len(self.cross)} of {len(self.sites)} sites already take "
+                f"{total / 2**30:.2f} GiB (K·d·(d+1) float64 per site, limit {SECOND_ORDER_MAX_BYTES / 2**30:g} GiB): "
+                f"diagnose at most {fit} sites per run (--sites) or use fewer features"
+            )
 
     def reduce(self) -> None:
         """Sum the kink ties over the ranks under ``torchrun`` (a no-op in one process)."""
@@ -127,6 +146,57 @@ def measure_curvatures(
             st.feature_gram(),
             layout=sd.layout,
             score=sd.result.score,
+        )
+
+
+def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family, stats, reduction: str) -> None:
+    """Run the step ``−Πg/β`` on the probe at every site with a ``β`` (``cor-beta-refuted``).
+
+    Sites where the step cannot be run (a streamed probe, a family without fixed features,
+    batch-reduced losses) keep ``beta_check = None`` (status ``unchecked``),
+    and a note says so: their ``s²/(2β)`` holds only if the given ``β`` is a smoothness constant there.
+    """
+    runnable = isinstance(batches, (list, tuple)) and isinstance(family, FeatureFamily) and reduction == "none"
+    unchecked = []
+    for sd in diagnosis.sites:
+        if sd.beta is None or sd.result.score == 0:
+            continue
+        if not runnable:
+            unchecked.append(sd.site)
+            continue
+        st = stats[sd.site]
+        try:
+            sd.beta_check = step_decrease(
+                model,
+                loss_fn,
+                batches,
+                sd.site,
+                family,
+                st.cross_gradient(),
+                st.feature_gram(),
+                layout=sd.layout,
+                step=-1.0 / sd.beta,
+            )
+        except (ValueError, RuntimeError, TypeError) as exc:  # a model the step cannot be inserted into
+            unchecked.append(f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+    refuted = [sd.site for sd in diagnosis.sites if sd.beta_status == "refuted"]
+    if refuted:
+        diagnosis.notes.append(
+            f"β refuted at {', '.join(refuted)}: the step −Πg/β removed less than s²/(2β) on the probe, so β is not "
+            "a smoothness constant there (cor-beta-refuted); no decrease is guaranteed, and an ε derived from this β "
+            "bounds s but not the loss. ½‖W‖₂² holds at the head's input only (lem-ce-smoothness); deeper sites need "
+            "prop-beta-composed"
+        )
+    small = [sd.site for sd in diagnosis.sites if sd.beta_status == "within rounding"]
+    if small:
+        diagnosis.notes.append(
+            f"β at {', '.join(small)}: the promised s²/(2β) and what the step −Πg/β removed differ by less than the "
+            "rounding of the loss, so the probe cannot test it (marked ?)"
+        )
+    if unchecked:
+        diagnosis.notes.append(
+            f"β not checked at {', '.join(unchecked)} (needs a list probe, a feature family and per-example "
+            "losses): s²/(2β) there holds only if β is a smoothness constant at that site (marked ?)"
         )
 
 

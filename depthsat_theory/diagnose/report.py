@@ -21,7 +21,7 @@ from depthsat_theory.vocabulary import Layout, Verdict
 
 if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
-    from depthsat_theory.capture.curvature import FieldCurvature
+    from depthsat_theory.capture.curvature import FieldCurvature, StepCheck
 
 __all__ = ["Diagnosis", "SiteDiagnosis"]
 
@@ -42,6 +42,9 @@ class SiteDiagnosis:
         saddle: the :class:`~depthsat_theory.statistics.secondorder.SaddleResult` (``second_order=True``), or ``None``.
         beta: the smoothness ``β`` given for this site (``None``: not given).
         curvature: the measured curvature along ``Πg`` (``curvature=True``), or ``None``.
+        beta_check: the loss change of the step ``−Πg/β`` measured on the probe
+            (``cor-beta-refuted``), or ``None`` when it could not be run (a streamed probe, a
+            non-feature family, per-batch losses).
     """
 
     site: str
@@ -53,11 +56,36 @@ class SiteDiagnosis:
     saddle: SaddleResult | None = None
     beta: float | None = None
     curvature: FieldCurvature | None = None
+    beta_check: StepCheck | None = None
+
+    @property
+    def beta_status(self) -> str | None:
+        """What the probe says of this site's ``β`` (``None`` without one).
+
+        ``"refuted"`` when the step ``−Πg/β`` removed less than ``s²/(2β)`` on the probe by more than
+        the rounding of the two loss evaluations (so ``β`` is *not* a smoothness constant here,
+        ``cor-beta-refuted``), ``"consistent"`` when it removed at least that by more than the
+        rounding, ``"within rounding"`` when the difference is below the rounding (the promise is
+        too small to test), ``"unchecked"`` when the step was not run.
+        """
+        if self.beta is None:
+            return None
+        if self.beta_check is None:
+            return "unchecked"
+        promised = guaranteed_decrease(self.result.score, self.beta)
+        gap, tol = self.beta_check.decrease - promised, self.beta_check.tolerance
+        return "refuted" if gap < -tol else "consistent" if gap >= tol else "within rounding"
 
     @property
     def guaranteed_decrease(self) -> float | None:
-        """``s²/(2β)`` in loss units per example (``thm-guaranteed-decrease``; ``None`` without ``β``)."""
-        return None if self.beta is None else guaranteed_decrease(self.result.score, self.beta)
+        """``s²/(2β)`` in loss units per example (``thm-guaranteed-decrease``).
+
+        ``None`` without ``β`` and when the probe refutes ``β`` (``cor-beta-refuted``): a number
+        that the real step contradicts is never reported as guaranteed.
+        """
+        if self.beta is None or self.beta_status == "refuted":
+            return None
+        return guaranteed_decrease(self.result.score, self.beta)
 
     @property
     def verdict(self) -> str:
@@ -100,6 +128,8 @@ class SiteDiagnosis:
             "interval": None if self.interval is None else self.interval.to_dict(),
             "beta": self.beta,
             "guaranteed_decrease": self.guaranteed_decrease,
+            "beta_status": self.beta_status,
+            "beta_step_decrease": None if self.beta_check is None else self.beta_check.decrease,
             "saddle": None if self.saddle is None else self.saddle.to_dict(),
             "curvature": None if self.curvature is None else _finite_dict(asdict(self.curvature)),
         }
@@ -322,12 +352,23 @@ def _extra_columns(sites: list[SiteDiagnosis]) -> list[str]:
 
 def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
     cells = {
-        "s²/2β": _g(sd.guaranteed_decrease),
+        "s²/2β": _beta_cell(sd),
         "saddle σ": "—" if sd.saddle is None else _g(sd.saddle.saddle_score),
         "s²/2κ (local)": "—" if sd.curvature is None else _g(sd.curvature.local_decrease),
         "kink ties": "—" if sd.result.kink_ties is None else str(sd.result.kink_ties),
     }
     return [cells[c] for c in cols]
+
+
+def _beta_cell(sd: SiteDiagnosis) -> str:
+    """``s²/(2β)``; ``refuted: removed x < y`` when the step contradicts it; ``?`` when unchecked or within rounding."""
+    status = sd.beta_status
+    if status is None:
+        return "—"
+    if status == "refuted":
+        promised = guaranteed_decrease(sd.result.score, sd.beta)  # type: ignore[arg-type]
+        return f"refuted: removed {sd.beta_check.decrease:.3g} < {promised:.3g}"  # type: ignore[union-attr]
+    return _g(sd.guaranteed_decrease) + ("" if status == "consistent" else "?")
 
 
 def _save_figure(fig, fmt: str, fh) -> None:

@@ -59,7 +59,7 @@ from depthsat_theory.capture import (
 )
 from depthsat_theory.capture.probe import batch_size
 from depthsat_theory.diagnose import distributed as _dist
-from depthsat_theory.diagnose.beyond import Beyond, default_epsilon, measure_curvatures, site_betas
+from depthsat_theory.diagnose.beyond import Beyond, check_betas, default_epsilon, measure_curvatures, site_betas
 from depthsat_theory.diagnose.checkpoint import (
     CHECKPOINT_VERSION,
     LOSS_KEY,
@@ -205,6 +205,11 @@ def diagnose(
             at a site feeding a linear cross-entropy head): each site then reports the guaranteed
             decrease ``s²/(2β)`` in loss units (``thm-guaranteed-decrease``), and with ``delta``
             the ``ε`` of "certified ε-saturated" defaults to ``sqrt(2 β · 10⁻³)`` (``10⁻³`` nats).
+            ``½‖W‖₂²`` is proven at the head's input only (``lem-ce-smoothness``); deeper sites need
+            ``prop-beta-composed``.  Every given ``β`` is checked on the probe (a list probe, a
+            feature family, per-example losses, a vector site): the step ``−Πg/β`` is run, and
+            where it removes less than ``s²/(2β)`` the site's ``beta_status`` is ``"refuted"`` and
+            no decrease is reported (``cor-beta-refuted``); elsewhere ``"consistent"`` or ``"unchecked"``.
         second_order: also stream the cross block of the Hessian and report the saddle score
             (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``; fresh
             single-process runs only: not checkpointed or sharded).
@@ -271,6 +276,8 @@ def diagnose(
         out.notes.append("kink ties not counted: a resumed run sees only part of the probe")
     if curvature:
         measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
+    if betas and _dist.world()[1] == 1:
+        check_betas(out, model, loss_fn, batches, fam, run.stats, reduction)
     return out
 
 

@@ -7,7 +7,13 @@ in the function-space norm, the step ``f = −Πg/β`` lowers ``J`` by at least 
 (``prop-decrease-upper``); under ``μ``-strong convexity on ``T`` the best decrease is at most
 ``s²/(2μ)``, and for squared error at the output site it is exactly ``s²/2``
 (``prop-squared-error-exact``).  ``β`` for a cross-entropy head ``softmax(W z + c)`` is at most
-``½ ‖W‖₂²`` per unit (``lem-ce-smoothness``).
+``½ ‖W‖₂²`` per unit (``lem-ce-smoothness``) **at the head's input only**; one layer deeper it is not a
+smoothness constant (``ex-beta-misapplied``).  For a hidden site followed by a twice-differentiable
+per-unit map ``m`` with ``‖Dm‖ ≤ L`` and ``‖D²m[v, v]‖ ≤ H‖v‖²`` before the head,
+``β ≤ ½‖W‖₂² L² + √2 ‖W‖₂ H`` (``prop-beta-composed``); :func:`chain_constants` gives ``(L, H)`` for
+chains of linear maps, smooth elementwise activations and residual branches of them
+(``cor-beta-chain``).  With a ``relu`` (any kink) or a normalization downstream no finite ``β`` is
+proven: a given ``β`` is then only checked on the probe (``cor-beta-refuted``).
 
 All decreases are in loss units per example (nats per example for cross-entropy).
 """
@@ -20,8 +26,11 @@ import numpy as np
 import torch
 
 __all__ = [
+    "ACTIVATION_CONSTANTS",
     "DEFAULT_EPSILON_NATS",
     "best_decrease_bound",
+    "chain_constants",
+    "composed_smoothness",
     "cross_entropy_smoothness",
     "decrease_upper_bound",
     "epsilon_from_nats",
@@ -124,3 +133,109 @@ def epsilon_from_nats(nats: float, beta: float) -> float:
         ValueError: ``nats ≤ 0`` or ``beta ≤ 0``.
     """
     return math.sqrt(2 * _check("beta", beta, positive=True) * _check("nats", nats, positive=True))
+
+
+#: ``(sup |σ'|, sup |σ''|)`` of the smooth elementwise activations (``cor-beta-chain``): tanh
+#: ``(1, 4/(3√3))``, sigmoid ``(1/4, 1/(6√3))``, exact GELU ``x Φ(x)``: ``GELU' = Φ + xφ`` peaks at
+#: ``x = √2`` and ``GELU'' = φ(x)(2 − x²)`` at ``x = 0`` (``√(2/π)``); the identity ``(1, 0)``.
+ACTIVATION_CONSTANTS: dict[str, tuple[float, float]] = {
+    "tanh": (1.0, 4.0 / (3.0 * math.sqrt(3.0))),
+    "sigmoid": (0.25, 1.0 / (6.0 * math.sqrt(3.0))),
+    "gelu": (
+        0.5 * (1.0 + math.erf(1.0)) + math.sqrt(2.0) * math.exp(-1.0) / math.sqrt(2.0 * math.pi),
+        math.sqrt(2.0 / math.pi),
+    ),
+    "identity": (1.0, 0.0),
+}
+
+
+def _op_norm(weight) -> float:
+    w = weight.detach().to(torch.float64).cpu().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight)
+    if w.ndim != 2 or not np.isfinite(w).all():
+        raise ValueError(f"a linear map must be a finite 2-D matrix, got shape {w.shape}")
+    return float(np.linalg.norm(w, 2))
+
+
+def _activation_name(module) -> str | None:
+    from torch import nn
+
+    if isinstance(module, nn.Tanh):
+        return "tanh"
+    if isinstance(module, nn.Sigmoid):
+        return "sigmoid"
+    if isinstance(module, nn.GELU) and module.approximate == "none":
+        return "gelu"
+    if isinstance(module, (nn.Identity, nn.Dropout)) and not module.training:
+        return "identity"
+    return None
+
+
+def chain_constants(steps) -> tuple[float, float]:
+    """``(L, H)``: Lipschitz and curvature constants of a chain of smooth maps (``cor-beta-chain``).
+
+    ``L ≥ ‖Dm‖₂`` and ``H ≥ ‖D²m[v, v]‖/‖v‖²`` everywhere, for ``m`` the composition of ``steps``
+    applied in order: composition gives ``L = L₂L₁``, ``H = H₂L₁² + L₂H₁``; a linear map ``A``
+    has ``(‖A‖₂, 0)``; an elementwise activation :data:`ACTIVATION_CONSTANTS`; a residual
+    branch ``x ↦ x + b(x)`` has ``(1 + L_b, H_b)``.
+
+    Args:
+        steps: a sequence of ``torch.nn.Linear`` (or 2-D weight tensors/arrays), smooth activation
+            modules (``Tanh``, ``Sigmoid``, exact ``GELU``, ``Identity``, ``Dropout`` in eval mode),
+            ``nn.Sequential`` of these, and ``("residual", steps)`` pairs for residual branches.
+
+    Returns:
+        ``(L, H)`` (dimensionless, and per unit input).
+
+    Raises:
+        ValueError: a step outside this class (``ReLU`` and other kinks, ``LayerNorm``/``RMSNorm``,
+            tanh-approximated GELU, attention…): no finite constant is proven for it.
+    """
+    from torch import nn
+
+    lip, curv = 1.0, 0.0
+    for step in steps:
+        if isinstance(step, tuple) and len(step) == 2 and step[0] == "residual":
+            lb, hb = chain_constants(step[1])
+            sl, sh = 1.0 + lb, hb
+        elif isinstance(step, nn.Sequential):
+            sl, sh = chain_constants(list(step))
+        elif isinstance(step, nn.Linear):
+            sl, sh = _op_norm(step.weight), 0.0
+        elif isinstance(step, (torch.Tensor, np.ndarray)):
+            sl, sh = _op_norm(step), 0.0
+        elif (name := _activation_name(step)) is not None:
+            sl, sh = ACTIVATION_CONSTANTS[name]
+        else:
+            raise ValueError(
+                f"no smoothness constant is proven through {type(step).__name__} (cor-beta-chain covers linear maps, "
+                "tanh/sigmoid/exact GELU and residual branches of them; kinks and normalizations have none)"
+            )
+        lip, curv = sl * lip, sh * lip * lip + sl * curv
+    return lip, curv
+
+
+def composed_smoothness(weight, lipschitz: float, curvature: float, *, units_per_example: int = 1) -> float:
+    """``β ≤ (½‖W‖₂² L² + √2 ‖W‖₂ H) / T``: a hidden site followed by ``m`` and a cross-entropy head ``W``.
+
+    ``prop-beta-composed``: the Hessian of ``CE(W m(z) + c, y)`` in ``z`` is
+    ``Dmᵀ Wᵀ (diag p − ppᵀ) W Dm + Σ_k (Wᵀ(p − e_y))_k ∇²m_k`` and ``‖p − e_y‖₂ ≤ √2``.
+
+    Args:
+        weight: the head's weight ``(classes, p)``.
+        lipschitz: ``L ≥ ‖Dm‖₂`` on the region the fields reach (e.g. from :func:`chain_constants`).
+        curvature: ``H ≥ ‖D²m[v, v]‖ / ‖v‖²`` there.
+        units_per_example: the smallest number of units averaged in one example's loss.
+
+    Returns:
+        ``β`` in loss units per example per squared unit step (``L = 1, H = 0`` gives
+        :func:`cross_entropy_smoothness`).
+
+    Raises:
+        ValueError: a non-finite or negative constant, a bad weight, or ``units_per_example < 1``.
+    """
+    lip = _check("lipschitz", lipschitz, positive=False)
+    curv = _check("curvature", curvature, positive=False)
+    if int(units_per_example) < 1:
+        raise ValueError(f"units_per_example must be >= 1, got {units_per_example}")
+    w = _op_norm(weight)
+    return (0.5 * w * w * lip * lip + math.sqrt(2.0) * w * curv) / int(units_per_example)
