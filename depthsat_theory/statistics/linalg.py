@@ -172,27 +172,41 @@ def _scaling(diag: np.ndarray) -> np.ndarray:
 
 
 def resolve_spectrum(
-    mat: np.ndarray,
+    mat: np.ndarray | None,
     *,
     dtype: torch.dtype = torch.float64,
     rtol: float | None = None,
     factor: np.ndarray | None = None,
+    diag: np.ndarray | None = None,
 ) -> Spectrum:
     """Scale a PSD Gram to unit diagonal, eigendecompose it and apply the resolution cutoffs.
 
     Args:
-        mat: the Gram ``Σ`` (or ``K``), float64 ``(k, k)``.
+        mat: the Gram ``Σ`` (or ``K``), float64 ``(k, k)``; may be ``None`` when ``factor`` and
+            ``diag`` are given.
         dtype: the forward pass's dtype (sets the data resolution).
         rtol: an explicit relative eigenvalue cutoff (then nothing is counted unresolved).
-        factor: optionally a triangular factor ``R`` with ``Σ = Rᵀ R`` (``(k, k)``): its
-            singular values resolve amplitudes down to ``u64`` instead of ``sqrt(u64)``.
+        factor: optionally a factor ``R`` ``(m, k)`` with ``Σ = Rᵀ R``: the streamed triangular
+            factor (``m = k``) or the scaled data matrix itself (``m`` = number of units, the unit
+            path of theory/numerics.md ``thm-unit-gram``); its singular values resolve amplitudes
+            down to ``u64`` instead of ``sqrt(u64)``.
+        diag: ``diag Σ`` ``(k,)`` (default: read from ``mat``).
 
     Returns:
         The :class:`Spectrum`.
+
+    Raises:
+        ValueError: if neither ``mat`` nor both ``factor`` and ``diag`` are given.
     """
-    k = mat.shape[0]
-    mat = 0.5 * (mat + mat.T)
-    scale = _scaling(np.diag(mat).copy())
+    if mat is None:
+        if factor is None or diag is None:
+            raise ValueError("resolve_spectrum needs the Gram mat, or a factor together with its diag")
+        k = int(diag.shape[0])
+        scale = _scaling(np.asarray(diag, dtype=np.float64).copy())
+    else:
+        k = mat.shape[0]
+        mat = 0.5 * (mat + mat.T)
+        scale = _scaling(np.diag(mat).copy() if diag is None else np.asarray(diag, dtype=np.float64).copy())
     # torch's LAPACK, on torch's threads: numpy's BLAS pool would compete with them (oversubscription)
     if factor is not None:
         sv_t, vt_t = torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)[1:]
@@ -200,6 +214,7 @@ def resolve_spectrum(
         lam, q = sv**2, vt.T
         resolution = (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
     else:
+        assert mat is not None  # checked above: without a factor the Gram is given
         lam_t, q_t = torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))
         lam, q = lam_t.numpy(), q_t.numpy()
         resolution = _gram_rtol(k)
