@@ -43,27 +43,28 @@ from depthsat_theory.families import parse_family
 from depthsat_theory.statistics import FeatureStatistics
 from depthsat_theory.tasks import classification_loss
 
-D, SPEC = 256, "relu:4096"
 
-
-def one_config(nsites: int, n: int, bs: int, reps: int) -> dict:
+def one_config(spec: str, d: int, nsites: int, n: int, bs: int, reps: int, gram_once: bool, repeat: int) -> dict:
     depth = max(8, nsites)
-    model = make_model(D, depth, "cpu")
-    fam = parse_family(f"{SPEC}:0")
+    model = make_model(d, depth, "cpu")
+    fam = parse_family(f"{spec}:0")
     sites = [f"blocks.{round(i * (depth - 1) / max(nsites - 1, 1))}" for i in range(nsites)]
     batches = make_batches(max(1, n // bs), bs, "cpu")
-    names = ["plain", "gram", "units"]
-    times: dict = {k: [] for k in names}
-    finish: dict = {k: [] for k in names[1:]}
+    if repeat > 1:  # each input `repeat` times with independent labels: rank n/repeat, so ŝ < AG_rms
+        batches = [(x[::repeat].repeat_interleave(repeat, 0), y) for x, y in batches]
+    kt = fam.augmented_dim((d,), "vector")
+    times: dict = {k: [] for k in ("plain", "gram", "units")}
+    finish: dict = {k: [] for k in ("gram", "units")}
     results: dict = {}
     for r in range(reps + 1):
+        names = ["plain", "units"] + (["gram"] if not gram_once or r == reps else [])
         stats = {
-            k: {s: FeatureStatistics(fam, (D,), "vector", gram="features" if k == "gram" else "auto") for s in sites}
+            k: {s: FeatureStatistics(fam, (d,), "vector", gram="features" if k == "gram" else "auto") for s in sites}
             for k in names[1:]
         }
         acc = dict.fromkeys(names, 0.0)
         for i, (x, y) in enumerate(batches):
-            for k in names[i % 3 :] + names[: i % 3]:
+            for k in names[i % len(names) :] + names[: i % len(names)]:
                 t0 = time.perf_counter()
                 if k == "plain":
                     model.zero_grad(set_to_none=True)
@@ -79,7 +80,7 @@ def one_config(nsites: int, n: int, bs: int, reps: int) -> dict:
             acc[k] += fin[k]
         if r:
             for k in names:
-                times[k].append(acc[k])
+                times[k].append((acc[k], acc["plain"]))
             for k in names[1:]:
                 finish[k].append(fin[k])
         used_units = all(st._kept is not None for st in stats["units"].values())
@@ -87,17 +88,19 @@ def one_config(nsites: int, n: int, bs: int, reps: int) -> dict:
         abs(results["units"][s].score - results["gram"][s].score) / max(results["gram"][s].score, 1e-300) for s in sites
     ]
     row = {
-        "family": SPEC,
-        "d": D,
+        "family": spec,
+        "d": d,
+        "gram_rounds": len(times["gram"]),
         "sites": nsites,
         "n": n,
+        "repeat": repeat,
         "batch": bs,
         "unit_path_used": used_units,
-        "gram_x_plain": statistics.median(a / b for a, b in zip(times["gram"], times["plain"], strict=True)),
-        "units_x_plain": statistics.median(a / b for a, b in zip(times["units"], times["plain"], strict=True)),
+        "gram_x_plain": statistics.median(a / b for a, b in times["gram"]),
+        "units_x_plain": statistics.median(a / b for a, b in times["units"]),
         "gram_finish_s": statistics.median(finish["gram"]),
         "units_finish_s": statistics.median(finish["units"]),
-        "plain_s": statistics.median(times["plain"]),
+        "plain_s": statistics.median(a for a, _ in times["plain"]),
         "max_rel_ds": max(rel),
         "max_err_over_s": max(
             results[k][s].score_error / max(results[k][s].score, 1e-300) for k in ("gram", "units") for s in sites
@@ -105,15 +108,19 @@ def one_config(nsites: int, n: int, bs: int, reps: int) -> dict:
         "same_verdicts": all(results["units"][s].verdict is results["gram"][s].verdict for s in sites),
         "same_ranks": all(results["units"][s].tangent_rank == results["gram"][s].tangent_rank for s in sites),
         "verdicts": sorted({str(results["units"][s].verdict.value) for s in sites}),
-        "floor32": flop_floor(SPEC, D, depth, nsites)["floor32"],
-        "state_mib_gram": nsites * 2 * 4097**2 * 8 / 2**20,
-        "state_mib_units": nsites * n * (4097 + D) * 8 / 2**20,
+        "floor32": flop_floor(spec, d, depth, nsites)["floor32"],
+        "state_mib_gram": nsites * 2 * kt**2 * 8 / 2**20,
+        "state_mib_units": nsites * n * (kt + d) * 8 / 2**20,
     }
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="relu:4096")
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--gram-once", action="store_true", help="run the Gram path in the last round only (slow k̃)")
+    ap.add_argument("--repeat", type=int, default=1, help="repeat each input this often (labels differ)")
     ap.add_argument("--sites", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--n", type=int, nargs="*", default=[1024, 2048])
     ap.add_argument("--bs", type=int, default=1024)
@@ -121,17 +128,19 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     print(
-        f"# unit_gram: {SPEC} d={D}, {THREADS} threads, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}",
+        f"# unit_gram: {args.family} d={args.d}, {THREADS} threads, torch {torch.__version__}, "
+        f"load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     rows = []
     for nsites in args.sites:
         for n in args.n:
             load0 = os.getloadavg()[0]
-            row = one_config(nsites, n, min(args.bs, n), args.reps)
+            row = one_config(args.family, args.d, nsites, n, min(args.bs, n), args.reps, args.gram_once, args.repeat)
             row["load"] = [load0, os.getloadavg()[0]]
             rows.append(row)
-            head = f"sites={nsites} n={n}: gram {row['gram_x_plain']:.2f}x (finish {row['gram_finish_s']:.2f} s)"
+            head = f"sites={nsites} n={n}: gram {row['gram_x_plain']:.2f}x [{row['gram_rounds']} rounds]"
+            head += f" (finish {row['gram_finish_s']:.2f} s)"
             unit = f"units {row['units_x_plain']:.2f}x (finish {row['units_finish_s']:.2f} s)"
             acc = f"max |Δŝ|/ŝ {row['max_rel_ds']:.1e}, max e/ŝ {row['max_err_over_s']:.1e}"
             same = f"same verdicts {row['same_verdicts']} ({row['verdicts']}), same ranks {row['same_ranks']}"

@@ -53,14 +53,14 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "no unit-diagonal scaling (Gram)": (
         LIN,
-        "torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))",
-        "torch.linalg.eigh(torch.from_numpy(mat))",
+        "torch.from_numpy(mat * np.outer(scale, scale)).to(device)",
+        "torch.from_numpy(mat).to(device)",
         [SCALING],
     ),
     "no unit-diagonal scaling (factor)": (
         LIN,
-        "torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)",
-        "torch.linalg.svd(torch.from_numpy(factor), full_matrices=False)",
+        "torch.from_numpy(factor * scale[None, :]).to(device)",
+        "torch.from_numpy(factor).to(device)",
         [SCALING],
     ),
     "no unit-diagonal scaling (scale = 1)": (

@@ -505,7 +505,13 @@ class FeatureStatistics(TangentStatistics):
         factor = None
         if self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64:
             factor = self.factor.r.numpy() / np.sqrt(self.n)
-        return resolve_spectrum(self.feature_gram(), dtype=self.dtype or torch.float64, rtol=rtol, factor=factor)
+        return resolve_spectrum(
+            self.feature_gram(),
+            dtype=self.dtype or torch.float64,
+            rtol=rtol,
+            factor=factor,
+            device=self.states["sigma"].device,
+        )
 
     def result(
         self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
@@ -564,6 +570,7 @@ class FeatureStatistics(TangentStatistics):
             rtol=rtol,
             factor=(phi / math.sqrt(self.n)).cpu().numpy(),
             diag=diag.cpu().numpy(),
+            device=phi.device,
         )
         self._spec_g = (spec, big_g)
         if spec.rank:

@@ -178,6 +178,7 @@ def resolve_spectrum(
     rtol: float | None = None,
     factor: np.ndarray | None = None,
     diag: np.ndarray | None = None,
+    device: torch.device | str | None = None,
 ) -> Spectrum:
     """Scale a PSD Gram to unit diagonal, eigendecompose it and apply the resolution cutoffs.
 
@@ -191,6 +192,8 @@ def resolve_spectrum(
             path of theory/numerics.md ``thm-unit-gram``); its singular values resolve amplitudes
             down to ``u64`` instead of ``sqrt(u64)``.
         diag: ``diag Σ`` ``(k,)`` (default: read from ``mat``).
+        device: where the float64 eigensolve or SVD runs (default CPU; the statistics pass the device
+            their sums live on, e.g. the model's GPU); the result is on the CPU either way.
 
     Returns:
         The :class:`Spectrum`.
@@ -207,16 +210,18 @@ def resolve_spectrum(
         k = mat.shape[0]
         mat = 0.5 * (mat + mat.T)
         scale = _scaling(np.diag(mat).copy() if diag is None else np.asarray(diag, dtype=np.float64).copy())
-    # torch's LAPACK, on torch's threads: numpy's BLAS pool would compete with them (oversubscription)
+    # torch's LAPACK (or the device's solver), on torch's threads: numpy's BLAS pool would compete with them
     if factor is not None:
-        sv_t, vt_t = torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)[1:]
-        sv, vt = sv_t.numpy(), vt_t.numpy()
+        scaled = torch.from_numpy(factor * scale[None, :]).to(device)
+        sv_t, vt_t = torch.linalg.svd(scaled, full_matrices=False)[1:]
+        sv, vt = sv_t.cpu().numpy(), vt_t.cpu().numpy()
         lam, q = sv**2, vt.T
         resolution = (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
     else:
         assert mat is not None  # checked above: without a factor the Gram is given
-        lam_t, q_t = torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))
-        lam, q = lam_t.numpy(), q_t.numpy()
+        scaled = torch.from_numpy(mat * np.outer(scale, scale)).to(device)
+        lam_t, q_t = torch.linalg.eigh(scaled)
+        lam, q = lam_t.cpu().numpy(), q_t.cpu().numpy()
         resolution = _gram_rtol(k)
     lmax = float(lam.max()) if lam.size else 0.0
     data = _data_rtol(dtype, k)
