@@ -212,6 +212,14 @@ def test_unit_path_with_tie_pooling_gives_the_same_raw_score_and_defect():
     assert ru.realizability_defect == pytest.approx(rf.realizability_defect, rel=1e-6, abs=1e-9)
 
 
+def test_statistics_for_passes_the_gram_choice():
+    from depthsat_theory.statistics import statistics_for
+
+    fam = parse_family("relu:16")
+    assert statistics_for(fam, (3,), "vector", gram="units")._kept == []  # type: ignore[union-attr]
+    assert statistics_for(fam, (3,), "vector")._kept is None  # type: ignore[union-attr]  # k̃ = 17: Gram path
+
+
 def test_unknown_gram_is_a_one_line_error():
     fam = parse_family("linear")
     assert isinstance(fam, FeatureFamily)

@@ -229,7 +229,8 @@ class FeatureStatistics(TangentStatistics):
 
     Accumulates, in float64, ``Σ = Σ_x Σ_r φ̃_r φ̃_rᵀ`` (``k̃ × k̃``) and
     ``G = Σ_x Σ_r g_r φ̃_rᵀ`` (``d × k̃``), plus counts and norms; divides by ``n`` at
-    the end.  Cost per batch ``O(units · (d k̃ + k̃²))``.
+    the end.  Cost per batch ``O(units · (d k̃ + k̃²))`` on the Gram path, ``O(units · d k̃)`` on the unit
+    path (``gram`` below), which keeps the rows and factors them once in :meth:`result`.
 
     Args:
         family: the feature family.
