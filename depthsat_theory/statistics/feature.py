@@ -303,6 +303,8 @@ class FeatureStatistics(TangentStatistics):
         unit_path = gram == "units" or (gram == "auto" and self.k >= UNIT_GRAM_MIN_K)
         self._kept: list[_KeptBatch] | None = [] if unit_path else None  # None: the features path
         self._kept_rows = 0
+        if unit_path:
+            self._defer_grams()
 
     def _features(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
         """``φ̃`` rows ``(B, R, k̃)`` of ``z`` (float64), computed with the padding ``mask`` when given.
@@ -366,8 +368,18 @@ class FeatureStatistics(TangentStatistics):
             return
         self._add_dense(kept)
 
+    def _defer_grams(self) -> None:
+        """Hold ``Σ`` and the noise moment as zero views (no memory) until the Gram path first adds to them."""
+        for name in ("sigma", "q_sum"):
+            t = self.states[name]
+            self.states[name] = torch.zeros((1, 1), dtype=t.dtype, device=t.device).expand(self.k, self.k)
+
     def _add_dense(self, kb: _KeptBatch) -> None:
         """The features path for one batch: ``Σ``, the noise moment and the triangular factor."""
+        for name in ("sigma", "q_sum"):
+            t = self.states[name]
+            if t.stride() == (0, 0):  # a deferred zero view: allocate it now
+                self.states[name] = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
         phi2, _ = kb.rows()
         phi_x, g_x = kb.phi_x, kb.g_x
         prod = self._product_dtype
@@ -407,6 +419,8 @@ class FeatureStatistics(TangentStatistics):
         unit_path = self.gram == "units" or (self.gram == "auto" and self.k >= UNIT_GRAM_MIN_K)
         self._kept = [] if unit_path else None
         self._kept_rows = 0
+        if unit_path:
+            self._defer_grams()
 
     @property
     def sigma(self) -> Tensor:
