@@ -60,13 +60,14 @@ def _diagnose(zm, kinks: bool):
     )
 
 
-def one_model(name: str, reps: int) -> dict:
-    zm = zoo.load(name)
+def one_model(name: str, reps: int, n_examples: int | None, nokinks: bool) -> dict:
+    zm = zoo.load(name, n_examples=n_examples)
     methods = {
         "plain": lambda: _plain(zm),
         "diagnose": lambda: _diagnose(zm, True),
-        "diagnose-nokinks": lambda: _diagnose(zm, False),
     }
+    if nokinks:
+        methods["diagnose-nokinks"] = lambda: _diagnose(zm, False)
     names = list(methods)
     times: dict = {k: [] for k in names}
     load0 = os.getloadavg()[0]
@@ -94,18 +95,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["smollm2", "minilm", "efficientnet-lite0"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--n", type=int, nargs="*", default=None, help="probe examples per model (default: the zoo's)")
+    ap.add_argument("--no-kinks-variant", action="store_true", help="leave out diagnose(kinks=False)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.reps < 3:
         ap.error("--reps must be at least 3 (the ratios are medians over rounds)")
     print(f"# zoo_speed: {THREADS} threads, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
-    for name in args.models:
-        row = one_model(name, args.reps)
+    for i, name in enumerate(args.models):
+        n = args.n[i] if args.n and i < len(args.n) and args.n[i] > 0 else None
+        row = one_model(name, args.reps, n, not args.no_kinks_variant)
         rows.append(row)
         print(
             f"{name:18s} sites={row['sites']:<3d} n={row['examples']:<3d} | diagnose {row['diagnose']:.2f}x  "
-            f"without kink counting {row['diagnose-nokinks']:.2f}x | plain {row['plain_s']:.2f} s/pass | "
+            f"without kink counting {row.get('diagnose-nokinks', float('nan')):.2f}x | "
+            f"plain {row['plain_s']:.2f} s/pass | "
             f"load {row['load'][0]:.1f}->{row['load'][1]:.1f}",
             flush=True,
         )
