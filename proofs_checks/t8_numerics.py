@@ -33,7 +33,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from depthsat_theory.families import parse_family
+from depthsat_theory.families import FeatureFamily, parse_family
 from depthsat_theory.statistics import NOISE_ALPHA, resolve_spectrum, statistics_for
 from depthsat_theory.vocabulary import Verdict
 
@@ -229,22 +229,24 @@ def unit_gram(ctx: Context) -> Outcome:
         z, g = _unit_probe(rng, kind, n, d)
         zt, gt = torch.from_numpy(z).to(dtype), torch.from_numpy(g).to(dtype)
         fam = parse_family(family)
+        assert isinstance(fam, FeatureFamily)
         out = {}
         for gram in ("units", "features"):
-            st = FeatureStatistics(fam, (d,), "vector", gram=gram)  # type: ignore[arg-type]
+            st = FeatureStatistics(fam, (d,), "vector", gram=gram)
             for i in range(0, zt.shape[0], 16):
                 st.update(zt[i : i + 16], gt[i : i + 16])
             out[gram] = st.result()
         ru, rf = out["units"], out["features"]
         # independent: the float64 features of the stored z, scaled to unit diagonal, one numpy SVD
-        phi = fam.augmented_features(fam.frozen_feature_map((d,), "vector"), zt.double()).reshape(zt.shape[0], -1)
-        phi = phi.numpy()
+        m = zt.shape[0]  # rows (cancelling pairs: 2 ⌊n/2⌋)
+        feats = fam.augmented_features(fam.frozen_feature_map((d,), "vector"), zt.double()).reshape(m, -1)
+        phi = feats.numpy()
         gs = gt.double().numpy()
-        diag = (phi**2).sum(0) / n
+        diag = (phi**2).sum(0) / m
         scale = np.where(diag > 0, 1 / np.sqrt(np.where(diag > 0, diag, 1)), 0.0)
-        u, _, _ = np.linalg.svd(phi * scale / np.sqrt(n), full_matrices=False)
+        u, _, _ = np.linalg.svd(phi * scale / np.sqrt(m), full_matrices=False)
         rank = ru.tangent_rank // d
-        s_kernel = math.sqrt(np.sum((u[:, :rank].T @ gs) ** 2) / n)
+        s_kernel = math.sqrt(np.sum((u[:, :rank].T @ gs) ** 2) / m)
         v_kernel = float(np.sum((gs**2).sum(1) * (u[:, :rank] ** 2).sum(1)))
         n_inst += 1
         ok = abs(ru.score - min(s_kernel, ru.ag_rms)) <= ru.score_error or not math.isfinite(ru.score_error)
