@@ -74,9 +74,7 @@ def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: floa
             versions[pkg] = None
     now = time.time()
     return {
-        "command": " ".join(["depthsat", *sys.argv[1:]])
-        if sys.argv and sys.argv[0].endswith("depthsat")
-        else " ".join(sys.argv),
+        "command": " ".join(["depthsat", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("depthsat") else " ".join(sys.argv),
         **_git_commit(),
         "seeds": list(seeds),
         "config": dict(config),
