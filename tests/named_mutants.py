@@ -27,6 +27,7 @@ FEA = "depthsat_theory/statistics/feature.py"
 INT = "depthsat_theory/bounds/interval.py"
 TER = "depthsat_theory/bounds/terms.py"
 KILL = "tests/test_mutation_killers.py"
+UNIT = "tests/test_unit_gram.py"
 NUM = "tests/test_numerics.py"
 BND = "tests/test_bounds.py"
 TNG = "tests/test_tangent.py"
@@ -52,14 +53,14 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "no unit-diagonal scaling (Gram)": (
         LIN,
-        "torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))",
-        "torch.linalg.eigh(torch.from_numpy(mat))",
+        "torch.from_numpy(mat * np.outer(scale, scale)).to(device)",
+        "torch.from_numpy(mat).to(device)",
         [SCALING],
     ),
     "no unit-diagonal scaling (factor)": (
         LIN,
-        "torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)",
-        "torch.linalg.svd(torch.from_numpy(factor), full_matrices=False)",
+        "torch.from_numpy(factor * scale[None, :]).to(device)",
+        "torch.from_numpy(factor).to(device)",
         [SCALING],
     ),
     "no unit-diagonal scaling (scale = 1)": (
@@ -115,9 +116,21 @@ MUTANTS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "noise moment dropped (feature)": (
         FEA,
-        '_noise_moment(self.states["q_sum"], phi_x, g_x, None if mask is not None else g_norm2)',
+        '_noise_moment(self.states["q_sum"], phi_x, g_x, kb.g_norm2)',
         "pass",
         [KILL, NUM],
+    ),
+    "unit path: rows not scaled by 1/sqrt(n)": (
+        FEA,
+        "factor=(phi / math.sqrt(self.n)).cpu().numpy(),",
+        "factor=phi.cpu().numpy(),",
+        [UNIT],
+    ),
+    "unit path: noise variance without D^-1/2": (
+        FEA,
+        "whiten = spec.vectors * (spec.scale[:, None] / np.sqrt(spec.values))",
+        "whiten = spec.vectors * (1.0 / np.sqrt(spec.values))",
+        [UNIT],
     ),
     "factor never used (feature)": (
         FEA,

@@ -55,6 +55,7 @@ class BoundStatistics(FeatureStatistics):
     @property
     def q_sum(self) -> np.ndarray:
         """The raw sum ``Σ_x G_xᵀ G_x`` (float64 numpy ``(k̃, k̃)``; ``q`` of :meth:`moments` is the mean)."""
+        self._flush()
         return self.states["q_sum"].numpy()
 
     @property

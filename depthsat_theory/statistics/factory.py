@@ -10,7 +10,13 @@ __all__ = ["statistics_for"]
 
 
 def statistics_for(
-    family: ResidualFamily, shape: tuple[int, ...], layout: str, *, pool_ties: bool = False, products: str = "float64"
+    family: ResidualFamily,
+    shape: tuple[int, ...],
+    layout: str,
+    *,
+    pool_ties: bool = False,
+    products: str = "float64",
+    gram: str = "auto",
 ) -> FeatureStatistics | GeneralStatistics:
     """The streaming statistics that fit a residual family at an insertion site.
 
@@ -29,6 +35,9 @@ def statistics_for(
             the number of distinct units).
         products: dtype of the per-batch products of feature families, ``"float64"`` (default)
             or ``"float32"`` (:class:`FeatureStatistics`; general families always use float64).
+        gram: ``"auto"`` (default), ``"features"`` or ``"units"``: whether a feature family streams the
+            ``k̃ × k̃`` Gram or keeps the unit rows (:class:`FeatureStatistics`, theory/numerics.md
+            ``thm-unit-gram``); ignored by general families.
 
     Raises:
         FamilyError: if the family does not fit the site (shape or layout) or has no statistics.
@@ -38,7 +47,7 @@ def statistics_for(
         :class:`GeneralStatistics` otherwise (matrix-free ``torch.func`` path).
     """
     if isinstance(family, FeatureFamily):
-        return FeatureStatistics(family, shape, layout, pool_ties=pool_ties, products=products)
+        return FeatureStatistics(family, shape, layout, pool_ties=pool_ties, products=products, gram=gram)
     if isinstance(family, GeneralFamily):
         return GeneralStatistics(family, shape, layout, pool_ties=pool_ties)
     raise FamilyError(f"no statistics for family type {type(family).__name__}")

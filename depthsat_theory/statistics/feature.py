@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import scipy.sparse.linalg as spla
@@ -15,7 +16,14 @@ from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
 
-__all__ = ["TRIANGULAR_FACTOR_MAX_K", "FeatureStatistics", "TangentProjector", "TriangularFactor"]
+__all__ = [
+    "TRIANGULAR_FACTOR_MAX_K",
+    "UNIT_GRAM_MAX_FRACTION",
+    "UNIT_GRAM_MIN_K",
+    "FeatureStatistics",
+    "TangentProjector",
+    "TriangularFactor",
+]
 
 #: The per-batch product dtypes of :class:`FeatureStatistics` (``products=``).
 _PRODUCT_DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -95,7 +103,8 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
     ``x[:, j0:]ᵀ x[:, j0:j1]`` (the diagonal block and everything below it) and mirrors the
     part below the diagonal block, so the multiply-adds are ``N k̃² (m + 1)/(2m)`` (``5/8`` of a
     full product for ``m = 4``) and every entry is the same sum of the same products as in
-    ``xᵀ x`` (same rounding).  ``out`` stays exactly symmetric.
+    ``xᵀ x`` (same rounding).  ``out`` stays exactly symmetric (the diagonal blocks mirror their lower
+    triangle: a GEMM need not return a symmetric ``xᵀx``).
     """
     k = x.shape[1]
     if k < GRAM_BLOCK_MIN_K:
@@ -104,8 +113,11 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
     bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
     for j0, j1 in itertools.pairwise(bounds):
         blk = (x[:, j0:].T @ x[:, j0:j1]).to(out.dtype)
-        out[j0:, j0:j1] += blk
-        out[j0:j1, j1:] += blk[j1 - j0 :].T
+        w = j1 - j0
+        diag = blk[:w].tril()  # a GEMM's diagonal block need not be symmetric: mirror its lower triangle
+        out[j0:j1, j0:j1] += diag + diag.tril(-1).T
+        out[j1:, j0:j1] += blk[w:]
+        out[j0:j1, j1:] += blk[w:].T
 
 
 def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | None = None) -> None:
@@ -127,6 +139,82 @@ def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | No
     out += torch.einsum("bdk,bdl->kl", x, x).to(out.dtype)
 
 
+#: The Gram a :class:`FeatureStatistics` may use (``gram=``): ``"features"`` (the ``k̃ × k̃`` Gram ``Σ``
+#: streamed batch by batch), ``"units"`` (the scaled feature rows kept and factored at the end, the unit
+#: path of theory/numerics.md ``thm-unit-gram``), ``"auto"`` (units while they are few, see below).
+_GRAM_MODES = ("auto", "features", "units")
+#: ``gram="auto"`` keeps the feature rows (no ``k̃²`` work per batch) only at sites with ``k̃`` above this ...
+UNIT_GRAM_MIN_K = 1025
+#: ... and only while the rows seen are at most this fraction of ``k̃`` (then the kept rows use at most
+#: half the memory of ``Σ``); past it the kept batches are replayed into ``Σ`` in their order.
+UNIT_GRAM_MAX_FRACTION = 0.5
+
+
+class _KeptBatch:
+    """One batch kept by the unit path: the rows as the dense path would have multiplied them.
+
+    ``phi_x`` ``(B, R, k̃)`` and ``g_x`` ``(B, R, d)`` float64 (padded rows zero), ``keep`` the flat
+    ``(B R,)`` mask of real rows (``None``: all), ``g_norm2`` ``‖g_x‖²`` ``(B,)`` when unmasked,
+    ``factor`` whether the dense path streams these rows into the triangular factor.
+    """
+
+    __slots__ = ("factor", "g_norm2", "g_x", "keep", "phi_x")
+
+    def __init__(self, phi_x: Tensor, g_x: Tensor, keep: Tensor | None, g_norm2: Tensor | None, factor: bool):
+        self.phi_x, self.g_x, self.keep, self.g_norm2, self.factor = phi_x, g_x, keep, g_norm2, factor
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """The real rows ``(φ̃ (N_b, k̃), g (N_b, d))``."""
+        phi2, rows2 = self.phi_x.reshape(-1, self.phi_x.shape[-1]), self.g_x.reshape(-1, self.g_x.shape[-1])
+        if self.keep is None:
+            return phi2, rows2
+        return phi2[self.keep], rows2[self.keep]
+
+
+def _example_gram_sum(batches: list[_KeptBatch], w: Tensor) -> float:
+    """``Σ_x ‖Σ_{r∈x} g_r w_rᵀ‖_F²`` over the kept batches, ``w`` ``(N, m)`` one row per real row (in order).
+
+    Computed as ``Σ_x Σ_{r,r'} (g_r·g_r')(w_r·w_r')`` per example (``O(B R² (d + m))``).
+    """
+    total, off = 0.0, 0
+    for kb in batches:
+        b, r = kb.phi_x.shape[:2]
+        wx = torch.zeros(b * r, w.shape[1], dtype=w.dtype, device=w.device)
+        count = b * r if kb.keep is None else int(kb.keep.sum())
+        if kb.keep is None:
+            wx = w[off : off + count]
+        else:
+            wx[kb.keep] = w[off : off + count]
+        off += count
+        wx = wx.reshape(b, r, -1)
+        gx = kb.g_x.to(w.device)
+        if r == 1:
+            total += float((gx[:, 0].pow(2).sum(1) * wx[:, 0].pow(2).sum(1)).sum())
+        else:
+            total += float((torch.bmm(gx, gx.transpose(1, 2)) * torch.bmm(wx, wx.transpose(1, 2))).sum())
+    return total
+
+
+class _UnitNoiseMoment:
+    """``E[XᵀX]`` as an operator over the kept batches: ``self @ u`` for ``u`` ``(k̃, m)`` (numpy).
+
+    ``X_x = Σ_r g_r φ̃_rᵀ``, so ``E[XᵀX] u = (1/n) Σ_x Φ_xᵀ (g_x g_xᵀ) (Φ_x u)`` without the ``k̃ × k̃`` moment.
+    """
+
+    def __init__(self, batches: list[_KeptBatch], n: int):
+        self.batches, self.n = batches, n
+
+    def __matmul__(self, u: np.ndarray) -> np.ndarray:
+        dev = self.batches[0].phi_x.device
+        ut = torch.from_numpy(np.ascontiguousarray(u, dtype=np.float64)).to(dev)
+        out = torch.zeros(ut.shape, dtype=torch.float64, device=dev)
+        for kb in self.batches:
+            t = kb.phi_x @ ut  # (B, R, m)
+            y = torch.bmm(kb.g_x, torch.bmm(kb.g_x.transpose(1, 2), t))  # (g_x g_xᵀ) Φ_x u
+            out += torch.einsum("brk,brm->km", kb.phi_x, y)
+        return (out / self.n).cpu().numpy()
+
+
 def _rows_as_site(rows: Tensor, layout: str) -> Tensor:
     """Pack unit rows ``(N, d)`` into one site tensor so row-wise maps see each row once."""
     if layout == "vector":
@@ -141,7 +229,8 @@ class FeatureStatistics(TangentStatistics):
 
     Accumulates, in float64, ``Σ = Σ_x Σ_r φ̃_r φ̃_rᵀ`` (``k̃ × k̃``) and
     ``G = Σ_x Σ_r g_r φ̃_rᵀ`` (``d × k̃``), plus counts and norms; divides by ``n`` at
-    the end.  Cost per batch ``O(units · (d k̃ + k̃²))``.
+    the end.  Cost per batch ``O(units · (d k̃ + k̃²))`` on the Gram path, ``O(units · d k̃)`` on the unit
+    path (``gram`` below), which keeps the rows and factors them once in :meth:`result`.
 
     Args:
         family: the feature family.
@@ -157,10 +246,18 @@ class FeatureStatistics(TangentStatistics):
             theory/numerics.md ``thm-score-error``, which on realistic batches widens it by
             orders of magnitude: an opt-in for well-conditioned sites).  Only the block lower
             triangle of ``Σ`` is multiplied either way.
+        gram: ``"features"``: stream the ``k̃ × k̃`` Gram ``Σ`` (and the noise moment) batch by
+            batch, ``O(k̃²)`` per row; ``"units"``: keep the scaled feature rows instead (memory
+            ``O(N k̃)`` for ``N`` rows) and factor them once in :meth:`result` (a thin SVD,
+            ``O(N² k̃)``; theory/numerics.md ``thm-unit-gram``: the same ``ŝ`` with the factored
+            rounding bound); ``"auto"`` (default): units at sites with ``k̃ ≥`` :data:`UNIT_GRAM_MIN_K`
+            while the rows seen are at most :data:`UNIT_GRAM_MAX_FRACTION` ``· k̃``, then the kept
+            batches are replayed into ``Σ`` in their order (the features path from then on).
+            :meth:`state_dict`, :meth:`merge` and every accessor of ``Σ`` replay them too.
 
     Raises:
         FamilyError: if the family does not fit the site.
-        StatisticsError: for an unknown ``products``.
+        StatisticsError: for an unknown ``products`` or ``gram``.
     """
 
     family: FeatureFamily
@@ -174,6 +271,7 @@ class FeatureStatistics(TangentStatistics):
         pool_ties: bool = False,
         device=None,
         products: str = "float64",
+        gram: str = "auto",
     ):
         if not isinstance(family, FeatureFamily):
             raise FamilyError(f"{family!r} is not a feature family; use GeneralStatistics")
@@ -197,6 +295,16 @@ class FeatureStatistics(TangentStatistics):
         self._fmap: nn.Module | None = None
         self._device = device
         self._last: tuple[Tensor, Tensor] | None = None  # (z, φ̃) of the batch of the last update
+        if gram not in _GRAM_MODES:
+            raise StatisticsError(
+                f"gram={gram!r}: use 'auto' (default), 'features' (stream Σ) or 'units' (keep the feature rows)"
+            )
+        self.gram = gram
+        unit_path = gram == "units" or (gram == "auto" and self.k >= UNIT_GRAM_MIN_K)
+        self._kept: list[_KeptBatch] | None = [] if unit_path else None  # None: the features path
+        self._kept_rows = 0
+        if unit_path:
+            self._defer_grams()
 
     def _features(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
         """``φ̃`` rows ``(B, R, k̃)`` of ``z`` (float64), computed with the padding ``mask`` when given.
@@ -236,30 +344,88 @@ class FeatureStatistics(TangentStatistics):
         self._last = None
         phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
         self._last = (z, phi)
-        rows_g = to_rows(g64, self.layout)
+        rows_g = to_rows(g64, self.layout).to(phi.device)
         phi_x, g_x = phi.reshape(z.shape[0], -1, self.k), rows_g.reshape(z.shape[0], -1, self.d)
+        keep = None
         if mask is not None:
-            keep = mask.to(phi.device)
+            keep = mask.to(phi.device).reshape(-1)
             weight = keep.reshape(z.shape[0], -1, 1).to(phi.dtype)
             phi_x, g_x = phi_x * weight, g_x * weight
-            phi, rows_g = phi[keep], rows_g[keep]
-        phi2 = phi.reshape(-1, self.k)
+        kept = _KeptBatch(phi_x, g_x, keep, None if mask is not None else g_norm2, False)
+        kept.factor = z.dtype == g.dtype == self._product_dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K
+        phi2, rows2 = kept.rows()
         prod = self._product_dtype
-        rows2 = rows_g.reshape(-1, self.d)
         if prod != torch.float64:
             phi2, rows2 = phi2.to(prod), rows2.to(prod)
-            phi_x, g_x = phi_x.to(prod), g_x.to(prod)
             self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], float(phi2.shape[0]))
-        _add_gram(self.states["sigma"], phi2)
         self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
-        _noise_moment(self.states["q_sum"], phi_x, g_x, None if mask is not None else g_norm2)
         self._count_units(phi2.shape[0])
-        if prod == z.dtype == g.dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K:
+        if self._kept is not None:
+            self._kept_rows += int(phi_x.shape[0] * phi_x.shape[1])
+            self._kept.append(kept)
+            if self.gram == "auto" and self._kept_rows > UNIT_GRAM_MAX_FRACTION * self.k:
+                self._flush()
+            return
+        self._add_dense(kept)
+
+    def _defer_grams(self) -> None:
+        """Hold ``Σ`` and the noise moment as zero views (no memory) until the Gram path first adds to them."""
+        for name in ("sigma", "q_sum"):
+            t = self.states[name]
+            self.states[name] = torch.zeros((1, 1), dtype=t.dtype, device=t.device).expand(self.k, self.k)
+
+    def _add_dense(self, kb: _KeptBatch) -> None:
+        """The features path for one batch: ``Σ``, the noise moment and the triangular factor."""
+        for name in ("sigma", "q_sum"):
+            t = self.states[name]
+            if t.stride() == (0, 0):  # a deferred zero view: allocate it now
+                self.states[name] = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        phi2, _ = kb.rows()
+        phi_x, g_x = kb.phi_x, kb.g_x
+        prod = self._product_dtype
+        if prod != torch.float64:
+            phi2, phi_x, g_x = phi2.to(prod), phi_x.to(prod), g_x.to(prod)
+        _add_gram(self.states["sigma"], phi2)
+        _noise_moment(self.states["q_sum"], phi_x, g_x, kb.g_norm2)
+        if kb.factor:
             self.factor.update(phi2)
+
+    def _flush(self) -> None:
+        """Replay the batches kept by the unit path into ``Σ`` (in their order) and stay on the features path."""
+        kept, self._kept = self._kept, None
+        for kb in kept or ():
+            self._add_dense(kb)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The state (kept unit-path batches are first replayed into ``Σ``: see ``gram``)."""
+        self._flush()
+        return super().state_dict()
+
+    def merge(self, other):
+        """Add another shard's state (both sides' kept batches are first replayed into ``Σ``); returns ``self``."""
+        self._flush()
+        if isinstance(other, FeatureStatistics):
+            other._flush()
+        return super().merge(other)
+
+    def load_state_dict(self, state, *, strict: bool = True) -> None:
+        """Replace the state (the loaded ``Σ`` is a features-path state: nothing stays kept)."""
+        self._flush()
+        super().load_state_dict(state, strict=strict)
+
+    def reset(self) -> None:
+        """Forget every example (and return to the unit path where ``gram`` allows it)."""
+        super().reset()
+        unit_path = self.gram == "units" or (self.gram == "auto" and self.k >= UNIT_GRAM_MIN_K)
+        self._kept = [] if unit_path else None
+        self._kept_rows = 0
+        if unit_path:
+            self._defer_grams()
 
     @property
     def sigma(self) -> Tensor:
         """The raw sum ``Σ_x Σ_r φ̃_r φ̃_rᵀ`` (float64 ``(k̃, k̃)``; :meth:`feature_gram` is the mean)."""
+        self._flush()
         return self.states["sigma"]
 
     @property
@@ -341,6 +507,7 @@ class FeatureStatistics(TangentStatistics):
             StatisticsError: if no examples were accumulated.
         """
         self._require_examples()
+        self._flush()
         return (self.states["q_sum"] / self.n).cpu().numpy()
 
     def spectrum(self, *, rtol: float | None = None):
@@ -349,10 +516,17 @@ class FeatureStatistics(TangentStatistics):
         Uses the streamed triangular factor when every batch was float64 (amplitudes resolved
         to ``≈ k̃ u64``), else the float64 Gram (``def-resolution``).
         """
+        self._flush()
         factor = None
         if self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64:
             factor = self.factor.r.numpy() / np.sqrt(self.n)
-        return resolve_spectrum(self.feature_gram(), dtype=self.dtype or torch.float64, rtol=rtol, factor=factor)
+        return resolve_spectrum(
+            self.feature_gram(),
+            dtype=self.dtype or torch.float64,
+            rtol=rtol,
+            factor=factor,
+            device=self.states["sigma"].device,
+        )
 
     def result(
         self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
@@ -370,6 +544,8 @@ class FeatureStatistics(TangentStatistics):
             StatisticsError: if no examples were accumulated or the sums overflowed.
         """
         self._require_examples()
+        if self._kept:
+            return self._unit_result(rtol=rtol, tol=tol, alpha=alpha)
         sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
         spec = self.spectrum(rtol=rtol)
@@ -389,15 +565,57 @@ class FeatureStatistics(TangentStatistics):
             noise_moment=moment,
         )
 
+    def _unit_result(self, *, rtol: float | None, tol: float | None, alpha: float) -> SaturationResult:
+        """:meth:`result` on the unit path (theory/numerics.md, ``thm-unit-gram``).
+
+        The scaled feature rows ``M = n^{-1/2} Φ̃ D^{-1/2}`` (``N × k̃``, ``D = diag Σ``) are factored by
+        a thin SVD ``M = U S Vᵀ`` (backward stable in the data, like the triangular factor): the
+        spectrum of ``Σ̃ = MᵀM`` is ``S²`` with eigenvectors ``V``, ``ŝ² = tr(G Σ⁻ Gᵀ)`` uses the
+        streamed ``G`` exactly as the features path does, and ``v̂ = tr(Σ⁻ E[XᵀX]) = Σ_x ‖g_xᵀ U_x‖²``
+        over the kept directions needs no ``k̃ × k̃`` moment.
+        """
+        kept = self._kept or []
+        phi = torch.cat([kb.rows()[0] for kb in kept])
+        diag = phi.pow(2).sum(0) / self.n
+        big_g = self.cross_gradient()
+        self._check_finite(big_g, diag.cpu().numpy())
+        spec = resolve_spectrum(
+            None,
+            dtype=self.dtype or torch.float64,
+            rtol=rtol,
+            factor=(phi / math.sqrt(self.n)).cpu().numpy(),
+            diag=diag.cpu().numpy(),
+            device=phi.device,
+        )
+        self._spec_g = (spec, big_g)
+        if spec.rank:
+            whiten = spec.vectors * (spec.scale[:, None] / np.sqrt(spec.values))  # D^{-1/2} V S^{-1}
+            u_kept = (phi @ torch.from_numpy(whiten).to(phi.device)) / math.sqrt(self.n)  # U over the kept directions
+            q_trace = _example_gram_sum(kept, u_kept)
+        else:
+            q_trace = 0.0
+        return self._finish(
+            spec,
+            spec.quadratic(big_g),
+            self.theta_vector(big_g),
+            self.d * self.k,
+            tol,
+            rank=self.d * spec.rank,
+            q_trace=q_trace,
+            alpha=alpha,
+            grad_rows=big_g,
+            noise_moment=_UnitNoiseMoment(kept, self.n),  # type: ignore[arg-type]
+        )
+
     def _project_units(self, units: Tensor) -> Tensor:
         spec, big_g = self._spec_g
         coef = torch.from_numpy(big_g @ spec.pinv())
         if self.family.unit == "row":
             site = _rows_as_site(units.to(torch.float64), self.layout)
-            phi = self._features(site.to(self.sigma.device)).reshape(units.shape[0], -1, self.k).cpu()
+            phi = self._features(site.to(self.states["sigma"].device)).reshape(units.shape[0], -1, self.k).cpu()
             return (phi @ coef.T).reshape(units.shape[0], -1)
         site = units.reshape(units.shape[0], *self.shape)
-        phi = self._features(site.to(self.sigma.device)).cpu()
+        phi = self._features(site.to(self.states["sigma"].device)).cpu()
         return from_rows(phi @ coef.T, self.layout, site.shape).reshape(units.shape[0], -1)
 
     def theta_vector(self, mat: np.ndarray) -> np.ndarray:

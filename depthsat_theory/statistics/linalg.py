@@ -172,36 +172,56 @@ def _scaling(diag: np.ndarray) -> np.ndarray:
 
 
 def resolve_spectrum(
-    mat: np.ndarray,
+    mat: np.ndarray | None,
     *,
     dtype: torch.dtype = torch.float64,
     rtol: float | None = None,
     factor: np.ndarray | None = None,
+    diag: np.ndarray | None = None,
+    device: torch.device | str | None = None,
 ) -> Spectrum:
     """Scale a PSD Gram to unit diagonal, eigendecompose it and apply the resolution cutoffs.
 
     Args:
-        mat: the Gram ``Σ`` (or ``K``), float64 ``(k, k)``.
+        mat: the Gram ``Σ`` (or ``K``), float64 ``(k, k)``; may be ``None`` when ``factor`` and
+            ``diag`` are given.
         dtype: the forward pass's dtype (sets the data resolution).
         rtol: an explicit relative eigenvalue cutoff (then nothing is counted unresolved).
-        factor: optionally a triangular factor ``R`` with ``Σ = Rᵀ R`` (``(k, k)``): its
-            singular values resolve amplitudes down to ``u64`` instead of ``sqrt(u64)``.
+        factor: optionally a factor ``R`` ``(m, k)`` with ``Σ = Rᵀ R``: the streamed triangular
+            factor (``m = k``) or the scaled data matrix itself (``m`` = number of units, the unit
+            path of theory/numerics.md ``thm-unit-gram``); its singular values resolve amplitudes
+            down to ``u64`` instead of ``sqrt(u64)``.
+        diag: ``diag Σ`` ``(k,)`` (default: read from ``mat``).
+        device: where the float64 eigensolve or SVD runs (default CPU; the statistics pass the device
+            their sums live on, e.g. the model's GPU); the result is on the CPU either way.
 
     Returns:
         The :class:`Spectrum`.
+
+    Raises:
+        ValueError: if neither ``mat`` nor both ``factor`` and ``diag`` are given.
     """
-    k = mat.shape[0]
-    mat = 0.5 * (mat + mat.T)
-    scale = _scaling(np.diag(mat).copy())
-    # torch's LAPACK, on torch's threads: numpy's BLAS pool would compete with them (oversubscription)
+    if mat is None:
+        if factor is None or diag is None:
+            raise ValueError("resolve_spectrum needs the Gram mat, or a factor together with its diag")
+        k = int(diag.shape[0])
+        scale = _scaling(np.asarray(diag, dtype=np.float64).copy())
+    else:
+        k = mat.shape[0]
+        mat = 0.5 * (mat + mat.T)
+        scale = _scaling(np.diag(mat).copy() if diag is None else np.asarray(diag, dtype=np.float64).copy())
+    # torch's LAPACK (or the device's solver), on torch's threads: numpy's BLAS pool would compete with them
     if factor is not None:
-        sv_t, vt_t = torch.linalg.svd(torch.from_numpy(factor * scale[None, :]), full_matrices=False)[1:]
-        sv, vt = sv_t.numpy(), vt_t.numpy()
+        scaled = torch.from_numpy(factor * scale[None, :]).to(device)
+        sv_t, vt_t = torch.linalg.svd(scaled, full_matrices=False)[1:]
+        sv, vt = sv_t.cpu().numpy(), vt_t.cpu().numpy()
         lam, q = sv**2, vt.T
         resolution = (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
     else:
-        lam_t, q_t = torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)))
-        lam, q = lam_t.numpy(), q_t.numpy()
+        assert mat is not None  # checked above: without a factor the Gram is given
+        scaled = torch.from_numpy(mat * np.outer(scale, scale)).to(device)
+        lam_t, q_t = torch.linalg.eigh(scaled)
+        lam, q = lam_t.cpu().numpy(), q_t.cpu().numpy()
         resolution = _gram_rtol(k)
     lmax = float(lam.max()) if lam.size else 0.0
     data = _data_rtol(dtype, k)

@@ -85,8 +85,14 @@ class StreamingStatistic:
         if "." in name or name in self._reductions or name in self._children:
             raise ValueError(f"state name {name!r} is dotted or declared twice")
         self._reductions[name] = Reduction(reduction)
-        self._defaults[name] = default.detach().clone()
-        self.states[name] = default.detach().clone()
+        base = default.detach()
+        # an all-zero default is kept as a zero-stride view (no memory: a k̃ × k̃ Gram would otherwise be held
+        # twice); reset() clones it into a fresh contiguous tensor
+        zero = base.numel() > 1 and not bool(base.any())
+        self._defaults[name] = (
+            torch.zeros((), dtype=base.dtype, device=base.device).expand(base.shape) if zero else base.clone()
+        )
+        self.states[name] = base.clone()
 
     def add_child(self, name: str, child: StreamingStatistic) -> None:
         """Declare a nested statistic whose state is saved and merged under ``"<name>."``."""
@@ -155,7 +161,7 @@ class StreamingStatistic:
     def reset(self) -> None:
         """Return every state field (and child) to its default."""
         for name, default in self._defaults.items():
-            self.states[name] = default.clone()
+            self.states[name] = default.clone(memory_format=torch.contiguous_format)
         for child in self._children.values():
             child.reset()
 
