@@ -184,13 +184,13 @@ CONFIGS: dict[str, SweepConfig] = {
     "full": SweepConfig(
         name="full",
         curves=(
-            Curve("digits", "mlp", (1, 2, 4, 8, 16, 32), 32),
-            Curve("mnist5k", "mlp", (1, 2, 4, 8, 16, 32), 32),
-            Curve("fashion", "mlp", (1, 2, 4, 8, 16, 32), 32),
-            Curve("digits", "cnn", (1, 2, 4, 8), 8),
-            Curve("mnist5k", "cnn", (1, 2, 4, 8), 8),
-            Curve("fashion", "cnn", (1, 2, 4, 8), 8),
-            Curve("kjv", "gpt", (1, 2, 4, 8), 32),
+            Curve("digits", "mlp", (1, 2, 4, 8, 16), 32),
+            Curve("mnist5k", "mlp", (1, 2, 4, 8, 16), 32),
+            Curve("fashion", "mlp", (1, 2, 4, 8, 16), 32),
+            Curve("digits", "cnn", (1, 2, 4), 8),
+            Curve("mnist5k", "cnn", (1, 2, 4), 8),
+            Curve("fashion", "cnn", (1, 2, 4), 8),
+            Curve("kjv", "gpt", (1, 2, 4), 32),
         ),
         seeds=(0, 1, 2),
         sizes={
@@ -454,13 +454,14 @@ def _one_model(cfg: SweepConfig, curve: Curve, depth: int, seed: int, splits: R.
 class _Resume:
     """A JSON-lines file of finished models (one record per line), so that a stopped sweep resumes.
 
-    A record counts only for the same configuration (its JSON, seeds excluded), curve, depth and seed.
+    A record is reused only for the same model: data set and its split sizes, architecture, width,
+    depth, seed, recipe, ``δ``, step fraction and probe batch (hashed into its key), so that changing
+    one curve or the list of depths keeps the other models.
     """
 
     def __init__(self, path: str | Path | None, cfg: SweepConfig):
         self.path = None if path is None else Path(path)
-        cfg_dict = {k: v for k, v in cfg.to_dict().items() if k != "seeds"}
-        self.tag = hashlib.sha256(json.dumps(cfg_dict, sort_keys=True).encode()).hexdigest()[:16]
+        self.cfg = cfg
         self.done: dict[str, dict] = {}
         if self.path is not None and self.path.is_file():
             for line in self.path.read_text().splitlines():
@@ -471,7 +472,19 @@ class _Resume:
                 self.done[rec.get("key", "")] = rec.get("record", {})
 
     def key(self, curve: Curve, depth: int, seed: int) -> str:
-        return f"{self.tag}/{curve.name}/{depth}/{seed}"
+        sizes = self.cfg.sizes.get(curve.dataset)
+        what = {
+            "dataset": curve.dataset,
+            "sizes": None if sizes is None else dataclasses.asdict(sizes),
+            "arch": curve.arch,
+            "width": curve.width,
+            "recipe": self.cfg.recipe.to_dict(),
+            "delta": self.cfg.delta,
+            "step_fraction": self.cfg.step_fraction,
+            "probe_batch": self.cfg.probe_batch,
+        }
+        tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{tag}/{curve.name}/{depth}/{seed}"
 
     def add(self, key: str, record: dict) -> None:
         if self.path is None:
