@@ -184,12 +184,12 @@ CONFIGS: dict[str, SweepConfig] = {
     "full": SweepConfig(
         name="full",
         curves=(
-            Curve("digits", "mlp", (1, 2, 4, 8, 16), 32),
-            Curve("mnist5k", "mlp", (1, 2, 4, 8, 16), 32),
-            Curve("fashion", "mlp", (1, 2, 4, 8, 16), 32),
-            Curve("digits", "cnn", (1, 2, 4), 8),
-            Curve("mnist5k", "cnn", (1, 2, 4), 8),
-            Curve("fashion", "cnn", (1, 2, 4), 8),
+            Curve("digits", "mlp", (1, 2, 4, 8, 16, 32), 32),
+            Curve("mnist5k", "mlp", (1, 2, 4, 8, 16, 32), 32),
+            Curve("fashion", "mlp", (1, 2, 4, 8, 16, 32), 32),
+            Curve("digits", "cnn", (1, 2, 4, 8), 8),
+            Curve("mnist5k", "cnn", (1, 2, 4, 8), 8),
+            Curve("fashion", "cnn", (1, 2, 4, 8), 8),
             Curve("kjv", "gpt", (1, 2, 4), 32),
         ),
         seeds=(0, 1, 2),
