@@ -246,3 +246,32 @@ def test_the_sweep_runs_first_in_experiment_all():
     from depthsat_theory.cli.experiment import EXPERIMENTS
 
     assert next(iter(EXPERIMENTS)) == "sweep"  # criterion-driven growth reads the sweep's summary.json
+
+
+def test_c1_needs_a_falling_curve_whose_plateau_is_where_the_test_loss_stops_improving():
+    depths = [1, 2, 4, 8]
+    curve = S.Curve("digits", "mlp", tuple(depths))
+    loss = [1.0, 0.5, 0.3, 0.29]  # plateau 4 by the rule
+
+    def rows(metric, values):
+        return [
+            {"dataset": "digits", "arch": "mlp", "metric": metric, "depth": d, "mean": v, "std": 0.0}
+            for d, v in zip(depths, values, strict=True)
+        ]
+
+    def claims(ag, ag_last):
+        curves = rows("test_loss", loss) + rows("ag_max", ag) + rows("ag_max_last", ag_last)
+        plateaus = [
+            {"dataset": "digits", "arch": "mlp", "metric": m, "plateau_depth": S.plateau_depth(depths, v)}
+            for m, v in (("test_loss", loss), ("ag_max", ag), ("ag_max_last", ag_last))
+        ]
+        return S._check_claims(plateaus, curves, curve)
+
+    c = claims([10.0, 4.0, 1.0, 0.9], [1.0, 2.0, 3.0, 4.0])  # falls to a plateau at 4; rises (plateau 1)
+    assert c["performance_plateau_depth"] == 4
+    assert c["ag_max_plateau_depth"] == 4 and c["c1_holds_ag_max"] is True
+    assert c["ag_max_last_plateau_depth"] == 1 and c["c1_holds_ag_max_last"] is False
+    c = claims([10.0, 9.0, 8.0, 0.1], [10.0, 1.0, 1.0, 1.0])  # falls late (plateau 8), early (plateau 2)
+    assert c["ag_max_plateau_depth"] == 8 and c["ag_max_plateau_matches_performance"] is False
+    assert c["c1_holds_ag_max"] is True  # one depth step from the test loss's plateau at 4
+    assert c["ag_max_last_plateau_depth"] == 2 and c["c1_holds_ag_max_last"] is True

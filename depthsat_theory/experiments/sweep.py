@@ -585,30 +585,45 @@ def _insertion_curves(ins: list[dict[str, Any]], curve: Curve) -> list[dict[str,
     return rows
 
 
-def _check_claims(plateaus: list[dict[str, Any]], curves_rows: list[dict[str, Any]], curve: Curve) -> dict[str, Any]:
-    """C1's two parts for one curve, as numbers (no verdict words beyond what the numbers say)."""
-    pl = {p["metric"]: p for p in plateaus if p["dataset"] == curve.dataset and p["arch"] == curve.arch}
-    ag = [
-        c for c in curves_rows if c["dataset"] == curve.dataset and c["arch"] == curve.arch and c["metric"] == "ag_max"
-    ]
-    perf = "test_bpc" if curve.dataset == "kjv" else "test_loss"
+def _c1_for(metric: str, pl: dict, curves_rows: list[dict[str, Any]], curve: Curve, perf_depth: Any) -> dict:
+    """C1 for one activation-gradient curve: does it fall, where does it plateau, and does that match performance."""
+    ag = [c for c in curves_rows if c["dataset"] == curve.dataset and c["arch"] == curve.arch and c["metric"] == metric]
+    if not ag:
+        return {}
     depths = [c["depth"] for c in ag]
-    ag_depth = pl.get("ag_max", {}).get("plateau_depth")
+    ag_depth = pl.get(metric, {}).get("plateau_depth")
+    falls = ag[-1]["mean"] < ag[0]["mean"]
+    near = (
+        ag_depth is not None and perf_depth is not None and abs(depths.index(ag_depth) - depths.index(perf_depth)) <= 1
+    )
+    return {
+        f"{metric}_first": ag[0]["mean"],
+        f"{metric}_deepest": ag[-1]["mean"],
+        f"{metric}_falls": falls,
+        f"{metric}_plateau_depth": ag_depth,
+        f"{metric}_plateau_matches_performance": ag_depth == perf_depth,
+        f"{metric}_plateau_within_one_depth_step": near,
+        # C1 needs both parts: the curve falls AND its plateau is where performance stops improving
+        f"c1_holds_{metric}": bool(falls and near),
+    }
+
+
+def _check_claims(plateaus: list[dict[str, Any]], curves_rows: list[dict[str, Any]], curve: Curve) -> dict[str, Any]:
+    """C1's two parts for one curve, for ``AG_max`` over all sites and at the deepest site, as numbers.
+
+    ``c1_holds_<metric>`` is true only when the curve falls from the shallowest to the deepest model
+    *and* its plateau depth is within one depth step of the test loss's (bpc for text); a rising
+    curve whose "plateau" is the first depth is not C1 even when that is where performance peaks.
+    """
+    pl = {p["metric"]: p for p in plateaus if p["dataset"] == curve.dataset and p["arch"] == curve.arch}
+    perf = "test_bpc" if curve.dataset == "kjv" else "test_loss"
     perf_depth = pl.get(perf, {}).get("plateau_depth")
     return {
-        "ag_max_first": ag[0]["mean"] if ag else None,
-        "ag_max_last": ag[-1]["mean"] if ag else None,
-        "ag_max_falls": bool(ag) and ag[-1]["mean"] < ag[0]["mean"],
-        "ag_max_plateau_depth": ag_depth,
         "performance_metric": perf,
         "performance_plateau_depth": perf_depth,
-        "performance_plateau_depth_acc": pl.get("test_accuracy", {}).get("plateau_depth"),
-        "plateaus_match": ag_depth == perf_depth,
-        "plateaus_within_one_step": (
-            ag_depth is not None
-            and perf_depth is not None
-            and abs(depths.index(ag_depth) - depths.index(perf_depth)) <= 1
-        ),
+        "accuracy_plateau_depth": pl.get("test_accuracy", {}).get("plateau_depth"),
+        **_c1_for("ag_max", pl, curves_rows, curve, perf_depth),
+        **_c1_for("ag_max_last", pl, curves_rows, curve, perf_depth),
     }
 
 
