@@ -275,3 +275,17 @@ def test_c1_needs_a_falling_curve_whose_plateau_is_where_the_test_loss_stops_imp
     assert c["ag_max_plateau_depth"] == 8 and c["ag_max_plateau_matches_performance"] is False
     assert c["c1_holds_ag_max"] is True  # one depth step from the test loss's plateau at 4
     assert c["ag_max_last_plateau_depth"] == 2 and c["c1_holds_ag_max_last"] is True
+
+
+def test_a_missing_fashion_mnist_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "FASHION_DIR", tmp_path / "no-such-folder")
+    R._fashion.cache_clear()
+    reason = R.dataset_unavailable("fashion")
+    assert reason is not None and "apt-get install dataset-fashion-mnist" in reason
+    with pytest.raises(R.DatasetUnavailable, match="dataset-fashion-mnist"):
+        R.load_splits("fashion", 0)
+    only = S.SweepConfig("only-fashion", (S.Curve("fashion", "mlp", (1,)),), (0,), {})
+    with pytest.raises(S.ExperimentError, match="no data set available"):
+        S.run_sweep(only, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    R._fashion.cache_clear()
