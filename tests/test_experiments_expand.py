@@ -229,3 +229,16 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
         errors = [line for line in res.output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and word in errors[0], res.output
         assert not out.exists()
+
+
+def test_equal_positions_give_equal_results(tiny_run):
+    """Training is a function of (positions, seed) only: two arms that chose the same layers end bitwise equal."""
+    out, _ = tiny_run
+    runs = _rows(out / "runs.csv")
+    pairs = 0
+    for a in runs:
+        for b in runs:
+            if a["arm"] < b["arm"] and a["seed"] == b["seed"] and a["positions"] == b["positions"]:
+                assert a["loss_after"] == b["loss_after"] and a["train_loss_last"] == b["train_loss_last"]
+                pairs += 1
+    assert pairs >= 1  # tiny, seed 0: the random draw is LLaMA-Pro's [1, 3]
