@@ -4,8 +4,9 @@ Start shallow; train with the fixed recipe; then repeat:
 
 1. diagnose every site on the ``probe`` split (:func:`~depthsat_theory.diagnose.diagnose`, linear
    family, ``(1 − δ)`` intervals union-bounded over the sites, the saturation certificate at
-   ``ε = sqrt(2 β ε_J)``: ``ε_J`` the library's default :data:`~depthsat_theory.statistics.decrease.DEFAULT_EPSILON_NATS`
-   and ``β = ½‖W_head‖²`` the cross-entropy smoothness at the head input
+   ``ε = sqrt(2 β ε_J)``: ``ε_J`` the library's default
+   :data:`~depthsat_theory.statistics.decrease.DEFAULT_EPSILON_NATS` and ``β = ½‖W_head‖²`` the
+   cross-entropy smoothness at the head input
    (:func:`~depthsat_theory.statistics.decrease.cross_entropy_smoothness`), the only ``β`` the
    library can compute here; it is *not* proven for the hidden sites, so this ``ε`` is a
    yardstick there, not a guarantee);
@@ -119,23 +120,45 @@ def decide(diag: Diagnosis, epsilon: float, certified_stopped: bool) -> dict[str
     )
     unbiased = [max(sd.interval.score_squared_unbiased or 0.0, 0.0) for sd in diag.sites if sd.interval is not None]
     if all(u <= epsilon**2 for u in unbiased):
-        return {**out, "stop": True, "site": None, "rule": FALLBACK, "certified_undetermined": True,
-                "reason": f"{undetermined}; point estimate: bias-corrected ŝ ≤ ε at every site (not a certificate)"}  # fmt: skip
-    return {**out, "stop": False, "site": ranking.top(1)[0], "rule": FALLBACK, "certified_undetermined": True,
-            "reason": f"{undetermined}; {ranking.reason}: top site by {ranking.by}"}  # fmt: skip
+        return {
+            **out,
+            "stop": True,
+            "site": None,
+            "rule": FALLBACK,
+            "certified_undetermined": True,
+            "reason": f"{undetermined}; point estimate: bias-corrected ŝ ≤ ε at every site (not a certificate)",
+        }
+    return {
+        **out,
+        "stop": False,
+        "site": ranking.top(1)[0],
+        "rule": FALLBACK,
+        "certified_undetermined": True,
+        "reason": f"{undetermined}; {ranking.reason}: top site by {ranking.by}",
+    }
 
 
 def _site_rows(diag: Diagnosis, base: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for sd in diag.sites:
         iv, r = sd.interval, sd.result
-        rows.append({
-            **base, "site": sd.site, "score": r.score, "relative_score": r.relative_score, "ag_rms": r.ag_rms,
-            "ag_max": r.ag_max, "score_lower": iv.score_lower if iv else None, "score_upper": iv.score_upper if iv else None,
-            "score_unbiased": math.sqrt(max(iv.score_squared_unbiased or 0.0, 0.0)) if iv else None,
-            "vacuous": iv.vacuous if iv else None, "certificate": str(getattr(iv.certificate, "value", iv.certificate)) if iv else None,
-            "n_to_certify": iv.n_to_certify if iv else None, "probe_n": diag.n,
-        })  # fmt: skip
+        rows.append(
+            {
+                **base,
+                "site": sd.site,
+                "score": r.score,
+                "relative_score": r.relative_score,
+                "ag_rms": r.ag_rms,
+                "ag_max": r.ag_max,
+                "score_lower": iv.score_lower if iv else None,
+                "score_upper": iv.score_upper if iv else None,
+                "score_unbiased": math.sqrt(max(iv.score_squared_unbiased or 0.0, 0.0)) if iv else None,
+                "vacuous": iv.vacuous if iv else None,
+                "certificate": str(getattr(iv.certificate, "value", iv.certificate)) if iv else None,
+                "n_to_certify": iv.n_to_certify if iv else None,
+                "probe_n": diag.n,
+            }
+        )
     return rows
 
 
@@ -172,12 +195,23 @@ def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict],
         at_max = depth >= cfg["max_depth"] and not dec["stop"]
         base = {"dataset": dataset, "seed": seed, "round": rnd, "depth": depth}
         m = res.metrics
-        rounds.append({
-            **base, "train_loss": m["train"]["loss"], "val_loss": m["val"]["loss"], "test_loss": m["test"]["loss"],
-            "test_accuracy": m["test"]["accuracy"], "examples_seen_cumulative": examples, "flops_cumulative": flops,
-            "epsilon": eps, "probe_loss": diag.loss, "decision": "stop" if dec["stop"] or at_max else f"grow after {dec['site']}",
-            "rule": dec["rule"], "reason": "max_depth reached" if at_max else dec["reason"], "ranked_by": dec["ranked_by"],
-        })  # fmt: skip
+        rounds.append(
+            {
+                **base,
+                "train_loss": m["train"]["loss"],
+                "val_loss": m["val"]["loss"],
+                "test_loss": m["test"]["loss"],
+                "test_accuracy": m["test"]["accuracy"],
+                "examples_seen_cumulative": examples,
+                "flops_cumulative": flops,
+                "epsilon": eps,
+                "probe_loss": diag.loss,
+                "decision": "stop" if dec["stop"] or at_max else f"grow after {dec['site']}",
+                "rule": dec["rule"],
+                "reason": "max_depth reached" if at_max else dec["reason"],
+                "ranked_by": dec["ranked_by"],
+            }
+        )
         sites += _site_rows(diag, base)
         if dec["stop"] or at_max:
             break
@@ -186,9 +220,18 @@ def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict],
         examples += res.examples_seen
         flops += 2 * training_cost(grown.model, example).macs * res.examples_seen
     final = rounds[-1]
-    stop = {"dataset": dataset, "seed": seed, "certified_stop_depth": None, "certified_stop_reason": None,
-            "final_depth": final["depth"], "final_rule": final["rule"], "final_reason": final["reason"],
-            "examples_seen": examples, "flops": flops, "test_loss": final["test_loss"]}  # fmt: skip
+    stop = {
+        "dataset": dataset,
+        "seed": seed,
+        "certified_stop_depth": None,
+        "certified_stop_reason": None,
+        "final_depth": final["depth"],
+        "final_rule": final["rule"],
+        "final_reason": final["reason"],
+        "examples_seen": examples,
+        "flops": flops,
+        "test_loss": final["test_loss"],
+    }
     if stopped_certified is not None:
         stop["certified_stop_depth"], stop["certified_stop_reason"] = (
             stopped_certified["depth"],
@@ -278,7 +321,8 @@ def run_criterion_growth(
     Args:
         config: ``"tiny"`` or ``"full"`` (:data:`CONFIGS`).
         out: the result folder.
-        seeds: override the seeds; ``datasets``: override the image data sets.
+        seeds: override the seeds.
+        datasets: override the image data sets.
         sweep: the depth sweep's ``summary.json`` (default ``experiments/results/sweep/summary.json``).
         log: called with one line per seed.
 
@@ -314,8 +358,10 @@ def run_criterion_growth(
             rounds += r
             sites += s
             stops.append(st)
-            log(f"criterion-growth {ds} seed {seed}: certified rule stopped at depth {st['certified_stop_depth']}, "
-                f"fallback at {st['final_depth']} ({st['final_reason']})")  # fmt: skip
+            log(
+                f"criterion-growth {ds} seed {seed}: certified rule stopped at depth {st['certified_stop_depth']}, "
+                f"fallback at {st['final_depth']} ({st['final_reason']})"
+            )
     sweep_path = Path(sweep) if sweep is not None else DEFAULT_RESULTS_ROOT / "sweep" / "summary.json"
     summary = {**_summary(stops, cfg, _sweep_reference(sweep_path), sweep_path), "skipped": skipped}
     target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "criterion-growth"

@@ -149,29 +149,59 @@ def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict],
 
     base = {"dataset": dataset, "seed": seed, "shallow_depth": d0, "deep_depth": d1, "n_train": n_train}
     rows = [
-        {**base, **_metrics_row("shallow", r0), "examples_seen": r0.examples_seen, "flops": 2 * cost0 * r0.examples_seen,
-         "epochs": r0.epochs, "best_epoch": r0.best_epoch},
-        {**base, **_metrics_row("grown", r1), "examples_seen": budget,
-         "flops": 2 * (cost0 * r0.examples_seen + cost1 * r1.examples_seen), "epochs": r0.epochs + r1.epochs,
-         "best_epoch": r0.epochs + r1.best_epoch, "growth_deviation": grown.deviation,
-         "growth_tolerance": grown.tolerance, "inserted_at": " ".join(map(str, grown.positions))},
-        {**base, **_metrics_row("scratch", r2), "examples_seen": r2.examples_seen, "flops": 2 * cost1 * r2.examples_seen,
-         "epochs": r2.epochs, "best_epoch": r2.best_epoch},
-    ]  # fmt: skip
+        {
+            **base,
+            **_metrics_row("shallow", r0),
+            "examples_seen": r0.examples_seen,
+            "flops": 2 * cost0 * r0.examples_seen,
+            "epochs": r0.epochs,
+            "best_epoch": r0.best_epoch,
+        },
+        {
+            **base,
+            **_metrics_row("grown", r1),
+            "examples_seen": budget,
+            "flops": 2 * (cost0 * r0.examples_seen + cost1 * r1.examples_seen),
+            "epochs": r0.epochs + r1.epochs,
+            "best_epoch": r0.epochs + r1.best_epoch,
+            "growth_deviation": grown.deviation,
+            "growth_tolerance": grown.tolerance,
+            "inserted_at": " ".join(map(str, grown.positions)),
+        },
+        {
+            **base,
+            **_metrics_row("scratch", r2),
+            "examples_seen": r2.examples_seen,
+            "flops": 2 * cost1 * r2.examples_seen,
+            "epochs": r2.epochs,
+            "best_epoch": r2.best_epoch,
+        },
+    ]
     curves = [
-        {**base, "arm": arm, "examples_seen": (h["epoch"] + offset) * n_train, "val_loss": h["val_loss"],
-         "train_loss_running": h["train_loss"]}
-        for arm, hist, offset in (("grown", r0.history, 0), ("grown", r1.history, r0.epochs), ("scratch", r2.history, 0))
+        {
+            **base,
+            "arm": arm,
+            "examples_seen": (h["epoch"] + offset) * n_train,
+            "val_loss": h["val_loss"],
+            "train_loss_running": h["train_loss"],
+        }
+        for arm, hist, offset in (
+            ("grown", r0.history, 0),
+            ("grown", r1.history, r0.epochs),
+            ("scratch", r2.history, 0),
+        )
         for h in hist
-    ]  # fmt: skip
+    ]
     return rows, curves
 
 
 def _summary(rows: list[dict], cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for ds in cfg["datasets"]:
-        by = {arm: sorted((r for r in rows if r["dataset"] == ds and r["arm"] == arm), key=lambda r: r["seed"])
-              for arm in ("shallow", "grown", "scratch")}  # fmt: skip
+        by = {
+            arm: sorted((r for r in rows if r["dataset"] == ds and r["arm"] == arm), key=lambda r: r["seed"])
+            for arm in ("shallow", "grown", "scratch")
+        }
         if not by["grown"]:
             continue
         arms = {
@@ -207,8 +237,14 @@ def _figure(rows: list[dict], curves: list[dict], cfg: dict[str, Any]):
         for arm, col in colors.items():
             for seed in cfg["seeds"]:
                 pts = [c for c in curves if c["dataset"] == ds and c["arm"] == arm and c["seed"] == seed]
-                ax.plot([c["examples_seen"] for c in pts], [c["val_loss"] for c in pts], color=col, alpha=0.5, lw=1,
-                        label=arm if seed == cfg["seeds"][0] else None)  # fmt: skip
+                ax.plot(
+                    [c["examples_seen"] for c in pts],
+                    [c["val_loss"] for c in pts],
+                    color=col,
+                    alpha=0.5,
+                    lw=1,
+                    label=arm if seed == cfg["seeds"][0] else None,
+                )
         ax.set(title=f"{ds}: validation loss", xlabel="training examples seen", ylabel="nats per example", yscale="log")
         ax.legend()
         ax = axes[1][j]
@@ -216,12 +252,20 @@ def _figure(rows: list[dict], curves: list[dict], cfg: dict[str, Any]):
             ys = [r["test_loss"] for r in rows if r["dataset"] == ds and r["arm"] == arm]
             ax.scatter([k] * len(ys), ys, color=colors[arm], alpha=0.7)
         for seed in cfg["seeds"]:
-            pair = [r["test_loss"] for arm in ("grown", "scratch") for r in rows
-                    if r["dataset"] == ds and r["arm"] == arm and r["seed"] == seed]  # fmt: skip
+            pair = [
+                r["test_loss"]
+                for arm in ("grown", "scratch")
+                for r in rows
+                if r["dataset"] == ds and r["arm"] == arm and r["seed"] == seed
+            ]
             if len(pair) == 2:
                 ax.plot([0, 1], pair, color="grey", lw=0.8)
-        ax.set(xticks=[0, 1], xticklabels=["grown", "scratch"], ylabel="test loss (nats per example)",
-               title=f"{ds}: depth {cfg['shallow_depth']}→{cfg['deep_depth']}, same examples seen")  # fmt: skip
+        ax.set(
+            xticks=[0, 1],
+            xticklabels=["grown", "scratch"],
+            ylabel="test loss (nats per example)",
+            title=f"{ds}: depth {cfg['shallow_depth']}→{cfg['deep_depth']}, same examples seen",
+        )
     fig.tight_layout()
     return fig
 
@@ -268,8 +312,10 @@ def run_growth(
             rows += r
             curves += c
             g, s = r[1], r[2]
-            log(f"growth {ds} seed {seed}: test loss grown {g['test_loss']:.4f} scratch {s['test_loss']:.4f} "
-                f"({g['examples_seen']} examples each)")  # fmt: skip
+            log(
+                f"growth {ds} seed {seed}: test loss grown {g['test_loss']:.4f} scratch {s['test_loss']:.4f} "
+                f"({g['examples_seen']} examples each)"
+            )
     summary = {
         "results": _summary(rows, cfg),
         "skipped": skipped,
