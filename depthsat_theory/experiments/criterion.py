@@ -75,7 +75,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "start_depth": 1,
         "max_depth": 8,
         "delta": 0.05,
-        "seeds": [0, 1, 2],
+        "seeds": [0, 1, 2, 3, 4],
         "recipe": {},
         "sizes": {},
     },

@@ -63,7 +63,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "shallow_depth": 2,
         "deep_depth": 8,
         "grow_epochs": 20,
-        "seeds": [0, 1, 2, 3, 4],
+        "seeds": [0, 1, 2, 3, 4, 5],
         "recipe": {},
         "sizes": {},
     },
