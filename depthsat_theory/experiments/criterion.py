@@ -106,36 +106,32 @@ def decide(diag: Diagnosis, epsilon: float, certified_stopped: bool) -> dict[str
     improvable = [r for r in ranking.sites if certs[r.site] == Certificate.IMPROVABLE]
     if improvable and not certified_stopped:
         best = max(improvable, key=lambda r: (r.relative_lower or 0.0, -r.depth))
-        why = (
-            "largest certified lower end"
-            if ranking.by == BY_CERTIFIED
-            else "largest certified lower end among certified-improvable sites"
+        why = "largest certified lower end" + (
+            "" if ranking.by == BY_CERTIFIED else " among certified-improvable sites"
         )
         return {**out, "stop": False, "site": best.site, "rule": CERTIFIED, "reason": why}
-    n2c = [sd.interval.n_to_certify for sd in diag.sites if sd.interval is not None]
-    finite = [n for n in n2c if n is not None]
-    undetermined = (
-        f"no site certified either way at n = {diag.n} (n_to_certify {min(finite) if finite else 'none'}"
-        f"–{max(finite) if finite else 'none'})"
-    )
+    return _fallback(diag, epsilon, {**out, "certified_undetermined": True}, ranking.top(1)[0])
+
+
+def _undetermined(diag: Diagnosis) -> str:
+    """Why the certified rule cannot go on: the certificates at this probe size, with ``n_to_certify``."""
+    ivs = [sd.interval for sd in diag.sites if sd.interval is not None]
+    finite = [iv.n_to_certify for iv in ivs if iv.n_to_certify is not None]
+    span = f"{min(finite)}–{max(finite)}" if finite else "none"
+    n_imp = sum(iv.certificate == Certificate.IMPROVABLE for iv in ivs)
+    what = "no site certified either way" if n_imp == 0 else f"{n_imp} site(s) certified improvable, the rest not"
+    return f"{what} at n = {diag.n} (n_to_certify {span})"
+
+
+def _fallback(diag: Diagnosis, epsilon: float, out: dict[str, Any], top: str) -> dict[str, Any]:
+    """The point-estimate fallback: stop when the bias-corrected ``ŝ ≤ ε`` at every site, else grow at ``top``."""
+    undetermined = _undetermined(diag)
     unbiased = [max(sd.interval.score_squared_unbiased or 0.0, 0.0) for sd in diag.sites if sd.interval is not None]
     if all(u <= epsilon**2 for u in unbiased):
-        return {
-            **out,
-            "stop": True,
-            "site": None,
-            "rule": FALLBACK,
-            "certified_undetermined": True,
-            "reason": f"{undetermined}; point estimate: bias-corrected ŝ ≤ ε at every site (not a certificate)",
-        }
-    return {
-        **out,
-        "stop": False,
-        "site": ranking.top(1)[0],
-        "rule": FALLBACK,
-        "certified_undetermined": True,
-        "reason": f"{undetermined}; {ranking.reason}: top site by {ranking.by}",
-    }
+        why = f"{undetermined}; point estimate: bias-corrected ŝ ≤ ε at every site (not a certificate)"
+        return {**out, "stop": True, "site": None, "rule": FALLBACK, "reason": why}
+    why = f"{undetermined}; {out['ranking_reason']}: top site by {out['ranked_by']}"
+    return {**out, "stop": False, "site": top, "rule": FALLBACK, "reason": why}
 
 
 def _site_rows(diag: Diagnosis, base: dict[str, Any]) -> list[dict[str, Any]]:
@@ -164,11 +160,19 @@ def _site_rows(diag: Diagnosis, base: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _diagnose(model: nn.Module, splits: rc.Splits, delta: float) -> tuple[Diagnosis, float]:
     probe_model = copy.deepcopy(model).double().eval()
-    eps = epsilon_from_nats(DEFAULT_EPSILON_NATS, cross_entropy_smoothness(probe_model.head.weight))
+    head = probe_model.get_submodule("head")
+    assert isinstance(head, nn.Linear)
+    eps = epsilon_from_nats(DEFAULT_EPSILON_NATS, cross_entropy_smoothness(head.weight))
     diag = diagnose(
         probe_model, rc.loss_function(splits), rc.probe_batches(splits), delta=delta, bound_kwargs={"epsilon": eps}
     )
     return diag, eps
+
+
+def _depth(model: nn.Module) -> int:
+    blocks = model.get_submodule("blocks")
+    assert isinstance(blocks, nn.ModuleList)
+    return len(blocks)
 
 
 def _site_index(site: str) -> int:
@@ -187,7 +191,7 @@ def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict],
     sites: list[dict] = []
     stopped_certified: dict[str, Any] | None = None
     for rnd in range(cfg["max_depth"] + 1):
-        depth = len(res.model.blocks)
+        depth = _depth(res.model)
         diag, eps = _diagnose(res.model, splits, cfg["delta"])
         dec = decide(diag, eps, stopped_certified is not None)
         if dec["certified_undetermined"] and stopped_certified is None:

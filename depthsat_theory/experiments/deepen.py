@@ -78,7 +78,7 @@ def _zero_block(template: MLPBlock, seed: int) -> MLPBlock:
     return block
 
 
-def deepen(model: ResidualMLP, after: Sequence[int], probe: Tensor, *, seed: int = 0) -> Deepened:
+def deepen(model: nn.Module, after: Sequence[int], probe: Tensor, *, seed: int = 0) -> Deepened:
     """Insert one zero-output :class:`MLPBlock` after each old block named in ``after``.
 
     Args:

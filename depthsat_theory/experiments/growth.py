@@ -223,6 +223,37 @@ def _summary(rows: list[dict], cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_COLORS = {"grown": "tab:blue", "scratch": "tab:orange"}
+
+
+def _curves_panel(ax, curves: list[dict], ds: str, seeds: list[int]) -> None:
+    """Validation loss against examples seen, one line per arm and seed."""
+    for arm, col in _COLORS.items():
+        for seed in seeds:
+            pts = [c for c in curves if c["dataset"] == ds and c["arm"] == arm and c["seed"] == seed]
+            xs, ys = [c["examples_seen"] for c in pts], [c["val_loss"] for c in pts]
+            ax.plot(xs, ys, color=col, alpha=0.5, lw=1, label=arm if seed == seeds[0] else None)
+    ax.set(title=f"{ds}: validation loss", xlabel="training examples seen", ylabel="nats per example", yscale="log")
+    ax.legend()
+
+
+def _pairs_panel(ax, rows: list[dict], ds: str, cfg: dict[str, Any]) -> None:
+    """Test loss of each arm, the two arms of one seed joined by a line."""
+    by = {(r["arm"], r["seed"]): r["test_loss"] for r in rows if r["dataset"] == ds}
+    for k, arm in enumerate(("grown", "scratch")):
+        ys = [by[(arm, seed)] for seed in cfg["seeds"] if (arm, seed) in by]
+        ax.scatter([k] * len(ys), ys, color=_COLORS[arm], alpha=0.7)
+    for seed in cfg["seeds"]:
+        if ("grown", seed) in by and ("scratch", seed) in by:
+            ax.plot([0, 1], [by[("grown", seed)], by[("scratch", seed)]], color="grey", lw=0.8)
+    ax.set(
+        xticks=[0, 1],
+        xticklabels=["grown", "scratch"],
+        ylabel="test loss (nats per example)",
+        title=f"{ds}: depth {cfg['shallow_depth']}→{cfg['deep_depth']}, same examples seen",
+    )
+
+
 def _figure(rows: list[dict], curves: list[dict], cfg: dict[str, Any]):
     import matplotlib
 
@@ -231,41 +262,9 @@ def _figure(rows: list[dict], curves: list[dict], cfg: dict[str, Any]):
 
     dsets = [d for d in cfg["datasets"] if any(r["dataset"] == d for r in rows)]
     fig, axes = plt.subplots(2, len(dsets), figsize=(5 * len(dsets), 7), squeeze=False)
-    colors = {"grown": "tab:blue", "scratch": "tab:orange"}
     for j, ds in enumerate(dsets):
-        ax = axes[0][j]
-        for arm, col in colors.items():
-            for seed in cfg["seeds"]:
-                pts = [c for c in curves if c["dataset"] == ds and c["arm"] == arm and c["seed"] == seed]
-                ax.plot(
-                    [c["examples_seen"] for c in pts],
-                    [c["val_loss"] for c in pts],
-                    color=col,
-                    alpha=0.5,
-                    lw=1,
-                    label=arm if seed == cfg["seeds"][0] else None,
-                )
-        ax.set(title=f"{ds}: validation loss", xlabel="training examples seen", ylabel="nats per example", yscale="log")
-        ax.legend()
-        ax = axes[1][j]
-        for k, arm in enumerate(("grown", "scratch")):
-            ys = [r["test_loss"] for r in rows if r["dataset"] == ds and r["arm"] == arm]
-            ax.scatter([k] * len(ys), ys, color=colors[arm], alpha=0.7)
-        for seed in cfg["seeds"]:
-            pair = [
-                r["test_loss"]
-                for arm in ("grown", "scratch")
-                for r in rows
-                if r["dataset"] == ds and r["arm"] == arm and r["seed"] == seed
-            ]
-            if len(pair) == 2:
-                ax.plot([0, 1], pair, color="grey", lw=0.8)
-        ax.set(
-            xticks=[0, 1],
-            xticklabels=["grown", "scratch"],
-            ylabel="test loss (nats per example)",
-            title=f"{ds}: depth {cfg['shallow_depth']}→{cfg['deep_depth']}, same examples seen",
-        )
+        _curves_panel(axes[0][j], curves, ds, cfg["seeds"])
+        _pairs_panel(axes[1][j], rows, ds, cfg)
     fig.tight_layout()
     return fig
 
