@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from depthsat_theory.cli.app import app
 from depthsat_theory.experiments import ExperimentError
 from depthsat_theory.experiments.criterion import CERTIFIED, FALLBACK, decide
+from depthsat_theory.experiments.criterion import CONFIGS as CRITERION_CONFIGS
 from depthsat_theory.experiments.deepen import deepen, interleaved_positions
 from depthsat_theory.experiments.flops import training_cost
 from depthsat_theory.experiments.growth import CONFIGS as GROWTH_CONFIGS
@@ -178,7 +179,7 @@ def test_growth_tiny_through_the_cli(tmp_path):
     cfg = GROWTH_CONFIGS["tiny"]
     rows = _read(out / "runs.csv")
     assert len(rows) == 3 * len(cfg["seeds"])
-    n_train = cfg["sizes"]["train"]
+    n_train = cfg["sizes"]["digits"]["train"]
     c0 = _macs(64, cfg["width"], cfg["shallow_depth"], 10)
     c1 = _macs(64, cfg["width"], cfg["deep_depth"], 10)
     for seed in cfg["seeds"]:
@@ -214,20 +215,25 @@ def test_growth_cli_refuses_one_seed(tmp_path):
 # ----------------------------------------------------------------------------- criterion-driven growth
 
 
+def _fake_sweep(folder):
+    """A made-up sweep result folder: a plateau at depth 4 and examples seen per depth and seed."""
+    folder.mkdir()
+    plateaus = [{"dataset": "digits", "arch": "mlp", "metric": "test_loss", "plateau_depth": 4, "per_seed": "4 2"}]
+    (folder / "summary.json").write_text(json.dumps({"meta": {}, "summary": {"plateaus": plateaus}}))
+    runs = [(1, 0, 1000), (2, 0, 2000), (1, 1, 3000), (2, 1, 500)]  # depth, seed, examples seen
+    with open(folder / "runs.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["dataset", "arch", "depth", "seed", "examples_seen"])
+        w.writerows(["digits", "mlp", d, sd, e] for d, sd, e in runs)
+    return runs
+
+
 def test_criterion_growth_tiny_through_the_cli(tmp_path):
     out = tmp_path / "crit"
+    fake = _fake_sweep(tmp_path / "sweep")
     res = runner.invoke(
         app,
-        [
-            "experiment",
-            "criterion-growth",
-            "--config",
-            "tiny",
-            "--out",
-            str(out),
-            "--sweep",
-            str(tmp_path / "none.json"),
-        ],
+        ["experiment", "criterion-growth", "--config", "tiny", "--out", str(out), "--sweep", str(tmp_path / "sweep")],
     )
     assert res.exit_code == 0, res.output
     rounds, sites, stops = (_read(out / f"{n}.csv") for n in ("rounds", "sites", "stops"))
@@ -247,8 +253,12 @@ def test_criterion_growth_tiny_through_the_cli(tmp_path):
                 s for s in sites if s["seed"] == stop["seed"] and int(s["depth"]) == int(stop["certified_stop_depth"])
             ]
             assert all(s["certificate"] == "not certified" for s in first)
-    summary = json.loads((out / "summary.json").read_text())["summary"]
-    assert "not found" in summary["sweep_reference"]
+    summary = json.loads((out / "summary.json").read_text())["summary"]["digits"]
+    assert summary["sweep_plateau_depth_test_loss"] == 4
+    width = CRITERION_CONFIGS["tiny"]["width"]
+    per_seed = [sum(2 * _macs(64, width, d, 10) * e for d, sd, e in fake if sd == seed) for seed in (0, 1)]
+    assert summary["sweep_flops_per_seed"]["mean"] == pytest.approx(sum(per_seed) / 2, rel=1e-12)
+    assert summary["sweep_examples_seen_per_seed"]["mean"] == 3250
 
 
 def _fake_diagnosis(certs, lowers, scores, unbiased_sq, n_to_certify=10**6):

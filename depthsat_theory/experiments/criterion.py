@@ -29,6 +29,7 @@ FLOPs), next to the depth sweep's plateau depth and compute when its results are
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
 import json
 import math
@@ -66,7 +67,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "delta": 0.05,
         "seeds": [0, 1, 2],
         "recipe": {"max_epochs": 3, "patience": 1},
-        "sizes": {"train": 300, "val": 100, "probe": 100, "test": 200},
+        "sizes": {"digits": {"train": 300, "val": 100, "probe": 100, "test": 200}},
     },
     "full": {
         "datasets": ["digits", "mnist5k"],
@@ -76,8 +77,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "max_depth": 8,
         "delta": 0.05,
         "seeds": [0, 1, 2, 3, 4],
-        "recipe": {},
-        "sizes": {},
+        # the depth sweep's full recipe and split sizes (experiments/sweep.py), so the numbers compare
+        "recipe": {"max_epochs": 30},
+        "sizes": {"mnist5k": {"train": 1500, "val": 300, "probe": 256, "test": 500}},
     },
 }
 
@@ -182,7 +184,7 @@ def _site_index(site: str) -> int:
 
 def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict], list[dict], dict]:
     recipe = dataclasses.replace(rc.RECIPE, **cfg["recipe"])
-    splits = rc.load_splits(dataset, seed, rc.Sizes(**cfg["sizes"]))
+    splits = rc.load_splits(dataset, seed, rc.Sizes(**cfg["sizes"].get(dataset, {})))
     model = rc.build_model(cfg["arch"], cfg["start_depth"], splits, seed=seed, width=cfg["width"])
     example = splits.train.x[:1]
     res = rc.train(model, splits, seed=seed, recipe=recipe)
@@ -246,19 +248,61 @@ def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict],
     return rounds, sites, stop
 
 
-def _sweep_reference(path: Path) -> dict[str, Any] | None:
-    """The depth sweep's summary (``experiments/results/sweep/summary.json``) when it exists."""
-    if not path.is_file():
-        return None
-    with open(path) as fh:
-        return json.load(fh)
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
 
 
-def _summary(stops: list[dict], cfg: dict[str, Any], sweep: dict[str, Any] | None, sweep_path: Path) -> dict[str, Any]:
+def _sweep_side(folder: Path, ds: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The depth sweep's plateau depth of the test loss and its compute per seed, from its result folder."""
+    out: dict[str, Any] = {}
+    summary = folder / "summary.json"
+    if summary.is_file():
+        plateaus = json.loads(summary.read_text()).get("summary", {}).get("plateaus", [])
+        for p in plateaus:
+            if (p.get("dataset"), p.get("arch"), p.get("metric")) == (ds, cfg["arch"], "test_loss"):
+                out["sweep_plateau_depth_test_loss"] = p.get("plateau_depth")
+                out["sweep_plateau_depth_per_seed"] = p.get("per_seed")
+    runs = folder / "runs.csv"
+    if runs.is_file():
+        rows = [r for r in _read_csv(runs) if r.get("dataset") == ds and r.get("arch") == cfg["arch"]]
+        if rows:
+            splits = rc.load_splits(ds, 0, rc.Sizes(**cfg["sizes"].get(ds, {})))
+            cost = {
+                d: training_cost(
+                    rc.build_model(cfg["arch"], d, splits, seed=0, width=cfg["width"]), splits.train.x[:1]
+                ).macs
+                for d in {int(r["depth"]) for r in rows}
+            }
+            seeds = sorted({r["seed"] for r in rows})
+            per = [[r for r in rows if r["seed"] == sd] for sd in seeds]
+            out["sweep_depths"] = sorted(cost)
+            out["sweep_examples_seen_per_seed"] = summarize([sum(int(r["examples_seen"]) for r in p) for p in per])
+            out["sweep_flops_per_seed"] = summarize(
+                [sum(2 * cost[int(r["depth"])] * int(r["examples_seen"]) for r in p) for p in per]
+            )
+    return out
+
+
+def _own_plateau(rounds: list[dict], ds: str) -> dict[str, Any]:
+    """The sweep's plateau rule applied to this experiment's own test-loss trajectories (per seed)."""
+    try:
+        from depthsat_theory.experiments.sweep import plateau_depth
+    except ImportError:  # the sweep module is not on this branch
+        return {"own_plateau_depth_test_loss": "the sweep's plateau rule (experiments/sweep.py) is not available"}
+    per_seed = []
+    for seed in sorted({r["seed"] for r in rounds if r["dataset"] == ds}):
+        pts = [r for r in rounds if r["dataset"] == ds and r["seed"] == seed]
+        per_seed.append(plateau_depth([r["depth"] for r in pts], [r["test_loss"] for r in pts]))
+    return {"own_plateau_depth_test_loss_per_seed": per_seed, "own_plateau_depth_test_loss": summarize(per_seed)}
+
+
+def _summary(stops: list[dict], rounds: list[dict], cfg: dict[str, Any], sweep_dir: Path) -> dict[str, Any]:
+    found = (sweep_dir / "summary.json").is_file()
     out: dict[str, Any] = {
         "epsilon_rule": f"ε = sqrt(2 β ε_J), ε_J = {DEFAULT_EPSILON_NATS} nats (library default), β = ½‖W_head‖² "
         "(head input; not proven at hidden sites)",
-        "sweep_reference": str(sweep_path) if sweep is not None else f"{sweep_path} not found",
+        "sweep_reference": str(sweep_dir) if found else f"{sweep_dir / 'summary.json'} not found",
     }
     for ds in cfg["datasets"]:
         st = [s for s in stops if s["dataset"] == ds]
@@ -269,13 +313,14 @@ def _summary(stops: list[dict], cfg: dict[str, Any], sweep: dict[str, Any] | Non
             "certified_stop_depth": summarize(cert) if cert else None,
             "certified_stop_reasons": sorted({s["certified_stop_reason"] for s in st if s["certified_stop_reason"]}),
             "final_depth": summarize([s["final_depth"] for s in st]),
+            "final_depth_per_seed": [s["final_depth"] for s in st],
             "final_reasons": sorted({s["final_reason"] for s in st}),
             "examples_seen": summarize([s["examples_seen"] for s in st]),
             "flops": summarize([s["flops"] for s in st]),
             "test_loss": summarize([s["test_loss"] for s in st]),
+            **_own_plateau(rounds, ds),
+            **_sweep_side(sweep_dir, ds, cfg),
         }
-    if sweep is not None:
-        out["sweep"] = sweep.get("summary", sweep)
     return out
 
 
@@ -327,7 +372,8 @@ def run_criterion_growth(
         out: the result folder.
         seeds: override the seeds.
         datasets: override the image data sets.
-        sweep: the depth sweep's ``summary.json`` (default ``experiments/results/sweep/summary.json``).
+        sweep: the depth sweep's result folder (default ``experiments/results/sweep``): its
+            ``summary.json`` (plateau depths) and ``runs.csv`` (examples seen per depth and seed).
         log: called with one line per seed.
 
     Returns:
@@ -366,8 +412,8 @@ def run_criterion_growth(
                 f"criterion-growth {ds} seed {seed}: certified rule stopped at depth {st['certified_stop_depth']}, "
                 f"fallback at {st['final_depth']} ({st['final_reason']})"
             )
-    sweep_path = Path(sweep) if sweep is not None else DEFAULT_RESULTS_ROOT / "sweep" / "summary.json"
-    summary = {**_summary(stops, cfg, _sweep_reference(sweep_path), sweep_path), "skipped": skipped}
+    sweep_dir = Path(sweep) if sweep is not None else DEFAULT_RESULTS_ROOT / "sweep"
+    summary = {**_summary(stops, rounds, cfg, sweep_dir), "skipped": skipped}
     target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "criterion-growth"
     fig = _figure(rounds, sites, cfg) if rounds else None
     return write_results(

@@ -54,7 +54,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "grow_epochs": 2,
         "seeds": [0, 1, 2],
         "recipe": {"max_epochs": 3, "patience": 1},
-        "sizes": {"train": 300, "val": 100, "probe": 50, "test": 200},
+        "sizes": {"digits": {"train": 300, "val": 100, "probe": 50, "test": 200}},
     },
     "full": {
         "datasets": ["digits", "mnist5k"],
@@ -64,8 +64,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "deep_depth": 8,
         "grow_epochs": 20,
         "seeds": [0, 1, 2, 3, 4, 5],
-        "recipe": {},
-        "sizes": {},
+        # the depth sweep's full recipe and split sizes (experiments/sweep.py), so the numbers compare
+        "recipe": {"max_epochs": 30},
+        "sizes": {"mnist5k": {"train": 1500, "val": 300, "probe": 256, "test": 500}},
     },
 }
 
@@ -126,7 +127,7 @@ def _metrics_row(arm: str, res: Any) -> dict[str, float]:
 def _one_seed(cfg: dict[str, Any], dataset: str, seed: int) -> tuple[list[dict], list[dict]]:
     """The three runs (shallow, grown, scratch) of one data set and seed: result rows, curve rows."""
     recipe = dataclasses.replace(rc.RECIPE, **cfg["recipe"])
-    splits = rc.load_splits(dataset, seed, rc.Sizes(**cfg["sizes"]))
+    splits = rc.load_splits(dataset, seed, rc.Sizes(**cfg["sizes"].get(dataset, {})))
     d0, d1, width = cfg["shallow_depth"], cfg["deep_depth"], cfg["width"]
     n_train = len(splits.train)
     example = splits.train.x[:1]
