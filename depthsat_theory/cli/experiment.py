@@ -30,6 +30,16 @@ experiment_app = typer.Typer(
 EXPERIMENTS: dict[str, Callable[..., Path]] = {}
 
 
+def _sweep_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.sweep import run_sweep
+
+    return run_sweep(config, out=out, progress=log)
+
+
+# first: criterion-driven growth reads the sweep's summary.json
+EXPERIMENTS["sweep"] = _sweep_runner
+
+
 def _seeds(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -55,6 +65,29 @@ _SEEDS = typer.Option(None, "--seeds", help="Comma-separated seeds (default: the
 _DATASET = typer.Option(
     None, "--dataset", help="Image data set(s): digits, mnist5k, fashion (default: the configuration's)."
 )
+
+
+# ----------------------------------------------------------------------------- depth sweep (C1) and insertion (C3)
+@experiment_app.command("sweep")
+def sweep_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/sweep)."),
+    seeds: str | None = _SEEDS,
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished models: reused when present, appended as models finish."
+    ),
+) -> None:
+    """Depth sweep (C1) with local insertion at every site (C3).
+
+    Residual MLPs and small ResNet CNNs on digits, MNIST-5k and Fashion-MNIST and a character GPT
+    on the King James text, trained to early stopping at each depth and seed with one recipe;
+    each is diagnosed on a held-out probe (s, s/AG_rms, AG_rms, AG_max, intervals, verdicts at
+    every site), probed by inserting a zero-output block at every site (predicted against measured
+    first-step decrease), and each curve's plateau depth is found by one rule.
+    """
+    from depthsat_theory.experiments.sweep import run_sweep
+
+    _run(lambda log, **kw: run_sweep(progress=log, **kw), config=config, out=out, seeds=_seeds(seeds), resume=resume)
 
 
 # ----------------------------------------------------------------------------- growth against scratch (C2)

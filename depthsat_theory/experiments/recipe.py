@@ -106,8 +106,8 @@ class Recipe:
 
     lr: float = 2e-3
     batch_size: int = 64
-    max_epochs: int = 40
-    patience: int = 4
+    max_epochs: int = 15
+    patience: int = 3
     eval_batch_size: int = 1024
 
     def to_dict(self) -> dict[str, Any]:
