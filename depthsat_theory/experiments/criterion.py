@@ -44,6 +44,7 @@ from depthsat_theory.diagnose import Diagnosis, diagnose
 from depthsat_theory.experiments import recipe as rc
 from depthsat_theory.experiments.deepen import deepen
 from depthsat_theory.experiments.flops import training_cost
+from depthsat_theory.experiments.growth import sweep_sizes
 from depthsat_theory.experiments.record import (
     DEFAULT_RESULTS_ROOT,
     ExperimentError,
@@ -79,7 +80,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "seeds": [0, 1, 2, 3, 4],
         # the shared recipe as the depth sweep runs it, and its split sizes (experiments/sweep.py)
         "recipe": {},
-        "sizes": {"mnist5k": {"train": 1500, "val": 300, "probe": 256, "test": 500}},
+        "sizes": sweep_sizes(["digits", "mnist5k"]),
     },
 }
 
