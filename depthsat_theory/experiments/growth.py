@@ -71,7 +71,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "shallow_depth": 2,
         "deep_depth": 8,
         "grow_epochs": 15,  # the recipe's max_epochs: the grown model gets a full training budget
-        "seeds": [0, 1, 2, 3, 4, 5],
+        "seeds": list(range(12)),
         # the shared recipe as the depth sweep runs it, and its split sizes (experiments/sweep.py)
         "recipe": {},
         "sizes": sweep_sizes(["digits", "mnist5k"]),
