@@ -118,7 +118,7 @@ def criterion_growth_command(
     seeds: str | None = _SEEDS,
     dataset: list[str] | None = _DATASET,
     sweep: Path | None = typer.Option(
-        None, "--sweep", help="The depth sweep's summary.json (default experiments/results/sweep/summary.json)."
+        None, "--sweep", help="The depth sweep's result folder (default experiments/results/sweep)."
     ),
 ) -> None:
     """Criterion-driven growth: insert where the certified score is largest, retrain, repeat.
@@ -140,7 +140,7 @@ def _growth_runner(config: str, out: Path, log) -> Path:
 def _criterion_runner(config: str, out: Path, log) -> Path:
     from depthsat_theory.experiments.criterion import run_criterion_growth
 
-    return run_criterion_growth(config, out=out, sweep=out.parent / "sweep" / "summary.json", log=log)
+    return run_criterion_growth(config, out=out, sweep=out.parent / "sweep", log=log)
 
 
 # ----------------------------------------------------------------------------- where to expand an LLM (item 5)
