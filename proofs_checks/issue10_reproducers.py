@@ -40,7 +40,7 @@ from depthsat_theory.vocabulary import Verdict
 
 from .t8_numerics import exact_score, near_threshold_probe
 
-__all__ = ["TESTED_REPRODUCERS", "Row", "measured_rows", "render", "tested_rows"]
+__all__ = ["TESTED_REPRODUCERS", "Row", "measured_rows", "render", "rows_from_tests"]
 
 
 @dataclass
@@ -285,7 +285,7 @@ TESTED_REPRODUCERS: list[tuple[str, str, str, str, str]] = [
 ]
 
 
-def tested_rows(runner: Callable[[list[str]], dict[str, bool]] | None = None) -> list[Row]:
+def rows_from_tests(runner: Callable[[list[str]], dict[str, bool]] | None = None) -> list[Row]:
     """The reproducers of :data:`TESTED_REPRODUCERS`, each with the outcome of its test."""
     nodes = [t[4] for t in TESTED_REPRODUCERS]
     passed = (runner or _run_pytest)(nodes)
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tests", action="store_true", help="only the measured rows (items 1–4)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = measured_rows() + ([] if args.no_tests else tested_rows())
+    rows = measured_rows() + ([] if args.no_tests else rows_from_tests())
     table = render(rows)
     print(table)
     if args.markdown:

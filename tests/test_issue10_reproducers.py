@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proofs_checks.issue10_reproducers import TESTED_REPRODUCERS, Row, measured_rows, render, tested_rows
+from proofs_checks.issue10_reproducers import TESTED_REPRODUCERS, Row, measured_rows, render, rows_from_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def test_each_named_reproducer_test_exists(node):
 
 def test_table_marks_a_failing_reproducer():
     """A failing test or a wrong verdict is a visible ``NO`` and not counted as agreeing."""
-    rows = tested_rows(runner=lambda nodes: {n: n.endswith("sequence_first") is False for n in nodes})
+    rows = rows_from_tests(runner=lambda nodes: {n: n.endswith("sequence_first") is False for n in nodes})
     table = render([*rows, Row("4", "x", "b", "t", "a", False)])
     assert "| NO |" in table
     assert f"{len(rows) - 1} of {len(rows) + 1} reproducers" in table
