@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -97,7 +96,11 @@ def _verdict_row(item, what, before, truth_value: float, res, *, signal: bool) -
     """Exact truth → expected verdict: ``improvable`` for a deterministic signal, ``saturated`` within ``e``."""
     if signal:
         want = Verdict.IMPROVABLE
-        ok = res.verdict is want and truth_value > 2 * res.score_error and abs(res.score - truth_value) <= res.score_error
+        ok = (
+            res.verdict is want
+            and truth_value > 2 * res.score_error
+            and abs(res.score - truth_value) <= res.score_error
+        )
     else:
         want = Verdict.SATURATED
         ok = res.verdict is want and abs(res.score - truth_value) <= res.score_error
@@ -146,10 +149,14 @@ def _item1() -> list[Row]:
 def _item2() -> list[Row]:
     rows = []
     cases = [
-        ("nearly collinear float64 z=(t, t+2e-6·w)", lambda r: np.stack([r.standard_normal(400)] * 2, 1)
-         + np.array([0.0, 2e-6]) * r.standard_normal((400, 1))),
-        ("a column with mean offset 1e4 (float64)", lambda r: np.stack([r.standard_normal(400) + 1e4,
-                                                                          r.standard_normal(400)], 1)),
+        (
+            "nearly collinear float64 z=(t, t+2e-6·w)",
+            lambda r: np.stack([r.standard_normal(400)] * 2, 1) + np.array([0.0, 2e-6]) * r.standard_normal((400, 1)),
+        ),
+        (
+            "a column with mean offset 1e4 (float64)",
+            lambda r: np.stack([r.standard_normal(400) + 1e4, r.standard_normal(400)], 1),
+        ),
     ]
     for what, make in cases:
         rng = np.random.default_rng(12)
@@ -159,8 +166,12 @@ def _item2() -> list[Row]:
         res = _result(torch.from_numpy(z), torch.from_numpy(g))
         rows.append(
             _verdict_row(
-                "2", f"{what}, g the exact-arithmetic least-squares residual", "improvable (up to 52× tol)",
-                truth, res, signal=False,
+                "2",
+                f"{what}, g the exact-arithmetic least-squares residual",
+                "improvable (up to 52× tol)",
+                truth,
+                res,
+                signal=False,
             )
         )
     rng = np.random.default_rng(11)
@@ -168,17 +179,28 @@ def _item2() -> list[Row]:
     res = _result(z, g, "preln:2")
     ok = res.verdict in (Verdict.SATURATED, Verdict.UNDETERMINED, Verdict.DEGENERATE)
     rows.append(
-        Row("2", "`preln:2` on d = 2, pairs with equal z and opposite g (G = 0)", "improvable",
-            "exact s = 0 (G = 0) → not improvable", _fmt(res), ok)
+        Row(
+            "2",
+            "`preln:2` on d = 2, pairs with equal z and opposite g (G = 0)",
+            "improvable",
+            "exact s = 0 (G = 0) → not improvable",
+            _fmt(res),
+            ok,
+        )
     )
     z, g, _ = near_threshold_probe(np.random.default_rng(3), 2e-6, 500, torch.float64)
     truth = exact_score(z.numpy(), g.numpy())
     res = _result(z, g, pool_ties=True)
     ok = res.verdict is Verdict.SATURATED and res.score <= res.raw_score and truth == 0.0
     rows.append(
-        Row("2", "exactly cancelling pairs (G = 0), z=(t, t+2e-6·w), tie pooling on",
+        Row(
+            "2",
+            "exactly cancelling pairs (G = 0), z=(t, t+2e-6·w), tie pooling on",
             "s = 8.5e-13 > tol, improvable, while r̂ = 0 (s ≤ r violated)",
-            f"exact s = {truth:.3g} → saturated, s ≤ r̂", _fmt(res) + f", r̂={res.raw_score:.3g}", ok)
+            f"exact s = {truth:.3g} → saturated, s ≤ r̂",
+            _fmt(res) + f", r̂={res.raw_score:.3g}",
+            ok,
+        )
     )
     return rows
 
@@ -193,8 +215,9 @@ def _item3() -> list[Row]:
         truth = exact_score(z.double().numpy(), g.double().numpy())
         res = _result(z, g)
         name = str(dtype).replace("torch.", "")
-        row = _verdict_row("3", f"least-squares-saturated site stored in {name}", "improvable, dtype float32",
-                           truth, res, signal=False)
+        row = _verdict_row(
+            "3", f"least-squares-saturated site stored in {name}", "improvable, dtype float32", truth, res, signal=False
+        )
         row.ok = row.ok and res.dtype == name
         rows.append(row)
     from typer.testing import CliRunner
@@ -208,9 +231,14 @@ def _item3() -> list[Row]:
         out = CliRunner().invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"])
     rep = json.loads(out.output) if out.exit_code == 0 else {}
     rows.append(
-        Row("3", "a float16 `.npz` probe given to `score`", "rejected", "accepted, float16 rounding → saturated",
+        Row(
+            "3",
+            "a float16 `.npz` probe given to `score`",
+            "rejected",
+            "accepted, float16 rounding → saturated",
             f"exit {out.exit_code}, dtype {rep.get('dtype')}, **{rep.get('verdict')}**",
-            out.exit_code == 0 and rep.get("dtype") == "float16" and rep.get("verdict") == "saturated")
+            out.exit_code == 0 and rep.get("dtype") == "float16" and rep.get("verdict") == "saturated",
+        )
     )
     return rows
 
@@ -224,10 +252,14 @@ def _item4() -> list[Row]:
         g = torch.randn(n, 512, generator=gen)
         res = _result(z, g)
         rows.append(
-            Row("4", f"g independent of z, d = 512, n = {n} (linear)", before[n],
+            Row(
+                "4",
+                f"g independent of z, d = 512, n = {n} (linear)",
+                before[n],
                 "population s = 0 → not improvable",
                 f"s/AG_rms = {res.relative_score:.3f}, n ŝ²/v̂ = {res.noise_ratio:.3g}, **{res.verdict.value}**",
-                res.verdict is not Verdict.IMPROVABLE)
+                res.verdict is not Verdict.IMPROVABLE,
+            )
         )
     return rows
 
@@ -239,49 +271,132 @@ def measured_rows() -> list[Row]:
 
 #: (item, reproducer, before, truth, test node id): reproducers whose test asserts an independent truth
 TESTED_REPRODUCERS: list[tuple[str, str, str, str, str]] = [
-    ("1", "Bottleneck ResNet site (float32 after ReLU)", "scored 6% low",
-     "float64 SVD least-squares fit, within score_error",
-     "tests/test_numerics.py::test_bottleneck_resnet_site_matches_a_float64_least_squares_fit"),
-    ("1", "post-LN site (MiniLM layer 0)", "rank 383 of 384",
-     "rank d² exactly (the LayerNorm dependency); float64 SVD fit",
-     "tests/test_numerics.py::test_post_layernorm_site_has_exactly_the_layernorm_dependency"),
-    ("1", "`audit` of a regular built-in family", "redundant", "regular (tangent rank = p, numpy reference)",
-     "tests/test_audit.py::test_linear_generic_probe_is_regular_and_improvable"),
-    ("1", "a real direction below the float32 data resolution (z₂ = z₁ + 3e-7·w, g along it)",
-     "(found at stop 20) saturated", "exact s ≈ AG_rms → never saturated",
-     "tests/test_numerics.py::test_a_real_direction_below_the_data_resolution_is_never_grounds_for_saturated"),
-    ("4", "digits-mlp `diagnose` (plug-in noise at 512 examples)", "s > 0, improvable at every site",
-     "noise test: undetermined with the n needed",
-     "tests/test_numerics.py::test_plug_in_noise_is_undetermined_and_says_what_would_decide"),
-    ("5", "`nn.TransformerEncoder(batch_first=False)` site, 64-example probe", "n = 40, s off by √(64/40)",
-     "n = 64, s = numpy reference on batch-first tensors",
-     "tests/test_input_errors.py::test_issue_reproducer_transformer_encoder_sequence_first"),
-    ("5", "Dropout in train mode (module and functional)", "accepted silently", "one-line error",
-     "tests/test_input_errors.py::test_train_mode_dropout_is_refused"),
-    ("5", "resume a `diagnose` checkpoint with another batching or probe", "n = 608 for 512 examples",
-     "one-line CheckpointError", "tests/test_diagnose.py::test_resume_with_another_batching_or_probe_is_refused"),
-    ("5", "Conv1d site (B, C, L)", "rows = channels", "units = positions (numpy reference)",
-     "tests/test_input_errors.py::test_conv1d_site_units_are_positions"),
-    ("5", "reentrant gradient checkpointing", "raw torch error", "one-line error",
-     "tests/test_input_errors.py::test_reentrant_checkpointing_is_a_clear_error"),
-    ("5", "`insert_block` on a model holding a non-leaf tensor", "deepcopy crash", "inserted, outputs equal",
-     "tests/test_input_errors.py::test_insert_block_copies_a_non_leaf_tensor_attribute"),
-    ("5", "`attention` family on a batch with `attention_mask`", "fails", "scores as the unpadded sequences",
-     "tests/test_diagnose.py::test_attention_statistics_honour_the_padding_mask"),
-    ("5", "tampered checkpoints", "internal error (exit 3) or blames the probe",
-     "one CheckpointError line naming the field, exit 2",
-     "tests/test_diagnose.py::test_cli_tampered_checkpoint_exit_2"),
-    ("5", "`discover_sites` on a block that runs twice", "silently dropped", "sites name#0, name#1",
-     "tests/test_input_errors.py::test_a_block_run_twice_gives_one_site_per_call"),
-    ("5", "ResNet blocks not named BasicBlock/Bottleneck", "silent stage-level fallback",
-     "found by structure; the fallback warns",
-     "tests/test_input_errors.py::test_resnet_blocks_are_recognised_structurally_and_the_stage_fallback_is_stated"),
-    ("5", "`family.block()` inside a float32 model", "float64 block fails", "block takes the site's dtype",
-     "tests/test_insertion.py::test_block_takes_the_float32_site_dtype"),
-    ("5", "`accumulate` with Hugging Face dict batches", "rejected", "accepted; same statistics",
-     "tests/test_input_errors.py::test_accumulate_takes_hugging_face_mapping_batches"),
-    ("5", "`poly:D`", "elementwise powers", "every monomial of degree ≤ D (closed-form count and values)",
-     "tests/test_families.py::test_poly_is_every_monomial_up_to_degree_d"),
+    (
+        "1",
+        "Bottleneck ResNet site (float32 after ReLU)",
+        "scored 6% low",
+        "float64 SVD least-squares fit, within score_error",
+        "tests/test_numerics.py::test_bottleneck_resnet_site_matches_a_float64_least_squares_fit",
+    ),
+    (
+        "1",
+        "post-LN site (MiniLM layer 0)",
+        "rank 383 of 384",
+        "rank d² exactly (the LayerNorm dependency); float64 SVD fit",
+        "tests/test_numerics.py::test_post_layernorm_site_has_exactly_the_layernorm_dependency",
+    ),
+    (
+        "1",
+        "`audit` of a regular built-in family",
+        "redundant",
+        "regular (tangent rank = p, numpy reference)",
+        "tests/test_audit.py::test_linear_generic_probe_is_regular_and_improvable",
+    ),
+    (
+        "1",
+        "a real direction below the float32 data resolution (z₂ = z₁ + 3e-7·w, g along it)",
+        "(found at stop 20) saturated",
+        "exact s ≈ AG_rms → never saturated",
+        "tests/test_numerics.py::test_a_real_direction_below_the_data_resolution_is_never_grounds_for_saturated",
+    ),
+    (
+        "4",
+        "digits-mlp `diagnose` (plug-in noise at 512 examples)",
+        "s > 0, improvable at every site",
+        "noise test: undetermined with the n needed",
+        "tests/test_numerics.py::test_plug_in_noise_is_undetermined_and_says_what_would_decide",
+    ),
+    (
+        "5",
+        "`nn.TransformerEncoder(batch_first=False)` site, 64-example probe",
+        "n = 40, s off by √(64/40)",
+        "n = 64, s = numpy reference on batch-first tensors",
+        "tests/test_input_errors.py::test_issue_reproducer_transformer_encoder_sequence_first",
+    ),
+    (
+        "5",
+        "Dropout in train mode (module and functional)",
+        "accepted silently",
+        "one-line error",
+        "tests/test_input_errors.py::test_train_mode_dropout_is_refused",
+    ),
+    (
+        "5",
+        "resume a `diagnose` checkpoint with another batching or probe",
+        "n = 608 for 512 examples",
+        "one-line CheckpointError",
+        "tests/test_diagnose.py::test_resume_with_another_batching_or_probe_is_refused",
+    ),
+    (
+        "5",
+        "Conv1d site (B, C, L)",
+        "rows = channels",
+        "units = positions (numpy reference)",
+        "tests/test_input_errors.py::test_conv1d_site_units_are_positions",
+    ),
+    (
+        "5",
+        "reentrant gradient checkpointing",
+        "raw torch error",
+        "one-line error",
+        "tests/test_input_errors.py::test_reentrant_checkpointing_is_a_clear_error",
+    ),
+    (
+        "5",
+        "`insert_block` on a model holding a non-leaf tensor",
+        "deepcopy crash",
+        "inserted, outputs equal",
+        "tests/test_input_errors.py::test_insert_block_copies_a_non_leaf_tensor_attribute",
+    ),
+    (
+        "5",
+        "`attention` family on a batch with `attention_mask`",
+        "fails",
+        "scores as the unpadded sequences",
+        "tests/test_diagnose.py::test_attention_statistics_honour_the_padding_mask",
+    ),
+    (
+        "5",
+        "tampered checkpoints",
+        "internal error (exit 3) or blames the probe",
+        "one CheckpointError line naming the field, exit 2",
+        "tests/test_diagnose.py::test_cli_tampered_checkpoint_exit_2",
+    ),
+    (
+        "5",
+        "`discover_sites` on a block that runs twice",
+        "silently dropped",
+        "sites name#0, name#1",
+        "tests/test_input_errors.py::test_a_block_run_twice_gives_one_site_per_call",
+    ),
+    (
+        "5",
+        "ResNet blocks not named BasicBlock/Bottleneck",
+        "silent stage-level fallback",
+        "found by structure; the fallback warns",
+        "tests/test_input_errors.py::test_resnet_blocks_are_recognised_structurally_and_the_stage_fallback_is_stated",
+    ),
+    (
+        "5",
+        "`family.block()` inside a float32 model",
+        "float64 block fails",
+        "block takes the site's dtype",
+        "tests/test_insertion.py::test_block_takes_the_float32_site_dtype",
+    ),
+    (
+        "5",
+        "`accumulate` with Hugging Face dict batches",
+        "rejected",
+        "accepted; same statistics",
+        "tests/test_input_errors.py::test_accumulate_takes_hugging_face_mapping_batches",
+    ),
+    (
+        "5",
+        "`poly:D`",
+        "elementwise powers",
+        "every monomial of degree ≤ D (closed-form count and values)",
+        "tests/test_families.py::test_poly_is_every_monomial_up_to_degree_d",
+    ),
 ]
 
 
@@ -290,24 +405,39 @@ def rows_from_tests(runner: Callable[[list[str]], dict[str, bool]] | None = None
     nodes = [t[4] for t in TESTED_REPRODUCERS]
     passed = (runner or _run_pytest)(nodes)
     return [
-        Row(item, what, before, truth, f"test {'passes' if passed[node] else 'FAILS'} (`{node.split('::')[1]}`)",
-            passed[node])
+        Row(
+            item,
+            what,
+            before,
+            truth,
+            f"test {'passes' if passed[node] else 'FAILS'} (`{node.split('::')[1]}`)",
+            passed[node],
+        )
         for item, what, before, truth, node in TESTED_REPRODUCERS
     ]
 
 
 def _run_pytest(nodes: list[str]) -> dict[str, bool]:
-    """Run each node (parametrized ones in full) with ``pytest -q``; pass = exit status 0."""
-    out = {}
-    for node in nodes:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+    """Run every node in one ``pytest`` (parametrized ones in full); a node passes when all its cases pass."""
+    import xml.etree.ElementTree as ET
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *nodes],
             capture_output=True,
             text=True,
             check=False,
         )
-        out[node] = proc.returncode == 0
-    return out
+        cases = ET.parse(report).getroot().iter("testcase") if report.exists() else iter(())
+        outcome: dict[str, list[bool]] = {node: [] for node in nodes}
+        for case in cases:
+            module = case.get("classname", "").replace(".", "/") + ".py"
+            name = case.get("name", "").split("[")[0]
+            node = f"{module}::{name}"
+            if node in outcome:
+                outcome[node].append(not any(child.tag in ("failure", "error", "skipped") for child in case))
+    return {node: bool(results) and all(results) for node, results in outcome.items()}
 
 
 def render(rows: list[Row]) -> str:

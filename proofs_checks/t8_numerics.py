@@ -209,7 +209,9 @@ def noise_test(ctx: Context) -> Outcome:
     from scipy.stats import binom
 
     rows, bad, n_inst = [], 0, 0
-    configs = [(spec, 1, law) for spec in ("linear", "linear-nobias") for law in NOISE_LAWS] + [("linear", 8, "gaussian")]
+    configs = [(spec, 1, law) for spec in ("linear", "linear-nobias") for law in NOISE_LAWS] + [
+        ("linear", 8, "gaussian")
+    ]
     cells = len(configs) * len(NOISE_RATIOS)
     # a cell fails when its count of "improvable" is improbable under rate α (one-sided binomial
     # p-value below 0.01/cells: family-wise 1%); the pooled rate over every cell must be ≤ α + 3 sd

@@ -1011,7 +1011,7 @@ def test_ridge_upper_bound_on_the_unregularized_score():
 
 
 def test_vacuous_interval_uses_the_worst_case_variance():
-    """``1 ≤ Δ_n < 2``: the interval is ``[0, γ]`` and ``V`` is the worst case ``R² = γ² L`` (derived), not the probe's."""
+    """``1 ≤ Δ_n < 2``: the interval is ``[0, γ]`` and ``V`` is the worst case ``R² = γ² L`` (derived)."""
     _, gam, big_l = _null_probe()
     u2 = math.log(2 * 3 / (0.1 / 3))  # δ split in three (V from the probe), D = 3
     m = _null_probe(n_total=math.ceil(big_l * u2 / 0.6))[0]  # √(2x) + 2x/3 ≈ 1.5 at x = L u₂ / n = 0.6

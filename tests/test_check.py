@@ -165,7 +165,9 @@ def test_check_draws_the_polynomial_family_and_its_first_step_agrees(model_cache
     assert ins.result.tangent_dim == 64 * (65 * 66 // 2)  # d · (C(d + 2, 2) − 1 + bias)
     out = evaluate(ins, get_update("sgd"), CheckConfig())
     assert out["agreement"] is Agreement.AGREE, out["detail"]
-    grads = torch.autograd.grad(task.loss(ins.model(task.inputs), task.targets).mean(), fam.tangent_parameters(ins.block))
+    grads = torch.autograd.grad(
+        task.loss(ins.model(task.inputs), task.targets).mean(), fam.tangent_parameters(ins.block)
+    )
     b = torch.cat([g.reshape(-1) for g in grads])
     # the float32 model's autograd b against the checker's: equal to the model's rounding (T1's tolerance)
     assert math.isclose(out["predicted_slope"], -float(b @ b), rel_tol=1e-4)

@@ -653,7 +653,9 @@ def test_spectrum_order_and_dtype_check():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5)])
+@pytest.mark.parametrize(
+    ("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5)]
+)
 def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands, product_summands):
     """The dropped-direction level ``A (ε_M + γ_acc √k̃)`` of theory/numerics.md, in rationals (both sides).
 
@@ -673,7 +675,5 @@ def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands,
     eps_m = Fraction(int(C_PHI)) * u_in * root
     gamma_acc = 1 * (summands * u64 + product_summands * u32)
     exact = a * (eps_m + gamma_acc * root)
-    got = gradient_rounding(
-        ag_rms=float(a), dtype=dtype, summands=summands, k=k, product_summands=product_summands
-    )
+    got = gradient_rounding(ag_rms=float(a), dtype=dtype, summands=summands, k=k, product_summands=product_summands)
     assert abs(Fraction(got) - exact) <= exact * Fraction(1, 2**48)
