@@ -300,13 +300,6 @@ TESTED_REPRODUCERS: list[tuple[str, str, str, str, str]] = [
         "tests/test_numerics.py::test_a_real_direction_below_the_data_resolution_is_never_grounds_for_saturated",
     ),
     (
-        "4",
-        "digits-mlp `diagnose` (plug-in noise at 512 examples)",
-        "s > 0, improvable at every site",
-        "noise test: undetermined with the n needed",
-        "tests/test_numerics.py::test_plug_in_noise_is_undetermined_and_says_what_would_decide",
-    ),
-    (
         "5",
         "`nn.TransformerEncoder(batch_first=False)` site, 64-example probe",
         "n = 40, s off by √(64/40)",
@@ -354,6 +347,20 @@ TESTED_REPRODUCERS: list[tuple[str, str, str, str, str]] = [
         "fails",
         "scores as the unpadded sequences",
         "tests/test_diagnose.py::test_attention_statistics_honour_the_padding_mask",
+    ),
+    (
+        "5",
+        "the inserted `attention` block on a left-padded batch",
+        "(stop 20) the block ignored the mask",
+        "its real rows equal its output on each unpadded sequence",
+        "tests/test_insertion.py::test_inserted_attention_block_sees_the_attention_mask",
+    ),
+    (
+        "5",
+        "`check` and `poly:D`",
+        "(stop 20) never drawn",
+        "in the vector pool; a poly:2 instance agrees with autograd's first step",
+        "tests/test_check.py::test_check_draws_the_polynomial_family_and_its_first_step_agrees",
     ),
     (
         "5",
