@@ -256,8 +256,8 @@ class _FeatureBlock(nn.Module):
         mask = self.padding_mask if self.masks_padding else None
         if mask is not None and tuple(mask.shape) != tuple(z.shape[:2]):
             raise FamilyError(
-                f"the padding mask {tuple(mask.shape)} does not fit the site tensor {tuple(z.shape)}: the "
-                f"attention_mask of the forward pass must be (batch, positions) of this site"
+                f"the attention_mask {tuple(mask.shape)} does not fit the site tensor {tuple(z.shape)}: the "
+                f"inserted attention block needs the whole sequence in each forward pass (no KV-cached steps)"
             )
         rows = self.out(self.features(z) if mask is None else self.features(z, mask=mask))
         return from_rows(rows, self.layout, z.shape)
