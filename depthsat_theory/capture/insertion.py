@@ -181,7 +181,7 @@ def _share_attention_mask(block: nn.Module, _module: nn.Module, args: tuple, kwa
     mask = kwargs.get("attention_mask")
     if mask is None and args and isinstance(args[0], Mapping):
         mask = args[0].get("attention_mask")
-    block.padding_mask = torch.as_tensor(mask).bool() if isinstance(mask, Tensor) else None
+    block.__dict__["padding_mask"] = mask.bool() if isinstance(mask, Tensor) else None
 
 
 def _match_site(block: nn.Module, site: nn.Module, model: nn.Module) -> None:
