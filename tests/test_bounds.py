@@ -1005,6 +1005,13 @@ def test_ridge_upper_bound_on_the_unregularized_score():
     plug = interval_from_moments(m, 0.1, ridge=lam, feature_norm_max=feat, eig_floor=mu, dim=3)
     assert plug.constants["grad_max"].source == "probe"
     assert plug.score_upper_unregularized == pytest.approx(plug.score_upper * math.sqrt(1 + lam / mu), rel=1e-12)
+    # a tiny floor: the factor √(1 + λ/μ) pushes the bound past γ, which caps it only when γ is given
+    tiny = 1e-7
+    capped = interval_from_moments(m, 0.1, ridge=lam, grad_max=gam, feature_norm_max=feat, eig_floor=tiny, dim=3)
+    assert capped.score_upper * math.sqrt(1 + lam / tiny) > gam and capped.score_upper_unregularized == gam
+    loose = interval_from_moments(m, 0.1, ridge=lam, feature_norm_max=feat, eig_floor=tiny, dim=3)
+    assert loose.score_upper_unregularized == pytest.approx(loose.score_upper * math.sqrt(1 + lam / tiny), rel=1e-12)
+    assert loose.score_upper_unregularized > loose.constants["grad_max"].value
     no_floor = interval_from_moments(m, 0.1, ridge=lam, grad_max=gam, leverage_max=feat**2 / lam, dim=3)
     assert no_floor.score_upper_unregularized is None
     assert any("eig_floor" in note for note in no_floor.notes)
@@ -1021,6 +1028,9 @@ def test_vacuous_interval_uses_the_worst_case_variance():
     assert it.vacuous and (it.score_lower, it.score_upper) == (0.0, gam)
     v = it.constants["variance"]
     assert (v.symbol, v.source) == ("V", "derived") and v.value == pytest.approx(gam * gam * big_l, rel=1e-12)
+    assert "vacuous" in v.note
+    u1, r = math.log(2 / (0.1 / 3)), gam * math.sqrt(big_l)
+    assert it.epsilon_n == pytest.approx(math.sqrt(2 * r * r * u1 / m.n) + 2 * r * u1 / m.n, rel=1e-12)
     assert any("vacuous" in note for note in it.notes)
     ok = interval_from_moments(_null_probe()[0], 0.1, grad_max=gam, leverage_max=big_l, dim=3)
     assert not ok.vacuous and (ok.constants["variance"].symbol, ok.constants["variance"].source) == ("V", "probe")
