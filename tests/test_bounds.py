@@ -952,3 +952,85 @@ def test_n_to_certify_is_minimal_across_signal_strengths(given_v):
         n_star = n_to_certify(s, iv.variance_plugin, iv.constants, 0.1)
         args = (s, v, 1.3, 4.0, 2, 0.1)
         assert hand(n_star, *args) > 0 >= hand(n_star - 1, *args), s
+
+
+# ----------------------------------------------------------------------------- certificates and the vacuous case
+def _null_probe(n_total=5000):
+    """A population with ``G = 0`` (s = 0), a multinomial probe of ``n_total`` examples, and its exact constants."""
+    phi, g = _population(signal=0.0)
+    _, gam, big_l, _, _ = _exact(phi, g)
+    w = np.random.default_rng(7).multinomial(n_total, np.full(phi.shape[0], 1 / phi.shape[0]))
+    return ProbeMoments.from_arrays(phi, g, w), gam, big_l
+
+
+def test_saturation_certificate_is_issued_exactly_below_the_hand_written_upper_end():
+    """``certified ε-saturated`` iff the upper end ŝ√(1+Δ) + ε_n (written out here) is ≤ ε; lower end 0."""
+    m, gam, big_l = _null_probe()
+    delta, var = 0.05, 7.5
+    kw = dict(grad_max=gam, leverage_max=big_l, variance=var, dim=3)
+    it = interval_from_moments(m, delta, **kw)
+    d1 = delta / 2
+    u1, u2 = math.log(2 / d1), math.log(2 * 3 / d1)
+    dev = math.sqrt(2 * big_l * u2 / m.n) + 2 * big_l * u2 / (3 * m.n)
+    eps_n = math.sqrt(2 * var * u1 / m.n) + 2 * gam * math.sqrt(big_l) * u1 / m.n
+    upper = min(it.score * math.sqrt(1 + dev) + eps_n, gam)
+    assert it.score_lower == 0.0 and it.score_upper == pytest.approx(upper, rel=1e-12)
+    assert it.score_upper_unregularized == it.score_upper  # ridge = 0: the same bound
+    above = interval_from_moments(m, delta, epsilon=upper * (1 + 1e-9), **kw)
+    below = interval_from_moments(m, delta, epsilon=upper * (1 - 1e-9), **kw)
+    assert above.certificate == Certificate.SATURATED
+    assert below.certificate == Certificate.NOT_CERTIFIED
+
+
+def test_ag_rms_certificate_follows_its_upper_bound():
+    """The family-free certificate: ``AG_rms ≤ ε`` certified iff the Bernstein upper bound is ≤ ε; unasked without ε."""
+    m, gam, big_l = _null_probe()
+    kw = dict(grad_max=gam, leverage_max=big_l, dim=3)
+    it = interval_from_moments(m, 0.1, **kw)
+    up = ag_rms_upper(m.n, math.sqrt(m.g_sq), gam, 0.1)
+    assert it.ag_rms_upper == pytest.approx(up, rel=1e-12) and up >= math.sqrt(m.g_sq)
+    assert it.ag_certificate == "not asked (give epsilon)"
+    assert interval_from_moments(m, 0.1, epsilon=up * (1 + 1e-9), **kw).ag_certificate == Certificate.SATURATED
+    assert interval_from_moments(m, 0.1, epsilon=up * (1 - 1e-9), **kw).ag_certificate == Certificate.NOT_CERTIFIED
+
+
+def test_ridge_upper_bound_on_the_unregularized_score():
+    """``s ≤ s_λ √(1 + λ/μ)`` with an eigenvalue floor μ, capped at a given γ; ``None`` without μ."""
+    m, gam, _ = _null_probe()
+    lam, mu = 0.2, 0.05
+    feat = float(np.sqrt(m.feat_sq_max))
+    it = interval_from_moments(m, 0.1, ridge=lam, grad_max=gam, feature_norm_max=feat, eig_floor=mu, dim=3)
+    assert it.score_upper_unregularized == pytest.approx(min(it.score_upper * math.sqrt(1 + lam / mu), gam), rel=1e-12)
+    assert it.score_upper_unregularized > it.score_upper
+    plug = interval_from_moments(m, 0.1, ridge=lam, feature_norm_max=feat, eig_floor=mu, dim=3)
+    assert plug.constants["grad_max"].source == "probe"
+    assert plug.score_upper_unregularized == pytest.approx(plug.score_upper * math.sqrt(1 + lam / mu), rel=1e-12)
+    # a tiny floor: the factor √(1 + λ/μ) pushes the bound past γ, which caps it only when γ is given
+    tiny = 1e-7
+    capped = interval_from_moments(m, 0.1, ridge=lam, grad_max=gam, feature_norm_max=feat, eig_floor=tiny, dim=3)
+    assert capped.score_upper * math.sqrt(1 + lam / tiny) > gam and capped.score_upper_unregularized == gam
+    loose = interval_from_moments(m, 0.1, ridge=lam, feature_norm_max=feat, eig_floor=tiny, dim=3)
+    assert loose.score_upper_unregularized == pytest.approx(loose.score_upper * math.sqrt(1 + lam / tiny), rel=1e-12)
+    assert loose.score_upper_unregularized > loose.constants["grad_max"].value
+    no_floor = interval_from_moments(m, 0.1, ridge=lam, grad_max=gam, leverage_max=feat**2 / lam, dim=3)
+    assert no_floor.score_upper_unregularized is None
+    assert any("eig_floor" in note for note in no_floor.notes)
+
+
+def test_vacuous_interval_uses_the_worst_case_variance():
+    """``1 ≤ Δ_n < 2``: the interval is ``[0, γ]`` and ``V`` is the worst case ``R² = γ² L`` (derived)."""
+    _, gam, big_l = _null_probe()
+    u2 = math.log(2 * 3 / (0.1 / 3))  # δ split in three (V from the probe), D = 3
+    m = _null_probe(n_total=math.ceil(big_l * u2 / 0.6))[0]  # √(2x) + 2x/3 ≈ 1.5 at x = L u₂ / n = 0.6
+    dev = math.sqrt(2 * big_l * u2 / m.n) + 2 * big_l * u2 / (3 * m.n)
+    assert 1 <= dev < 2
+    it = interval_from_moments(m, 0.1, grad_max=gam, leverage_max=big_l, dim=3)
+    assert it.vacuous and (it.score_lower, it.score_upper) == (0.0, gam)
+    v = it.constants["variance"]
+    assert (v.symbol, v.source) == ("V", "derived") and v.value == pytest.approx(gam * gam * big_l, rel=1e-12)
+    assert "vacuous" in v.note
+    u1, r = math.log(2 / (0.1 / 3)), gam * math.sqrt(big_l)
+    assert it.epsilon_n == pytest.approx(math.sqrt(2 * r * r * u1 / m.n) + 2 * r * u1 / m.n, rel=1e-12)
+    assert any("vacuous" in note for note in it.notes)
+    ok = interval_from_moments(_null_probe()[0], 0.1, grad_max=gam, leverage_max=big_l, dim=3)
+    assert not ok.vacuous and (ok.constants["variance"].symbol, ok.constants["variance"].source) == ("V", "probe")

@@ -148,3 +148,26 @@ def test_report_written_atomically(tmp_path):
         write_report_atomic({"x": object()}, bad)
     assert not bad.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temp file left behind
+
+
+def test_check_draws_the_polynomial_family_and_its_first_step_agrees(model_cache):
+    """``poly:2`` (every monomial of degree ≤ 2, issue 10 item 5) is in the vector pool, and one instance
+    on the trained MLP agrees: the first step's observed slope matches ``−⟨b, P(b)⟩`` from autograd."""
+    from depthsat_theory.check import FAMILY_POOLS, evaluate, insert_on_probe, pool_family
+    from depthsat_theory.check.checker import Agreement
+    from depthsat_theory.tasks import trained_task
+    from depthsat_theory.vocabulary import Layout
+
+    assert "poly:2" in FAMILY_POOLS[Layout.VECTOR]
+    task = trained_task("mlp", 5, cache_dir=model_cache)
+    fam = pool_family("poly:2")
+    ins = insert_on_probe(task, "blocks.1", fam)
+    assert ins.result.tangent_dim == 64 * (65 * 66 // 2)  # d · (C(d + 2, 2) − 1 + bias)
+    out = evaluate(ins, get_update("sgd"), CheckConfig())
+    assert out["agreement"] is Agreement.AGREE, out["detail"]
+    grads = torch.autograd.grad(
+        task.loss(ins.model(task.inputs), task.targets).mean(), fam.tangent_parameters(ins.block)
+    )
+    b = torch.cat([g.reshape(-1) for g in grads])
+    # the float32 model's autograd b against the checker's: equal to the model's rounding (T1's tolerance)
+    assert math.isclose(out["predicted_slope"], -float(b @ b), rel_tol=1e-4)

@@ -171,3 +171,52 @@ def test_block_takes_the_float32_site_dtype(case):
         pinned = fam.block(shape, layout, dtype=torch.float64)
         _, kept = insert_block(model, site, pinned)
         assert {p.dtype for p in kept.parameters()} == {torch.float64}, spec
+
+
+class _PaddedLM(torch.nn.Module):
+    """``input_ids (B, T)`` → embedding (the site ``embed``) → head; keyword ``attention_mask`` as in Hugging Face."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, 11, dtype=torch.float64)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.head(self.embed(input_ids))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_inserted_attention_block_sees_the_attention_mask(side):
+    """Issue 10 item 5: the inserted ``attention`` block's real rows equal its output on each unpadded sequence.
+
+    Reference: the block's own feature map and ``out`` run on each sequence alone (no padding, no
+    mask); with left padding a block blind to the mask would attend to the padded keys.
+    """
+    from depthsat_theory.capture import insert_block
+
+    torch.manual_seed(0)
+    model = _PaddedLM()
+    fam = parse_family("attention:8")
+    new, blk = insert_block(model, "embed", fam.block((5, 8), "sequence", dtype=torch.float64))
+    with torch.no_grad():
+        blk.out.weight.normal_()
+        blk.out.bias.normal_()
+    lengths = [5, 3, 1]
+    ids = torch.randint(0, 11, (3, 5))
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        if side == "left":
+            mask[i, 5 - n :] = True
+        else:
+            mask[i, :n] = True
+    captured = {}
+    handle = blk.register_forward_hook(lambda m, a, out: captured.__setitem__("h", out.detach()))
+    new(input_ids=ids, attention_mask=mask)
+    handle.remove()
+    for i in range(3):
+        real = mask[i]
+        z = model.embed(ids[i][real][None]).detach()
+        ref = blk.out(blk.features(z)).detach()[0]  # the unpadded sequence, no mask
+        assert torch.allclose(captured["h"][i][real], ref, rtol=1e-12, atol=1e-12), (side, i)
+    new(input_ids=ids)  # a pass without a mask clears it
+    assert blk.padding_mask is None

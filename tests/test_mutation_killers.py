@@ -650,3 +650,30 @@ def test_spectrum_order_and_dtype_check():
     assert spec.values[0] == spec.lam_max and spec.lam_min == spec.values[-1]
     with pytest.raises(TypeError, match="non-floating dtype"):
         unit_roundoff(torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5)]
+)
+def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands, product_summands):
+    """The dropped-direction level ``A (ε_M + γ_acc √k̃)`` of theory/numerics.md, in rationals (both sides).
+
+    ``ε_M = C_φ u_in √k̃`` and ``γ_acc = C_acc (L u64 + L_32 u32)`` with the page's constants
+    (``C_φ = 4``, ``C_acc = 1``); ``k̃`` a perfect square so that ``√k̃`` is rational and the level is
+    an exact :class:`~fractions.Fraction`.  A level lowered by ``1/k̃`` (``√k̃ → 1/√k̃``) would count
+    rounding-level gradient as unresolved; a raised one would hide real directions.
+    """
+    from fractions import Fraction
+
+    from depthsat_theory.statistics.linalg import gradient_rounding
+
+    a = Fraction(3, 7)
+    root = Fraction(math.isqrt(k))
+    assert root * root == k
+    u_in, u64, u32 = (Fraction(U[t]) for t in (dtype, torch.float64, torch.float32))
+    eps_m = Fraction(int(C_PHI)) * u_in * root
+    gamma_acc = 1 * (summands * u64 + product_summands * u32)
+    exact = a * (eps_m + gamma_acc * root)
+    got = gradient_rounding(ag_rms=float(a), dtype=dtype, summands=summands, k=k, product_summands=product_summands)
+    assert abs(Fraction(got) - exact) <= exact * Fraction(1, 2**48)

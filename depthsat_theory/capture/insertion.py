@@ -166,7 +166,22 @@ def insert_block_in_place(model: nn.Module, site: str, block: nn.Module, *, outp
         setattr(parent, child, wrapped)
     if occ is not None:
         new.register_forward_pre_hook(wrapped.reset_calls)
+    if getattr(block, "masks_padding", False):
+        new.register_forward_pre_hook(functools.partial(_share_attention_mask, block), with_kwargs=True)
     return wrapped.block
+
+
+def _share_attention_mask(block: nn.Module, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the root model: the block's ``padding_mask`` is this pass's ``attention_mask``.
+
+    The mask is read from the keyword ``attention_mask`` or from a mapping passed as the first
+    positional argument (``model({"input_ids": …, "attention_mask": …})``); a pass without one
+    clears it, so a mask never leaks into a later unpadded pass.
+    """
+    mask = kwargs.get("attention_mask")
+    if mask is None and args and isinstance(args[0], Mapping):
+        mask = args[0].get("attention_mask")
+    block.__dict__["padding_mask"] = mask.bool() if isinstance(mask, Tensor) else None
 
 
 def _match_site(block: nn.Module, site: nn.Module, model: nn.Module) -> None:

@@ -105,6 +105,7 @@ FAMILY_POOLS: dict[str, tuple[str, ...]] = {
         "linear-nobias",
         "powers:2",
         "powers:3",
+        "poly:2",
         "relu:128",
         "gelu:64",
         "tanh:64",

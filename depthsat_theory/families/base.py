@@ -233,9 +233,15 @@ class ResidualFamily(abc.ABC):
 
 # ----------------------------------------------------------------------------- features
 class _FeatureBlock(nn.Module):
-    """``z ↦ from_rows(out(features(z)))`` with a zero final linear map ``out``."""
+    """``z ↦ from_rows(out(features(z)))`` with a zero final linear map ``out``.
 
-    def __init__(self, features: nn.Module, k: int, d: int, bias: bool, layout: str):
+    A block whose feature map takes a padding mask (``masks_padding``) reads it from
+    :attr:`padding_mask` (``(B, T)`` bool, ``True`` at real tokens; ``None``: no padding), which
+    :func:`~depthsat_theory.capture.insert_block` keeps equal to the ``attention_mask`` of the
+    current forward pass of the model it is inserted in.
+    """
+
+    def __init__(self, features: nn.Module, k: int, d: int, bias: bool, layout: str, masks_padding: bool = False):
         super().__init__()
         self.layout = layout
         self.out = nn.Linear(k, d, bias=bias)
@@ -243,9 +249,17 @@ class _FeatureBlock(nn.Module):
         if bias:
             nn.init.zeros_(self.out.bias)
         self.features = features
+        self.masks_padding = masks_padding
+        self.padding_mask: Tensor | None = None
 
     def forward(self, z: Tensor) -> Tensor:
-        rows = self.out(self.features(z))
+        mask = self.padding_mask if self.masks_padding else None
+        if mask is not None and tuple(mask.shape) != tuple(z.shape[:2]):
+            raise FamilyError(
+                f"the attention_mask {tuple(mask.shape)} does not fit the site tensor {tuple(z.shape)}: the "
+                f"inserted attention block needs the whole sequence in each forward pass (no KV-cached steps)"
+            )
+        rows = self.out(self.features(z) if mask is None else self.features(z, mask=mask))
         return from_rows(rows, self.layout, z.shape)
 
 
@@ -383,7 +397,7 @@ class FeatureFamily(ResidualFamily):
         fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
         k = self.feature_dim(shape, layout)
         d = self.site_dim(shape, layout)
-        return place_block(_FeatureBlock(fmap, k, d, self.bias, layout), dtype, device)
+        return place_block(_FeatureBlock(fmap, k, d, self.bias, layout, self.masks_padding), dtype, device)
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
         """The weight ``W`` and (when ``bias``) the bias ``c`` of the block's final linear map ``out``."""

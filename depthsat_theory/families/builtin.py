@@ -367,8 +367,9 @@ def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily
     Features are the concatenated head outputs ``(B, T, k)``; the unit is the whole
     sequence.  The feature map honours a padding mask (``masks_padding``): padded keys are
     excluded and padded rows are dropped from the statistics, so a padded batch scores as
-    its unpadded sequences (the inserted block itself sees no mask: with right padding and
-    the causal mask its real rows are unaffected).  Implemented explicitly (``nn.MultiheadAttention`` would bypass
+    its unpadded sequences; the inserted block reads the ``attention_mask`` of each forward pass of
+    the model (:func:`~depthsat_theory.capture.insert_block`), so its real rows are those of the
+    unpadded sequences under left or right padding.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
     ``out_proj``'s hooks, theory/definitions.md).
     """
     _check_width(width)

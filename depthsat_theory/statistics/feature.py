@@ -108,16 +108,24 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
     """
     k = x.shape[1]
     if k < GRAM_BLOCK_MIN_K:
-        out += (x.T @ x).to(out.dtype)
+        out += _mirror_lower((x.T @ x).to(out.dtype))
         return
     bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
     for j0, j1 in itertools.pairwise(bounds):
         blk = (x[:, j0:].T @ x[:, j0:j1]).to(out.dtype)
-        w = j1 - j0
-        diag = blk[:w].tril()  # a GEMM's diagonal block need not be symmetric: mirror its lower triangle
-        out[j0:j1, j0:j1] += diag + diag.tril(-1).T
-        out[j1:, j0:j1] += blk[w:]
-        out[j0:j1, j1:] += blk[w:].T
+        blk[: j1 - j0] = _mirror_lower(blk[: j1 - j0])
+        out[j0:, j0:j1] += blk
+        out[j0:j1, j1:] += blk[j1 - j0 :].T
+
+
+def _mirror_lower(square: Tensor) -> Tensor:
+    """``square`` with its strict upper triangle replaced by the transposed lower one.
+
+    A BLAS product ``xᵀ x`` need not be exactly symmetric (the kernel may sum entry ``(a, b)`` and
+    ``(b, a)`` in different orders; seen with OpenBLAS on AMD EPYC): each kept entry is still a
+    computed entry of ``xᵀ x``, so the rounding bound is unchanged and the Gram is exactly symmetric.
+    """
+    return torch.tril(square) + torch.tril(square, -1).T
 
 
 def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | None = None) -> None:
