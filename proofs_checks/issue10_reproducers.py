@@ -132,7 +132,7 @@ def _item1() -> list[Row]:
         out = CliRunner().invoke(app, args)
     rep = json.loads(out.output) if out.exit_code == 0 else {}
     lo, hi, cert = rep.get("score_lower"), rep.get("score_upper"), rep.get("certificate")
-    ok = lo is not None and lo <= truth <= hi and cert != "certified ε-saturated"
+    ok = lo is not None and hi is not None and lo <= truth <= hi and cert != "certified ε-saturated"
     rows.append(
         Row(
             "1",
@@ -175,8 +175,8 @@ def _item2() -> list[Row]:
             )
         )
     rng = np.random.default_rng(11)
-    z, g = _paired(rng.standard_normal((300, 2)), rng, torch.float64)
-    res = _result(z, g, "preln:2")
+    zp, gp = _paired(rng.standard_normal((300, 2)), rng, torch.float64)
+    res = _result(zp, gp, "preln:2")
     ok = res.verdict in (Verdict.SATURATED, Verdict.UNDETERMINED, Verdict.DEGENERATE)
     rows.append(
         Row(
@@ -188,9 +188,9 @@ def _item2() -> list[Row]:
             ok,
         )
     )
-    z, g, _ = near_threshold_probe(np.random.default_rng(3), 2e-6, 500, torch.float64)
-    truth = exact_score(z.numpy(), g.numpy())
-    res = _result(z, g, pool_ties=True)
+    zc, gc, _ = near_threshold_probe(np.random.default_rng(3), 2e-6, 500, torch.float64)
+    truth = exact_score(zc.numpy(), gc.numpy())
+    res = _result(zc, gc, pool_ties=True)
     ok = res.verdict is Verdict.SATURATED and res.score <= res.raw_score and truth == 0.0
     rows.append(
         Row(

@@ -149,7 +149,8 @@ def expand_command(
     config: str = typer.Option(
         "full",
         "--config",
-        help="tiny (CI, seconds), full (SmolLM2, the committed results; ~18 min of one idle CPU thread) or large (for a GPU: --device cuda).",
+        help="tiny (CI, seconds), full (SmolLM2, the committed results; ~18 min of one idle CPU thread) "
+        "or large (for a GPU: --device cuda).",
     ),
     out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/expand)."),
     device: str = typer.Option("cpu", "--device", help="Where the models run and train: cpu, cuda (cuda:N) or auto."),
