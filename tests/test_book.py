@@ -208,7 +208,13 @@ def test_every_page_as_a_reader_sees_it(site, server, browser):
 
 def test_chapters_show_their_executed_figures(site, server, browser):
     figures = {}
-    for rel in ("chapters/setting.html", "chapters/optimizers.html", "chapters/diagnosis.html"):
+    for rel in (
+        "chapters/setting.html",
+        "chapters/optimizers.html",
+        "chapters/beyond.html",
+        "chapters/diagnosis.html",
+        "chapters/growth.html",
+    ):
         info = _visit(browser, server + rel)
         figures[rel] = [img for img in info["images"] if img["ok"]]
     assert all(figures.values()), {rel: len(imgs) for rel, imgs in figures.items()}
