@@ -7,12 +7,152 @@ Every command takes ``--config tiny|full`` (``tiny`` is the bounded size CI runs
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import typer
 
-__all__ = ["experiment_app"]
+from depthsat_theory.cli.render import fail
+from depthsat_theory.grow.errors import GrowError
+
+__all__ = ["EXPERIMENTS", "experiment_app"]
 
 experiment_app = typer.Typer(
     no_args_is_help=True,
     help="Reproduce the paper's experiments (depth sweep, growth against scratch, local insertion, "
     "criterion-driven growth, LLM expansion); results go to experiments/results/<name>/.",
 )
+
+
+# ----------------------------------------------------------------------------- the registry for `all`
+#: ``{name: runner(config, out, log)}``: what ``depthsat experiment all`` runs, in this order.
+#: Each experiment module registers its runner here next to its command.
+EXPERIMENTS: dict[str, Callable[..., Path]] = {}
+
+
+def _sweep_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.sweep import run_sweep
+
+    return run_sweep(config, out=out, progress=log)
+
+
+# first: criterion-driven growth reads the sweep's summary.json
+EXPERIMENTS["sweep"] = _sweep_runner
+
+
+def _seeds(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        fail(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2")
+
+
+def _run(runner: Callable[..., Path], **kwargs) -> None:
+    from depthsat_theory.experiments import ExperimentError
+    from depthsat_theory.experiments.recipe import DatasetUnavailable
+
+    try:
+        folder = runner(log=typer.echo, **kwargs)
+    except (ExperimentError, DatasetUnavailable, GrowError) as exc:
+        fail(exc)
+    typer.echo(f"results written to {folder}")
+
+
+_CONFIG = typer.Option("full", "--config", help="tiny (CI, seconds) or full (the committed results).")
+_SEEDS = typer.Option(None, "--seeds", help="Comma-separated seeds (default: the configuration's).")
+_DATASET = typer.Option(
+    None, "--dataset", help="Image data set(s): digits, mnist5k, fashion (default: the configuration's)."
+)
+
+
+# ----------------------------------------------------------------------------- depth sweep (C1) and insertion (C3)
+@experiment_app.command("sweep")
+def sweep_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/sweep)."),
+    seeds: str | None = _SEEDS,
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished models: reused when present, appended as models finish."
+    ),
+) -> None:
+    """Depth sweep (C1) with local insertion at every site (C3).
+
+    Residual MLPs and small ResNet CNNs on digits, MNIST-5k and Fashion-MNIST and a character GPT
+    on the King James text, trained to early stopping at each depth and seed with one recipe;
+    each is diagnosed on a held-out probe (s, s/AG_rms, AG_rms, AG_max, intervals, verdicts at
+    every site), probed by inserting a zero-output block at every site (predicted against measured
+    first-step decrease), and each curve's plateau depth is found by one rule.
+    """
+    from depthsat_theory.experiments.sweep import run_sweep
+
+    _run(lambda log, **kw: run_sweep(progress=log, **kw), config=config, out=out, seeds=_seeds(seeds), resume=resume)
+
+
+# ----------------------------------------------------------------------------- growth against scratch (C2)
+@experiment_app.command("growth")
+def growth_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/growth)."),
+    seeds: str | None = _SEEDS,
+    dataset: list[str] | None = _DATASET,
+) -> None:
+    """Growth against scratch (C2): grown shallow MLP against the same architecture from scratch.
+
+    A converged shallow MLP is grown with zero-output blocks and trained on; the same final
+    architecture is trained from scratch on the same number of examples.
+    """
+    from depthsat_theory.experiments.growth import run_growth
+
+    _run(run_growth, config=config, out=out, seeds=_seeds(seeds), datasets=dataset)
+
+
+# ----------------------------------------------------------------------------- criterion-driven growth
+@experiment_app.command("criterion-growth")
+def criterion_growth_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(
+        None, "--out", help="Result folder (default experiments/results/criterion-growth)."
+    ),
+    seeds: str | None = _SEEDS,
+    dataset: list[str] | None = _DATASET,
+    sweep: Path | None = typer.Option(
+        None, "--sweep", help="The depth sweep's result folder (default experiments/results/sweep)."
+    ),
+) -> None:
+    """Criterion-driven growth: insert where the certified score is largest, retrain, repeat.
+
+    Stops when every site is certified ε-saturated or the certificate is out of reach at the probe
+    size (then a point-estimate fallback continues, labelled as such).
+    """
+    from depthsat_theory.experiments.criterion import run_criterion_growth
+
+    _run(run_criterion_growth, config=config, out=out, seeds=_seeds(seeds), datasets=dataset, sweep=sweep)
+
+
+def _growth_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.growth import run_growth
+
+    return run_growth(config, out=out, log=log)
+
+
+def _criterion_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.criterion import run_criterion_growth
+
+    return run_criterion_growth(config, out=out, sweep=out.parent / "sweep", log=log)
+
+
+EXPERIMENTS["growth"] = _growth_runner
+EXPERIMENTS["criterion-growth"] = _criterion_runner
+
+
+@experiment_app.command("all")
+def all_command(
+    config: str = _CONFIG,
+    root: Path = typer.Option(Path("experiments/results"), "--root", help="Folder of the result folders."),
+) -> None:
+    """Regenerate every experiment's results (in the registry's order) into ROOT/<name>/."""
+    for name, runner in EXPERIMENTS.items():
+        typer.echo(f"== {name} ({config})")
+        _run(runner, config=config, out=root / name)

@@ -8,4 +8,7 @@ software versions, PNG/SVG figures), atomically: a crash never leaves a half-wri
 
 from depthsat_theory.experiments.record import ExperimentError, provenance, summarize, write_results
 
+# the training recipe (data splits, models of any depth, early stopping): import it from
+# depthsat_theory.experiments.recipe (kept out of this namespace so that importing the package stays light)
+
 __all__ = ["ExperimentError", "provenance", "summarize", "write_results"]

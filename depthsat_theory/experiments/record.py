@@ -73,8 +73,9 @@ def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: floa
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     now = time.time()
+    argv = ["depthsat", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("depthsat") else list(sys.argv)
     return {
-        "command": " ".join(["depthsat", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("depthsat") else " ".join(sys.argv),
+        "command": " ".join(argv),
         **_git_commit(),
         "seeds": list(seeds),
         "config": dict(config),
