@@ -216,10 +216,11 @@ def test_growth_cli_refuses_one_seed(tmp_path):
 
 
 def _fake_sweep(folder):
-    """A made-up sweep result folder: a plateau at depth 4 and examples seen per depth and seed."""
+    """A made-up sweep result folder: width 16, a plateau at depth 4, examples seen per depth and seed."""
     folder.mkdir()
     plateaus = [{"dataset": "digits", "arch": "mlp", "metric": "test_loss", "plateau_depth": 4, "per_seed": "4 2"}]
-    (folder / "summary.json").write_text(json.dumps({"meta": {}, "summary": {"plateaus": plateaus}}))
+    meta = {"config": {"curves": [{"dataset": "digits", "arch": "mlp", "depths": [1, 2], "width": 16}]}}
+    (folder / "summary.json").write_text(json.dumps({"meta": meta, "summary": {"plateaus": plateaus}}))
     runs = [(1, 0, 1000), (2, 0, 2000), (1, 1, 3000), (2, 1, 500)]  # depth, seed, examples seen
     with open(folder / "runs.csv", "w", newline="") as fh:
         w = csv.writer(fh)
@@ -255,7 +256,8 @@ def test_criterion_growth_tiny_through_the_cli(tmp_path):
             assert all(s["certificate"] == "not certified" for s in first)
     summary = json.loads((out / "summary.json").read_text())["summary"]["digits"]
     assert summary["sweep_plateau_depth_test_loss"] == 4
-    width = CRITERION_CONFIGS["tiny"]["width"]
+    width = 16  # the sweep's width (its meta), not this experiment's
+    assert CRITERION_CONFIGS["tiny"]["width"] != width and summary["sweep_width"] == width
     per_seed = [sum(2 * _macs(64, width, d, 10) * e for d, sd, e in fake if sd == seed) for seed in (0, 1)]
     assert summary["sweep_flops_per_seed"]["mean"] == pytest.approx(sum(per_seed) / 2, rel=1e-12)
     assert summary["sweep_examples_seen_per_seed"]["mean"] == 3250

@@ -240,3 +240,9 @@ def test_a_stopped_sweep_resumes_from_its_finished_models(tmp_path, monkeypatch)
     second = S.run_sweep("tiny", out=tmp_path / "b", seeds=[0], resume=log)
     for name in ("runs", "sites", "insertion", "plateaus"):
         assert (first / f"{name}.csv").read_text() == (second / f"{name}.csv").read_text(), name
+
+
+def test_the_sweep_runs_first_in_experiment_all():
+    from depthsat_theory.cli.experiment import EXPERIMENTS
+
+    assert next(iter(EXPERIMENTS)) == "sweep"  # criterion-driven growth reads the sweep's summary.json

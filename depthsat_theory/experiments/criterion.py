@@ -44,6 +44,7 @@ from depthsat_theory.diagnose import Diagnosis, diagnose
 from depthsat_theory.experiments import recipe as rc
 from depthsat_theory.experiments.deepen import deepen
 from depthsat_theory.experiments.flops import training_cost
+from depthsat_theory.experiments.growth import sweep_sizes
 from depthsat_theory.experiments.record import (
     DEFAULT_RESULTS_ROOT,
     ExperimentError,
@@ -81,7 +82,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "seeds": [0, 1, 2, 3, 4],
         # the shared recipe as the depth sweep runs it, and its split sizes (experiments/sweep.py)
         "recipe": {},
-        "sizes": {"mnist5k": {"train": 1500, "val": 300, "probe": 256, "test": 500}},
+        "sizes": sweep_sizes(["digits", "mnist5k"]),
     },
 }
 
@@ -255,34 +256,45 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
+def _sweep_plateau(folder: Path, ds: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The sweep's plateau depth of the test loss for ``ds`` and the width its curve used."""
+    out: dict[str, Any] = {}
+    width = cfg["width"]
+    summary = folder / "summary.json"
+    if not summary.is_file():
+        return out, width
+    data = json.loads(summary.read_text())
+    curves = data.get("meta", {}).get("config", {}).get("curves", [])
+    width = next((c["width"] for c in curves if (c.get("dataset"), c.get("arch")) == (ds, cfg["arch"])), width)
+    for p in data.get("summary", {}).get("plateaus", []):
+        if (p.get("dataset"), p.get("arch"), p.get("metric")) == (ds, cfg["arch"], "test_loss"):
+            out["sweep_plateau_depth_test_loss"] = p.get("plateau_depth")
+            out["sweep_plateau_depth_per_seed"] = p.get("per_seed")
+    return out, width
+
+
 def _sweep_side(folder: Path, ds: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The depth sweep's plateau depth of the test loss and its compute per seed, from its result folder."""
-    out: dict[str, Any] = {}
-    summary = folder / "summary.json"
-    if summary.is_file():
-        plateaus = json.loads(summary.read_text()).get("summary", {}).get("plateaus", [])
-        for p in plateaus:
-            if (p.get("dataset"), p.get("arch"), p.get("metric")) == (ds, cfg["arch"], "test_loss"):
-                out["sweep_plateau_depth_test_loss"] = p.get("plateau_depth")
-                out["sweep_plateau_depth_per_seed"] = p.get("per_seed")
+    out, width = _sweep_plateau(folder, ds, cfg)
     runs = folder / "runs.csv"
-    if runs.is_file():
-        rows = [r for r in _read_csv(runs) if r.get("dataset") == ds and r.get("arch") == cfg["arch"]]
-        if rows:
-            splits = rc.load_splits(ds, 0, rc.Sizes(**cfg["sizes"].get(ds, {})))
-            cost = {
-                d: training_cost(
-                    rc.build_model(cfg["arch"], d, splits, seed=0, width=cfg["width"]), splits.train.x[:1]
-                ).macs
-                for d in {int(r["depth"]) for r in rows}
-            }
-            seeds = sorted({r["seed"] for r in rows})
-            per = [[r for r in rows if r["seed"] == sd] for sd in seeds]
-            out["sweep_depths"] = sorted(cost)
-            out["sweep_examples_seen_per_seed"] = summarize([sum(int(r["examples_seen"]) for r in p) for p in per])
-            out["sweep_flops_per_seed"] = summarize(
-                [sum(2 * cost[int(r["depth"])] * int(r["examples_seen"]) for r in p) for p in per]
-            )
+    rows = (
+        [r for r in _read_csv(runs) if r.get("dataset") == ds and r.get("arch") == cfg["arch"]]
+        if runs.is_file()
+        else []
+    )
+    if not rows:
+        return out
+    splits = rc.load_splits(ds, 0, rc.Sizes(**cfg["sizes"].get(ds, {})))
+    cost = {
+        d: training_cost(rc.build_model(cfg["arch"], d, splits, seed=0, width=width), splits.train.x[:1]).macs
+        for d in {int(r["depth"]) for r in rows}
+    }
+    per = [[r for r in rows if r["seed"] == sd] for sd in sorted({r["seed"] for r in rows})]
+    out["sweep_depths"], out["sweep_width"] = sorted(cost), width
+    out["sweep_examples_seen_per_seed"] = summarize([sum(int(r["examples_seen"]) for r in p) for p in per])
+    out["sweep_flops_per_seed"] = summarize(
+        [sum(2 * cost[int(r["depth"])] * int(r["examples_seen"]) for r in p) for p in per]
+    )
     return out
 
 

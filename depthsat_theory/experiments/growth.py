@@ -43,6 +43,14 @@ __all__ = ["CONFIGS", "PAPER_RELATIVE_TEST_LOSS", "paired_relative_difference", 
 #: The paper's average relative test-loss difference of grown against scratch, about 11.8 % lower (C2).
 PAPER_RELATIVE_TEST_LOSS = -0.118
 
+
+def sweep_sizes(datasets: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The depth sweep's full split sizes of ``datasets`` (``experiments/sweep.py``), so the numbers compare."""
+    from depthsat_theory.experiments.sweep import CONFIGS as SWEEP
+
+    return {d: dataclasses.asdict(SWEEP["full"].sizes[d]) for d in datasets if d in SWEEP["full"].sizes}
+
+
 #: ``tiny`` runs in CI in seconds; ``full`` is the committed configuration (see experiments/README.md).
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -63,10 +71,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "shallow_depth": 2,
         "deep_depth": 8,
         "grow_epochs": 15,  # the recipe's max_epochs: the grown model gets a full training budget
-        "seeds": [0, 1, 2, 3, 4, 5],
+        "seeds": list(range(12)),
         # the shared recipe as the depth sweep runs it, and its split sizes (experiments/sweep.py)
         "recipe": {},
-        "sizes": {"mnist5k": {"train": 1500, "val": 300, "probe": 256, "test": 500}},
+        "sizes": sweep_sizes(["digits", "mnist5k"]),
     },
 }
 
