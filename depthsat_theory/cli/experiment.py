@@ -143,8 +143,64 @@ def _criterion_runner(config: str, out: Path, log) -> Path:
     return run_criterion_growth(config, out=out, sweep=out.parent / "sweep", log=log)
 
 
+# ----------------------------------------------------------------------------- where to expand an LLM (item 5)
+@experiment_app.command("expand")
+def expand_command(
+    config: str = typer.Option(
+        "tiny",
+        "--config",
+        help="tiny (CI, seconds), full (SmolLM2, ~18 min of one idle CPU thread) or large (for a GPU: --device cuda).",
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/expand)."),
+    device: str = typer.Option("cpu", "--device", help="Where the models run and train: cpu, cuda (cuda:N) or auto."),
+    seeds: str | None = _SEEDS,
+    steps: int | None = typer.Option(None, "--steps", help="Training steps per run (default: the config's)."),
+    blocks: int | None = typer.Option(None, "--blocks", help="Layers added, k (default: the config's)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Tokens per window (default: the config's)."),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", help="Training windows per step (default: the config's)."
+    ),
+) -> None:
+    """Where to expand an LLM: criterion-ranked layers against LLaMA-Pro's even spacing and random positions.
+
+    SmolLM2 grown by k zero-output layer copies at each arm's positions, the same continued pretraining on
+    King James text (old layers frozen, transformers.Trainer), held-out loss before and after, paired by seed.
+    """
+    from depthsat_theory.cli import render
+    from depthsat_theory.experiments import ExperimentError
+    from depthsat_theory.experiments.expand import run_expand, with_overrides
+    from depthsat_theory.tasks.custom import ModelSpecError
+    from depthsat_theory.tasks.zoo import ZooUnavailableError
+
+    seed_list = _seeds(seeds)
+    try:
+        cfg = with_overrides(
+            config,
+            seeds=None if seed_list is None else tuple(seed_list),
+            steps=steps,
+            blocks=blocks,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+        )
+        summary = run_expand(
+            cfg, out=out, device=device, progress=lambda msg: render.err_console.print(msg, markup=False)
+        )
+    except (ExperimentError, GrowError, ModelSpecError, ZooUnavailableError) as exc:
+        fail(exc)
+    for key in ("verdict_even", "verdict_random"):
+        render.console.print(summary[key], markup=False, highlight=False)
+
+
+def _expand_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.expand import run_expand
+
+    run_expand(config, out=out, progress=log)
+    return out
+
+
 EXPERIMENTS["growth"] = _growth_runner
 EXPERIMENTS["criterion-growth"] = _criterion_runner
+EXPERIMENTS["expand"] = _expand_runner
 
 
 @experiment_app.command("all")

@@ -233,9 +233,20 @@ class _BatchList(torch.utils.data.Dataset):
 
 
 def _trainer_loop(
-    model: nn.Module, loss_fn: Callable, batches: Sequence, opt: torch.optim.Optimizer, steps: int
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: Sequence,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    *,
+    seed: int = 42,
+    sampling: str = "random",
 ) -> list[float]:
-    """``transformers.Trainer``: constant learning rate, no clipping, our zero-state optimizer, our per-example loss."""
+    """``transformers.Trainer``: constant learning rate, no clipping, our zero-state optimizer, our per-example loss.
+
+    ``seed`` is the Trainer's seed (its batch order under ``sampling="random"``); ``sampling="sequential"``
+    takes the batches in the order given (one per step, cycling).
+    """
     import transformers
 
     lr = opt.param_groups[-1]["lr"]
@@ -255,6 +266,8 @@ def _trainer_loop(
             use_cpu=next(model.parameters()).device.type == "cpu",
             remove_unused_columns=False,
             dataloader_num_workers=0,
+            seed=seed,
+            train_sampling_strategy=sampling,
         )
         trainer = transformers.Trainer(
             model=model,
@@ -280,12 +293,20 @@ def _train(
     freeze_old: bool,
     *,
     trainer: bool,
+    seed: int = 42,
+    sampling: str = "random",
 ) -> list[float]:
-    """Train ``steps`` Adam steps from zero state; the requires_grad flags are restored afterwards."""
+    """Train ``steps`` Adam steps from zero state; the requires_grad flags are restored afterwards.
+
+    ``seed`` and ``sampling`` apply to the Trainer (:func:`_trainer_loop`); the plain loop takes the
+    batches in order.
+    """
     flags = [(p, p.requires_grad) for p in model.parameters()]
     opt = _optimizer(model, new_params, lr, freeze_old)
     try:
-        return (_trainer_loop if trainer else _plain_loop)(model, loss_fn, batches, opt, steps)
+        if trainer:
+            return _trainer_loop(model, loss_fn, batches, opt, steps, seed=seed, sampling=sampling)
+        return _plain_loop(model, loss_fn, batches, opt, steps)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)

