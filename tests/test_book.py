@@ -14,6 +14,7 @@ anchor resolves, every ``theory/`` page and every public module has its page.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -208,23 +209,30 @@ def test_every_page_as_a_reader_sees_it(site, server, browser):
 
 def test_chapters_show_their_executed_figures(site, server, browser):
     figures = {}
-    for rel in ("chapters/setting.html", "chapters/optimizers.html", "chapters/diagnosis.html"):
+    for rel in (
+        "chapters/setting.html",
+        "chapters/optimizers.html",
+        "chapters/beyond.html",
+        "chapters/diagnosis.html",
+        "chapters/growth.html",
+    ):
         info = _visit(browser, server + rel)
         figures[rel] = [img for img in info["images"] if img["ok"]]
     assert all(figures.values()), {rel: len(imgs) for rel, imgs in figures.items()}
 
 
 def test_search_results_typeset_math(site, server, browser):
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(server + "search.html?q=projector")
-    WebDriverWait(browser, 30).until(lambda d: d.find_elements("css selector", "#search-results li"))
-    WebDriverWait(browser, 30).until(
-        lambda d: (
-            d.find_elements("css selector", "#search-results mjx-container")
-            or not RAW_TEX.search(d.find_element("id", "search-results").text)
+    # Sphinx adds the results one by one and then says "Search finished"; the summaries are typeset as
+    # they arrive (after a quiet 300 ms), so on a loaded machine wait for both before reading the text
+    WebDriverWait(browser, 60).until(lambda d: "Search finished" in d.find_element("id", "search-results").text)
+    with contextlib.suppress(TimeoutException):  # the assertion below reports what is left
+        WebDriverWait(browser, 60).until(
+            lambda d: not re.search(r"\\\(|\\\)", d.find_element("id", "search-results").text)
         )
-    )
     text = browser.find_element("id", "search-results").text
     assert not re.search(r"\\\(|\\\)", text), f"raw TeX delimiters in the search results: {text[:300]!r}"
 

@@ -58,6 +58,8 @@ from depthsat_theory.vocabulary import Certificate
 
 __all__ = ["CONFIGS", "decide", "run_criterion_growth"]
 
+#: The configurations by name, ``tiny`` (what CI runs, in seconds) and ``full`` (the committed results;
+#: experiments/README.md gives its wall time).
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {
         "datasets": ["digits"],
