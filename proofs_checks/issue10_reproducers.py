@@ -37,7 +37,7 @@ from depthsat_theory import parse_family
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.vocabulary import Verdict
 
-from .t8_numerics import exact_score, near_threshold_probe
+from .t8_numerics import collinear_signal, exact_score, near_threshold_probe
 
 __all__ = ["TESTED_REPRODUCERS", "Row", "measured_rows", "render", "rows_from_tests"]
 
@@ -58,17 +58,6 @@ def _result(z, g, family="linear", *, pool_ties=False):
     stats = statistics_for(parse_family(family), tuple(z.shape[1:]), "vector", pool_ties=pool_ties)
     stats.update(z, g)
     return stats.result()
-
-
-def _collinear_signal(eps: float, dtype, n: int = 1000, seed: int = 0):
-    """``z = (t, t + ε w)`` and ``g`` along the small feature direction ``z₂ − z₁`` (exact ``s = AG_rms``)."""
-    rng = np.random.default_rng(seed)
-    t, w = rng.standard_normal(n), rng.standard_normal(n)
-    z = torch.from_numpy(np.stack([t, t + eps * w], 1)).to(dtype)
-    zs = z.double().numpy()
-    v = zs[:, 1] - zs[:, 0]
-    g = np.stack([v, v], 1) / np.sqrt(np.mean(2 * v * v))
-    return z, torch.from_numpy(g).to(dtype)
 
 
 def _lsq_residual(z: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -108,7 +97,7 @@ def _verdict_row(item, what, before, truth_value: float, res, *, signal: bool) -
 
 
 def _item1() -> list[Row]:
-    z, g = _collinear_signal(1e-4, torch.float32)
+    z, g = collinear_signal(1e-4, torch.float32)
     truth = exact_score(z.double().numpy(), g.double().numpy())
     res = _result(z, g)
     rows = [

@@ -36,6 +36,7 @@ from fractions import Fraction
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from depthsat_theory.families import FeatureFamily, parse_family
 from depthsat_theory.statistics import NOISE_ALPHA, resolve_spectrum, statistics_for
@@ -85,6 +86,21 @@ def exact_score(z: np.ndarray, g: np.ndarray, bias: bool = True) -> float:
     x = _solve_rational(gram, rhs)
     s2 = sum((rhs[a][j] * x[a][j] for a in range(k) for j in range(d)), Fraction(0)) / n  # gᵀ Φ̃ x = (Φ̃ᵀg)ᵀ x
     return math.sqrt(float(s2))
+
+
+def collinear_signal(eps: float, dtype: torch.dtype, n: int = 1000, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """``z = (t, t + ε w)`` and ``g`` along the small feature direction ``z₂ − z₁`` (exact ``s = AG_rms``).
+
+    Issue 10's reproducer of the rank cutoff (``ε = 1e-4`` in float32): ``g`` lies in the tangent space
+    of the linear family, so the exact score of the stored arrays equals ``AG_rms = 1``.
+    """
+    rng = np.random.default_rng(seed)
+    t, w = rng.standard_normal(n), rng.standard_normal(n)
+    z = torch.from_numpy(np.stack([t, t + eps * w], 1)).to(dtype)
+    zs = z.double().numpy()
+    v = zs[:, 1] - zs[:, 0]
+    g = np.stack([v, v], 1) / np.sqrt(np.mean(2 * v * v))
+    return z, torch.from_numpy(g).to(dtype)
 
 
 def near_threshold_probe(rng: np.random.Generator, eps: float, n_pairs: int, dtype: torch.dtype):

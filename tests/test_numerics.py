@@ -21,7 +21,7 @@ from depthsat_theory.cli import app
 from depthsat_theory.families import GeneralFamily
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.vocabulary import Verdict
-from proofs_checks.t8_numerics import exact_score, near_threshold_probe
+from proofs_checks.t8_numerics import collinear_signal, exact_score, near_threshold_probe
 
 
 def _result(z, g, family="linear", *, pool_ties=False, layout="vector"):
@@ -30,20 +30,9 @@ def _result(z, g, family="linear", *, pool_ties=False, layout="vector"):
     return stats.result()
 
 
-def _collinear_signal(eps: float, dtype, n: int = 1000, seed: int = 0):
-    """``z = (t, t + ε w)`` and ``g`` along the small feature direction ``z₂ − z₁`` (exact ``s = AG_rms``)."""
-    rng = np.random.default_rng(seed)
-    t, w = rng.standard_normal(n), rng.standard_normal(n)
-    z = torch.from_numpy(np.stack([t, t + eps * w], 1)).to(dtype)
-    zs = z.double().numpy()
-    v = zs[:, 1] - zs[:, 0]
-    g = np.stack([v, v], 1) / np.sqrt(np.mean(2 * v * v))
-    return z, torch.from_numpy(g).to(dtype)
-
-
 def test_small_real_direction_is_kept_in_float32():
     """Reproducer 1: a float32 direction of amplitude ~1e-4 is resolvable; the site is improvable (exact s = 1)."""
-    z, g = _collinear_signal(1e-4, torch.float32)
+    z, g = collinear_signal(1e-4, torch.float32)
     truth = exact_score(z.double().numpy(), g.double().numpy())
     res = _result(z, g)
     assert truth == pytest.approx(res.ag_rms, rel=1e-6)  # g ∈ T exactly up to float32 storage of g
@@ -54,7 +43,7 @@ def test_small_real_direction_is_kept_in_float32():
 
 
 def test_score_cli_reports_the_error_model_fields(tmp_path):
-    z, g = _collinear_signal(1e-4, torch.float32)
+    z, g = collinear_signal(1e-4, torch.float32)
     path = tmp_path / "p.npz"
     np.savez(path, z=z.numpy(), g=g.numpy())
     out = CliRunner().invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"])
@@ -176,7 +165,7 @@ def test_general_family_noise_moment_matches_per_example_jacobians():
 def test_verdict_reason_names_each_outcome():
     zero = _result(torch.zeros(8, 2, dtype=torch.float64), torch.ones(8, 2, dtype=torch.float64), "linear-nobias")
     assert zero.verdict is Verdict.DEGENERATE and "rank K = 0" in zero.verdict_reason
-    z, g = _collinear_signal(1e-1, torch.float64, n=200)
+    z, g = collinear_signal(1e-1, torch.float64, n=200)
     assert "exceeds" in _result(z, g).verdict_reason
     assert math.isfinite(_result(z, g).score_error)
 
@@ -233,7 +222,7 @@ def test_least_squares_residual_is_saturated_within_its_exact_score(make_z):
 
 
 def test_score_cli_alpha_and_matrix_bound_options(tmp_path):
-    z, g = _collinear_signal(1e-4, torch.float32)
+    z, g = collinear_signal(1e-4, torch.float32)
     path = tmp_path / "p.npz"
     np.savez(path, z=z.numpy(), g=g.numpy())
     run = CliRunner().invoke
@@ -264,7 +253,7 @@ def test_dropped_direction_carrying_gradient_is_not_saturated():
 
 def test_vacuous_rounding_bound_is_undetermined():
     """float64 z₂ = z₁ + 1e-14 w with g along the small direction (exact s = AG_rms): not 'saturated'."""
-    z, g = _collinear_signal(1e-14, torch.float64, n=200)
+    z, g = collinear_signal(1e-14, torch.float64, n=200)
     res = _result(z, g)
     truth = exact_score(z.numpy(), g.numpy())
     assert truth == pytest.approx(res.ag_rms, rel=1e-3)
