@@ -258,7 +258,8 @@ def measured_rows() -> list[Row]:
     return [*_item1(), *_item2(), *_item3(), *_item4()]
 
 
-#: (item, reproducer, before, truth, test node id): reproducers whose test asserts an independent truth
+#: Reproducers whose test asserts an independent truth, each as the tuple of its item, reproducer,
+#: verdict before, exact truth and test node id.
 TESTED_REPRODUCERS: list[tuple[str, str, str, str, str]] = [
     (
         "1",
