@@ -260,6 +260,8 @@ def measured_rows() -> list[Row]:
 
 #: Reproducers whose test asserts an independent truth, each as the tuple of its item, reproducer,
 #: verdict before, exact truth and test node id.
+#:
+#: :meta hide-value:
 TESTED_REPRODUCERS: list[tuple[str, str, str, str, str]] = [
     (
         "1",
