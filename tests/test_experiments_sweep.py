@@ -220,7 +220,7 @@ def test_a_failing_run_leaves_no_result_folder(tmp_path, monkeypatch):
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = tmp_path / "x"
-    for args in (["--config", "huge"], ["--seeds", "a,b"], ["--seeds", "1,1"]):
+    for args in (["--config", "huge"], ["--seeds", "a,b"], ["--seeds", "1,1"], ["--curve", "cifar/vit"]):
         res = runner.invoke(app, ["experiment", "sweep", *args, "--out", str(out)])
         assert res.exit_code == 2, (args, res.output)
         assert "error:" in res.output and len(res.output.strip().splitlines()) == 1
@@ -240,6 +240,36 @@ def test_a_stopped_sweep_resumes_from_its_finished_models(tmp_path, monkeypatch)
     second = S.run_sweep("tiny", out=tmp_path / "b", seeds=[0], resume=log)
     for name in ("runs", "sites", "insertion", "plateaus"):
         assert (first / f"{name}.csv").read_text() == (second / f"{name}.csv").read_text(), name
+
+
+def test_curve_subsets_in_separate_processes_aggregate_without_retraining(tmp_path, monkeypatch):
+    import csv
+
+    names = [c.name for c in S.CONFIGS["tiny"].curves]
+    part_a, part_b = names[:1], names[1:]
+    logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    outs = [
+        S.run_sweep("tiny", out=tmp_path / f"o{i}", seeds=[0], resume=log, curves=part)
+        for i, (part, log) in enumerate(zip((part_a, part_b), logs, strict=True))
+    ]
+    for out, part in zip(outs, (part_a, part_b), strict=True):
+        rows = list(csv.DictReader((out / "runs.csv").open()))
+        assert {f"{r['dataset']}/{r['arch']}" for r in rows} == set(part)
+    merged = tmp_path / "all.jsonl"
+    merged.write_text("".join(log.read_text() for log in logs))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a finished model was trained again")
+
+    monkeypatch.setattr(S, "_one_model", never)
+    whole = S.run_sweep("tiny", out=tmp_path / "all", seeds=[0], resume=merged)
+
+    def rows(folder):  # a column only some curves have (bits per character) is empty elsewhere
+        return sorted(
+            sorted((k, v) for k, v in r.items() if v != "") for r in csv.DictReader((folder / "runs.csv").open())
+        )
+
+    assert rows(whole) == sorted(rows(outs[0]) + rows(outs[1]))
 
 
 def test_the_sweep_runs_first_in_experiment_all():

@@ -76,6 +76,9 @@ def sweep_command(
     resume: Path | None = typer.Option(
         None, "--resume", help="JSON-lines file of finished models: reused when present, appended as models finish."
     ),
+    curve: list[str] | None = typer.Option(
+        None, "--curve", help="Run only this curve (repeatable), e.g. digits/mlp, kjv/gpt (default: all)."
+    ),
 ) -> None:
     """Depth sweep (C1) with local insertion at every site (C3).
 
@@ -87,7 +90,14 @@ def sweep_command(
     """
     from depthsat_theory.experiments.sweep import run_sweep
 
-    _run(lambda log, **kw: run_sweep(progress=log, **kw), config=config, out=out, seeds=_seeds(seeds), resume=resume)
+    _run(
+        lambda log, **kw: run_sweep(progress=log, **kw),
+        config=config,
+        out=out,
+        seeds=_seeds(seeds),
+        resume=resume,
+        curves=curve,
+    )
 
 
 # ----------------------------------------------------------------------------- growth against scratch (C2)

@@ -70,7 +70,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "width": 32,
         "shallow_depth": 2,
         "deep_depth": 8,
-        "grow_epochs": 15,  # the recipe's max_epochs: the grown model gets a full training budget
+        "grow_epochs": 15,  # a fixed budget for the grown model (the scratch arm gets the same examples)
         "seeds": list(range(12)),
         # the shared recipe as the depth sweep runs it, and its split sizes (experiments/sweep.py)
         "recipe": {},

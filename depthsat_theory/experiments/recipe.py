@@ -106,7 +106,7 @@ class Recipe:
 
     lr: float = 2e-3
     batch_size: int = 64
-    max_epochs: int = 15
+    max_epochs: int = 100
     patience: int = 3
     eval_batch_size: int = 1024
 

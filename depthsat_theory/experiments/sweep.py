@@ -662,6 +662,7 @@ def run_sweep(
     seeds: Sequence[int] | None = None,
     progress: Callable[[str], None] | None = None,
     resume: str | Path | None = None,
+    curves: Sequence[str] | None = None,
 ) -> Path:
     """Run the depth sweep (C1) with local insertion (C3) and write its results atomically.
 
@@ -672,38 +673,42 @@ def run_sweep(
         progress: called with one line after each trained model.
         resume: a JSON-lines file of finished models: models recorded there (same configuration)
             are not retrained, and each newly finished model is appended (default: none).
+        curves: run only these curves of the configuration, by name (``"digits/mlp"``; default:
+            all). With one ``resume`` file per subset, several processes can share a sweep; a
+            final run over all curves with the concatenated files aggregates without retraining.
 
     Returns:
         The result folder.
 
     Raises:
-        ExperimentError: an unknown configuration, fewer than one seed, or no curve whose data
-            is available (nothing is written then).
+        ExperimentError: an unknown configuration, fewer than one seed, a curve name the
+            configuration does not have, or no curve whose data is available (nothing is written
+            then).
     """
     started = time.time()
-    cfg = _resolve(config)
+    cfg = _only_curves(_resolve(config), curves)
     seeds = tuple(cfg.seeds if seeds is None else seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise ExperimentError(f"--seeds: give distinct seeds, got {list(seeds)}")
     col = _Collected()
     done = _Resume(resume, cfg)
-    curves = []
+    ran: list[Curve] = []
     for curve in cfg.curves:
         reason = R.dataset_unavailable(curve.dataset)
         if reason:
             col.skipped[curve.name] = reason
             continue
-        curves.append(curve)
+        ran.append(curve)
         for seed in seeds:
             _curve_seed(cfg, curve, seed, col, done, progress)
-    if not curves:
+    if not ran:
         raise ExperimentError(f"no data set available: {col.skipped}")
-    curves_rows = [row for c in curves for row in _curve_rows(col.runs, c)]
-    plateaus = [row for c in curves for row in _plateau_rows(col.runs, curves_rows, c)]
-    ins_curves = [row for c in curves for row in _insertion_curves(col.insertion, c)]
+    curves_rows = [row for c in ran for row in _curve_rows(col.runs, c)]
+    plateaus = [row for c in ran for row in _plateau_rows(col.runs, curves_rows, c)]
+    ins_curves = [row for c in ran for row in _insertion_curves(col.insertion, c)]
     summary = {
         "skipped": col.skipped,
-        "claims_c1": {c.name: _check_claims(plateaus, curves_rows, c) for c in curves},
+        "claims_c1": {c.name: _check_claims(plateaus, curves_rows, c) for c in ran},
         "plateaus": plateaus,
         "insertion": ins_curves,
     }
@@ -719,9 +724,21 @@ def run_sweep(
             "insertion_curves": ins_curves,
         },
         summary=summary,
-        figures=_figures(cfg, curves, curves_rows, plateaus, ins_curves),
+        figures=_figures(cfg, ran, curves_rows, plateaus, ins_curves),
         meta=provenance(seeds=seeds, config=cfg.to_dict(), started=started),
     )
+
+
+def _only_curves(cfg: SweepConfig, curves: Sequence[str] | None) -> SweepConfig:
+    if curves is None:
+        return cfg
+    known = {c.name: c for c in cfg.curves}
+    unknown = [name for name in curves if name not in known]
+    if unknown or not curves:
+        raise ExperimentError(
+            f"--curve {unknown or list(curves)}: the {cfg.name!r} configuration has {', '.join(known)}"
+        )
+    return dataclasses.replace(cfg, curves=tuple(known[name] for name in dict.fromkeys(curves)))
 
 
 def _resolve(config: str | SweepConfig) -> SweepConfig:
