@@ -446,6 +446,7 @@ def _one(cfg: dict[str, Any], splits: rc.Splits, depth: int, seed: int) -> tuple
     teacher = rc.train(rc.build_model("mlp", depth, splits, seed=seed, width=width), splits, seed=seed, recipe=recipe)
     t_train, t_test = _logits(teacher.model, splits.train.x), _logits(teacher.model, splits.test.x)
     init = rc.build_model("mlp", depth, splits, seed=seed + STUDENT_SEED_OFFSET, width=width)
+    assert isinstance(init, ResidualMLP)
     students = {"variable": copy.deepcopy(init), "fixed": FixedDepthMLP.like(init)}
     results = {
         arm: distill(m, splits, t_train, t_test, epochs=epochs, seed=seed + 1, recipe=recipe)
@@ -492,37 +493,66 @@ def _one(cfg: dict[str, Any], splits: rc.Splits, depth: int, seed: int) -> tuple
 # ----------------------------------------------------------------------------- summary and figure
 
 
+def _arm_rows(sel: list[dict], arm: str) -> list[dict]:
+    return sorted((r for r in sel if r["arm"] == arm), key=lambda r: r["seed"])
+
+
+def _spreads(rows: list[dict], keys: Sequence[str]) -> dict[str, dict[str, float]]:
+    return {k: summarize([r[k] for r in rows]) for k in keys}
+
+
+def _differences(fx: list[dict], vr: list[dict], prefix: str = "") -> dict[str, dict[str, Any]]:
+    return {k: paired_difference([r[prefix + k] for r in fx], [r[prefix + k] for r in vr]) for k in METRICS}
+
+
+def _cell_summary(sel: list[dict]) -> dict[str, Any]:
+    """Summary of one data set and depth: per-arm spreads and paired ``fixed − variable`` differences."""
+    fx, vr = _arm_rows(sel, "fixed"), _arm_rows(sel, "variable")
+    if [r["seed"] for r in fx] != [r["seed"] for r in vr]:
+        raise ExperimentError("fixed-depth summary: the two arms ran different seeds")
+    final, matched = _differences(fx, vr), _differences(fx, vr, "matched_")
+    return {
+        "teacher": _spreads(_arm_rows(sel, "teacher"), ("train_loss", "test_loss", "test_accuracy")),
+        "arms": {"variable": _spreads(vr, METRICS), "fixed": _spreads(fx, METRICS)},
+        "fixed_minus_variable": final,
+        "matched_fit_fixed_minus_variable": matched,
+        "matched_tau": summarize([r["matched_tau"] for r in fx]),
+        "matched_epochs": {"variable": [r["matched_epoch"] for r in vr], "fixed": [r["matched_epoch"] for r in fx]},
+        "verdict_test_loss": direction(final["test_loss"]),
+        "verdict_test_accuracy": direction(final["test_accuracy"], higher_is_better=True),
+        "verdict_matched_test_loss": direction(matched["test_loss"]),
+        "n_params": fx[0]["n_params"],
+        "examples_seen_per_arm": fx[0]["examples_seen"],
+        "budgets_equal": [a["examples_seen"] for a in fx] == [b["examples_seen"] for b in vr],
+    }
+
+
 def _summary(rows: list[dict], cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for ds in cfg["datasets"]:
         for depth in cfg["depths"]:
             sel = [r for r in rows if r["dataset"] == ds and r["depth"] == depth]
-            if not sel:
-                continue
-            by = {arm: sorted((r for r in sel if r["arm"] == arm), key=lambda r: r["seed"]) for arm in ARMS}
-            teach = sorted((r for r in sel if r["arm"] == "teacher"), key=lambda r: r["seed"])
-            fx, vr = by["fixed"], by["variable"]
-            final = {k: paired_difference([r[k] for r in fx], [r[k] for r in vr]) for k in METRICS}
-            matched = {
-                k: paired_difference([r[f"matched_{k}"] for r in fx], [r[f"matched_{k}"] for r in vr]) for k in METRICS
-            }
-            out[f"{ds}/depth{depth}"] = {
-                "teacher": {k: summarize([r[k] for r in teach]) for k in ("train_loss", "test_loss", "test_accuracy")},
-                "arms": {arm: {k: summarize([r[k] for r in rs]) for k in METRICS} for arm, rs in by.items()},
-                "fixed_minus_variable": final,
-                "matched_fit_fixed_minus_variable": matched,
-                "matched_epochs": {arm: [r["matched_epoch"] for r in rs] for arm, rs in by.items()},
-                "verdict_test_loss": direction(final["test_loss"]),
-                "verdict_test_accuracy": direction(final["test_accuracy"], higher_is_better=True),
-                "verdict_matched_test_loss": direction(matched["test_loss"]),
-                "n_params": fx[0]["n_params"],
-                "examples_seen_per_arm": fx[0]["examples_seen"],
-                "budgets_equal": all(a["examples_seen"] == b["examples_seen"] for a, b in zip(fx, vr, strict=True)),
-            }
+            if sel:
+                out[f"{ds}/depth{depth}"] = _cell_summary(sel)
     return out
 
 
 _COLORS = {"variable": "tab:blue", "fixed": "tab:red"}
+
+
+def _panel(axes, curves: list[dict], ds: str, depth: int, seeds: Sequence[int]) -> None:
+    """Train KL to the teacher (top) and test loss (bottom) per distillation epoch, one line per arm and seed."""
+    for arm, col in _COLORS.items():
+        for k, seed in enumerate(seeds):
+            pts = [c for c in curves if (c["dataset"], c["depth"], c["arm"], c["seed"]) == (ds, depth, arm, seed)]
+            pts = [c for c in pts if c["epoch"] > 0]
+            label = f"{arm} student" if k == 0 else None
+            ep = [c["epoch"] for c in pts]
+            axes[0].plot(ep, [c["train_kl"] for c in pts], color=col, alpha=0.6, label=label)
+            axes[1].plot(ep, [c["test_loss"] for c in pts], color=col, alpha=0.6, label=label)
+    axes[0].set(title=f"{ds}, depth {depth}: train KL to teacher", yscale="log", ylabel="nats per example")
+    axes[1].set(title="test loss (labels)", xlabel="distillation epoch", ylabel="nats per example")
+    axes[0].legend()
 
 
 def _figure(curves: list[dict], cfg: dict[str, Any]):
@@ -531,19 +561,11 @@ def _figure(curves: list[dict], cfg: dict[str, Any]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(ds, d) for ds in cfg["datasets"] for d in cfg["depths"] if any(c["dataset"] == ds for c in curves)]
+    done = {c["dataset"] for c in curves}
+    panels = [(ds, d) for ds in cfg["datasets"] for d in cfg["depths"] if ds in done]
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 6.5), squeeze=False)
     for j, (ds, depth) in enumerate(panels):
-        for arm, col in _COLORS.items():
-            for k, seed in enumerate(cfg["seeds"]):
-                pts = [c for c in curves if (c["dataset"], c["depth"], c["arm"], c["seed"]) == (ds, depth, arm, seed)]
-                ep = [c["epoch"] for c in pts if c["epoch"] > 0]
-                label = f"{arm} student" if k == 0 else None
-                axes[0][j].plot(ep, [c["train_kl"] for c in pts if c["epoch"] > 0], color=col, alpha=0.6, label=label)
-                axes[1][j].plot(ep, [c["test_loss"] for c in pts if c["epoch"] > 0], color=col, alpha=0.6, label=label)
-        axes[0][j].set(title=f"{ds}, depth {depth}: train KL to teacher", yscale="log", ylabel="nats per example")
-        axes[1][j].set(title="test loss (labels)", xlabel="distillation epoch", ylabel="nats per example")
-        axes[0][j].legend()
+        _panel([axes[0][j], axes[1][j]], curves, ds, depth, cfg["seeds"])
     fig.tight_layout()
     return fig
 
