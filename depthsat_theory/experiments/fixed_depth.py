@@ -598,6 +598,9 @@ def run_fixed_depth(
     """
     started = time.time()
     cfg = _config(config, seeds, datasets)
+    target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "fixed-depth"
+    if target.exists() and not target.is_dir():  # refused before training, not after (write_results checks too)
+        raise ExperimentError(f"--out {target}: exists and is not a folder; name a folder")
     rows: list[dict] = []
     curves: list[dict] = []
     skipped: dict[str, str] = {}
@@ -630,7 +633,6 @@ def run_fixed_depth(
             "matched_fit": "each arm at its first epoch with train KL <= max(final train KL of the arms)",
         },
     }
-    target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "fixed-depth"
     fig = _figure(curves, cfg) if rows else None
     return write_results(
         target,
