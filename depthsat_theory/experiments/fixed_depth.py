@@ -65,9 +65,11 @@ __all__ = [
     "ARMS",
     "CONFIGS",
     "METRICS",
+    "STUDENT_SEED_OFFSET",
     "DistillResult",
     "FixedDepthBlock",
     "FixedDepthMLP",
+    "direction",
     "distill",
     "distillation_loss",
     "evaluate_student",
@@ -363,7 +365,17 @@ def paired_difference(
 
 
 def direction(diff: dict[str, Any], higher_is_better: bool = False) -> str:
-    """In words, which arm the interval of ``fixed − variable`` favours (or that it does not say)."""
+    """In words, which arm the interval of ``fixed − variable`` favours, or that it does not say.
+
+    Args:
+        diff: a :func:`paired_difference` result (``ci_low``, ``ci_high``) of ``fixed − variable``.
+        higher_is_better: ``True`` for accuracy-like metrics (a negative difference then favours the
+            variable-depth arm), ``False`` for losses.
+
+    Returns:
+        ``"variable-depth better …"`` or ``"fixed-depth better …"`` when the interval excludes 0,
+        ``"undetermined …"`` when it contains 0 or is not finite (fewer than 2 seeds).
+    """
     lo, hi = diff["ci_low"], diff["ci_high"]
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "undetermined (fewer than 2 seeds)"
