@@ -78,7 +78,7 @@ __all__ = [
     "run_fixed_depth",
 ]
 
-#: The two students: the residual control and the network without identity paths.
+#: The two students, the residual control and the network without identity paths.
 ARMS: tuple[str, ...] = ("variable", "fixed")
 #: Per-epoch metrics of a student (``train_*`` against the teacher; ``test_loss``/``test_accuracy``
 #: against the labels; ``test_kl``/``test_agreement`` against the teacher on held-out data).
@@ -398,6 +398,7 @@ def _sweep_sizes(datasets: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 #: ``tiny`` runs in CI in seconds; ``full`` is the committed configuration (experiments/README.md).
+#: :meta hide-value:
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {
         "datasets": ["digits"],
