@@ -3,11 +3,12 @@ r"""Variable-depth against fixed-depth networks, trainability held equal (issue 
 Seed 003 ("ResNets Are Deeper Than You Think", arXiv 2506.14386) claims that *variable-depth*
 networks — residual-like networks, whose input-to-output paths pass through different numbers of
 nonlinear layers — generalise better than *fixed-depth* networks, whose every path has the same
-nonlinear depth, even when optimisation is controlled for.  The paper controls for optimisation with
-a post-training *partial linearisation* of trained networks (channel-wise against layer-wise, at an
-equal number of nonlinear units).  This module implements a different controlled post-training
-comparison in the same spirit: distillation of one trained residual network into two students that
-differ only in the identity paths, on the training split only, and a comparison on held-out data.
+nonlinear depth, even when optimisation is controlled for.  Its abstract (all the seed holds) names a
+"controlled post-training comparison"; a secondary summary (papernotes.org) describes it as a
+post-training *partial linearisation* of trained networks.  Its exact protocol is not reproduced
+here.  This module implements a different controlled post-training comparison in the same spirit:
+distillation of one trained residual network into two students that differ only in the identity
+paths, on the training split only, and a comparison on held-out data.
 
 For each data set, depth ``D`` and seed:
 
