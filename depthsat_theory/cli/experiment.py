@@ -214,6 +214,34 @@ EXPERIMENTS["criterion-growth"] = _criterion_runner
 EXPERIMENTS["expand"] = _expand_runner
 
 
+# ----------------------------------------------------------------------------- variable- vs fixed-depth (seed 003)
+@experiment_app.command("fixed-depth")
+def fixed_depth_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/fixed-depth)."),
+    seeds: str | None = _SEEDS,
+    dataset: list[str] | None = _DATASET,
+) -> None:
+    """Variable-depth against fixed-depth (seed 003): one residual teacher distilled into two students.
+
+    A residual MLP trained with the recipe is distilled (KL to its outputs on the train split, equal
+    budget, one initialisation) into the same residual MLP and into its twin without identity paths;
+    both are compared on held-out test data, at the end and at matched training fit, paired by seed.
+    """
+    from depthsat_theory.experiments.fixed_depth import run_fixed_depth
+
+    _run(run_fixed_depth, config=config, out=out, seeds=_seeds(seeds), datasets=dataset)
+
+
+def _fixed_depth_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.fixed_depth import run_fixed_depth
+
+    return run_fixed_depth(config, out=out, log=log)
+
+
+EXPERIMENTS["fixed-depth"] = _fixed_depth_runner
+
+
 @experiment_app.command("all")
 def all_command(
     config: str = _CONFIG,
