@@ -319,3 +319,20 @@ def test_a_missing_fashion_mnist_is_skipped_with_its_reason(tmp_path, monkeypatc
         S.run_sweep(only, out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
     R._fashion.cache_clear()
+
+
+# ----------------------------------------------------------------------------- provenance
+def test_provenance_records_the_checkout_at_the_start_and_flags_a_commit_made_during_the_run(monkeypatch):
+    from depthsat_theory.experiments import record
+
+    start, end = {"commit": "a" * 40, "dirty": False}, {"commit": "b" * 40, "dirty": False}
+    monkeypatch.setattr(record, "_AT_START", start)
+    monkeypatch.setattr(record, "_git_commit", lambda: end)
+    meta = record.provenance(seeds=[0], config={})
+    assert (meta["commit"], meta["dirty"], meta["commit_at_end"]) == ("a" * 40, True, "b" * 40)
+    monkeypatch.setattr(record, "_git_commit", lambda: dict(start))
+    meta = record.provenance(seeds=[0], config={})
+    assert (meta["commit"], meta["dirty"]) == ("a" * 40, False) and "commit_at_end" not in meta
+    # an edit made during the run (same HEAD, dirty only at the end) is flagged too
+    monkeypatch.setattr(record, "_git_commit", lambda: {"commit": "a" * 40, "dirty": True})
+    assert record.provenance(seeds=[0], config={})["dirty"] is True

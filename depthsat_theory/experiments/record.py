@@ -54,6 +54,11 @@ def _git_commit() -> dict[str, Any]:
     return {"commit": commit, "dirty": dirty}
 
 
+#: The checkout when this module was first imported (an experiment imports it before it trains):
+#: a commit or an edit made while an experiment runs must not be recorded as what made it.
+_AT_START: dict[str, Any] = _git_commit()
+
+
 def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: float | None = None) -> dict[str, Any]:
     """What made a result: command line, commit, seeds, configuration, software and machine.
 
@@ -64,7 +69,10 @@ def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: floa
 
     Returns:
         A JSON-serialisable dict (``command``, ``commit``, ``dirty``, ``seeds``, ``config``, ``versions``,
-        ``machine``, ``finished``, ``wall_s``).
+        ``machine``, ``finished``, ``wall_s``). ``commit`` is the checkout when the experiment started
+        (when this module was imported); ``dirty`` is true when the working tree had uncommitted changes
+        at the start or at the end, or when ``HEAD`` moved during the run (then ``commit_at_end`` is
+        added).
     """
     versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
     for pkg in ("depthsat", "numpy", "scipy", "transformers", "matplotlib"):
@@ -76,7 +84,7 @@ def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: floa
     argv = ["depthsat", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("depthsat") else list(sys.argv)
     return {
         "command": " ".join(argv),
-        **_git_commit(),
+        **_checkout(),
         "seeds": list(seeds),
         "config": dict(config),
         "versions": versions,
@@ -89,6 +97,14 @@ def provenance(*, seeds: Sequence[int], config: Mapping[str, Any], started: floa
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "wall_s": None if started is None else round(now - started, 1),
     }
+
+
+def _checkout() -> dict[str, Any]:
+    end = _git_commit()
+    if end["commit"] != _AT_START["commit"]:
+        return {"commit": _AT_START["commit"], "dirty": True, "commit_at_end": end["commit"]}
+    dirty = None if end["dirty"] is None else bool(end["dirty"] or _AT_START["dirty"])
+    return {"commit": end["commit"], "dirty": dirty}
 
 
 def summarize(values: Sequence[float], *, confidence: float = 0.95) -> dict[str, float]:
