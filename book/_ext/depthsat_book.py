@@ -40,6 +40,32 @@ def _replace_include_stubs(app: Sphinx, exception: Exception | None) -> None:
             copied.write_text(target.read_text(encoding="utf-8"), encoding="utf-8")
 
 
+_REDIRECT = re.compile(r'<meta http-equiv="Refresh" content="0; url=(?P<url>[^"<>]+)" />\s*')
+
+
+def _index_with_icon(app: Sphinx, exception: Exception | None) -> None:
+    """Give the root ``index.html`` redirect (written by sphinx_external_toc) a head with the icon.
+
+    The bare one-line redirect has no ``<link rel="icon">``, so a browser opening the site's root asks
+    for ``/favicon.ico``, which the site does not have (a 404 in the console, seen by the browser test
+    on a slow machine). Same redirect, now a small HTML page with the site's icon and a visible link.
+    """
+    if exception is not None or app.builder.format != "html" or not app.config.html_favicon:
+        return
+    index = Path(app.outdir) / "index.html"
+    match = _REDIRECT.fullmatch(index.read_text(encoding="utf-8")) if index.is_file() else None
+    if match is None:
+        return
+    url, icon = match["url"], Path(app.config.html_favicon).name
+    index.write_text(
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\" />\n"
+        f'<meta http-equiv="Refresh" content="0; url={url}" />\n<link rel="icon" href="_static/{icon}" />\n'
+        f"<title>{app.config.project}</title>\n</head>\n"
+        f'<body><p><a href="{url}">{url}</a></p></body>\n</html>\n',
+        encoding="utf-8",
+    )
+
+
 def _canonical(target: str) -> str | None:
     """The defining module's name of an object reached through a re-export, or None.
 
@@ -179,6 +205,7 @@ def _import_modules_first(name: str, grouped_exception: bool = True) -> tuple[ob
 def setup(app: Sphinx) -> dict[str, object]:
     """Register the build-finished hook."""
     app.connect("build-finished", _replace_include_stubs)
+    app.connect("build-finished", _index_with_icon, priority=600)  # after sphinx_external_toc's redirect
     app.connect("missing-reference", _resolve_py)
     app.connect("autodoc-process-docstring", _foreign_docstring)
     app.connect("object-description-transform", _no_call_signature_for_data, priority=400)
