@@ -58,7 +58,7 @@ def _index_with_icon(app: Sphinx, exception: Exception | None) -> None:
         return
     url, icon = match["url"], Path(app.config.html_favicon).name
     index.write_text(
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\" />\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n'
         f'<meta http-equiv="Refresh" content="0; url={url}" />\n<link rel="icon" href="_static/{icon}" />\n'
         f"<title>{app.config.project}</title>\n</head>\n"
         f'<body><p><a href="{url}">{url}</a></p></body>\n</html>\n',
