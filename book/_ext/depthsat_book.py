@@ -19,8 +19,8 @@ from docutils import nodes
 from sphinx.addnodes import pending_xref
 from sphinx.application import Sphinx
 from sphinx.domains.python import PythonDomain
-from sphinx.ext import autosummary
 from sphinx.environment import BuildEnvironment
+from sphinx.ext import autosummary
 
 _INCLUDE = re.compile(r"^```\{include\}\s+(?P<path>\S+)\s*\n```\s*$")
 
