@@ -213,6 +213,7 @@ def test_chapters_show_their_executed_figures(site, server, browser):
         "chapters/setting.html",
         "chapters/optimizers.html",
         "chapters/beyond.html",
+        "chapters/joint.html",
         "chapters/diagnosis.html",
         "chapters/growth.html",
     ):

@@ -102,10 +102,16 @@ def test_hf_trainer_callback_logs_the_diagnosis_at_each_measured_step(tmp_path):
     assert rows[2]["depthsat/model.layers.0/s"] != rows[4]["depthsat/model.layers.0/s"]  # measured anew
     assert model.training  # the Trainer's mode is restored after each measurement
 
-    _, plain, _, plain_snaps, _ = _hf_run(tmp_path, with_monitor=False)
+    plain_trainer, plain, _, plain_snaps, _ = _hf_run(tmp_path, with_monitor=False)
     for k, v in plain.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k  # bitwise: the monitor does not touch training
     assert all(torch.equal(plain_snaps[2][k], snaps[2][k]) for k in snaps[2])
+    # the Trainer's own logging is kept at the measured steps (trainer.log clears control.should_log):
+    # the same training-loss rows as the run without the monitor, at every logging step
+    losses = {r["step"]: r["loss"] for r in trainer.state.log_history if "loss" in r}
+    plain_losses = {r["step"]: r["loss"] for r in plain_trainer.state.log_history if "loss" in r}
+    assert sorted(plain_losses) == [1, 2, 3, 4]
+    assert losses == plain_losses
 
 
 def test_hf_callback_must_be_attached(tmp_path):

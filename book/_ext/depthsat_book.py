@@ -11,6 +11,7 @@ copied stub is replaced by the text of the file it includes.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from sphinx.addnodes import pending_xref
 from sphinx.application import Sphinx
 from sphinx.domains.python import PythonDomain
 from sphinx.environment import BuildEnvironment
+from sphinx.ext import autosummary
 
 _INCLUDE = re.compile(r"^```\{include\}\s+(?P<path>\S+)\s*\n```\s*$")
 
@@ -36,6 +38,32 @@ def _replace_include_stubs(app: Sphinx, exception: Exception | None) -> None:
         copied = sources / (docname + src.suffix)
         if copied.exists():
             copied.write_text(target.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+_REDIRECT = re.compile(r'<meta http-equiv="Refresh" content="0; url=(?P<url>[^"<>]+)" />\s*')
+
+
+def _index_with_icon(app: Sphinx, exception: Exception | None) -> None:
+    """Give the root ``index.html`` redirect (written by sphinx_external_toc) a head with the icon.
+
+    The bare one-line redirect has no ``<link rel="icon">``, so a browser opening the site's root asks
+    for ``/favicon.ico``, which the site does not have (a 404 in the console, seen by the browser test
+    on a slow machine). Same redirect, now a small HTML page with the site's icon and a visible link.
+    """
+    if exception is not None or app.builder.format != "html" or not app.config.html_favicon:
+        return
+    index = Path(app.outdir) / "index.html"
+    match = _REDIRECT.fullmatch(index.read_text(encoding="utf-8")) if index.is_file() else None
+    if match is None:
+        return
+    url, icon = match["url"], Path(app.config.html_favicon).name
+    index.write_text(
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n'
+        f'<meta http-equiv="Refresh" content="0; url={url}" />\n<link rel="icon" href="_static/{icon}" />\n'
+        f"<title>{app.config.project}</title>\n</head>\n"
+        f'<body><p><a href="{url}">{url}</a></p></body>\n</html>\n',
+        encoding="utf-8",
+    )
 
 
 def _canonical(target: str) -> str | None:
@@ -126,16 +154,60 @@ def _resolve_py(
 
 
 def _foreign_docstring(app: Sphinx, what: str, name: str, obj: object, options: object, lines: list[str]) -> None:
-    """Module data whose only docstring is its foreign class's (the typer ``app``): name its type instead."""
+    """Module data whose only docstring is its foreign class's: name its type instead.
+
+    A ``#:`` comment on the data (the typer ``app``) is kept, with the type appended.
+    """
     cls = type(obj)
     own_package = cls.__module__.split(".")[0] in ("depthsat_theory", "proofs_checks", "builtins")
-    if what == "data" and not own_package and obj.__doc__ is cls.__doc__:
-        lines[:] = [f"A ``{cls.__module__}.{cls.__qualname__}`` instance."]
+    if what != "data" or own_package or obj.__doc__ is not cls.__doc__:
+        return
+    kind = f"A ``{cls.__module__}.{cls.__qualname__}`` instance."
+    first = next((line.strip() for line in lines if line.strip()), "")
+    class_first = next((line.strip() for line in (cls.__doc__ or "").splitlines() if line.strip()), "")
+    lines[:] = [kind] if not first or first == class_first else [*lines, "", kind]
+
+
+def _no_call_signature_for_data(app: Sphinx, domain: str, objtype: str, contentnode: nodes.Element) -> None:
+    """No "Parameters: args, kwargs" under module data that happens to be callable (the typer ``app``).
+
+    ``autodoc_typehints = "description"`` records the signature of every callable it documents; runs
+    before autodoc's own handler, which would merge it into the data's description.
+    """
+    if domain != "py" or objtype != "data":
+        return
+    sig = contentnode.parent[0]
+    fullname = ".".join(part for part in (sig.get("module"), sig.get("fullname")) if part)
+    app.env.temp_data.get("annotations", {}).pop(fullname, None)
+
+
+_import_by_name = autosummary._import_by_name
+
+
+def _import_modules_first(name: str, grouped_exception: bool = True) -> tuple[object, object, str]:
+    """autosummary's import, except that a submodule wins over a package attribute of the same name.
+
+    ``depthsat_theory.cli`` re-exports the typer object ``app`` from its submodule
+    ``depthsat_theory.cli.app``, so ``getattr(depthsat_theory.cli, "app")`` is the object, and
+    autosummary (which tries ``MODULE.ATTR`` first) documented the object under the module's name and
+    never the module. Here the module gets its page, and the object is documented in it
+    (``depthsat_theory.cli.app.app``).
+    """
+    obj, parent, modname = _import_by_name(name, grouped_exception)
+    if not inspect.ismodule(obj) and name.startswith(("depthsat_theory.", "proofs_checks.")):
+        try:
+            return importlib.import_module(name), None, name
+        except ImportError:
+            pass
+    return obj, parent, modname
 
 
 def setup(app: Sphinx) -> dict[str, object]:
     """Register the build-finished hook."""
     app.connect("build-finished", _replace_include_stubs)
+    app.connect("build-finished", _index_with_icon, priority=600)  # after sphinx_external_toc's redirect
     app.connect("missing-reference", _resolve_py)
     app.connect("autodoc-process-docstring", _foreign_docstring)
+    app.connect("object-description-transform", _no_call_signature_for_data, priority=400)
+    autosummary._import_by_name = _import_modules_first  # import_by_name looks it up at call time
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -39,6 +39,11 @@ from depthsat_theory.vocabulary import Layout
 
 __all__ = ["app", "main"]
 
+#: The ``depthsat`` command line (typer); the console script calls :func:`main`. It is re-exported as
+#: ``depthsat_theory.cli.app``, an attribute that hides this module's name on the package (import
+#: the module by its full name: ``importlib.import_module("depthsat_theory.cli.app")``).
+#:
+#: :meta hide-value:
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,

@@ -99,7 +99,14 @@ class TrainerSaturationCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        """After optimizer step ``state.global_step``: measure when due and ``trainer.log`` the scores."""
+        """After optimizer step ``state.global_step``: measure when due and ``trainer.log`` the scores.
+
+        ``trainer.log`` clears ``control.should_log``; it is restored, so that the Trainer still logs its
+        own training loss at this step when it was due (otherwise that row would be dropped and the
+        next one averaged over the longer window).
+        """
         if model is not None and self.monitor.due(state.global_step):
+            should_log = control.should_log
             self._trainer.log(self.monitor.measure(model, state.global_step))
+            control.should_log = should_log
         return control
