@@ -154,10 +154,8 @@ def _views_site_table(sites: list[dict[str, str]]):
 def _views_depth_table(curves: list[dict[str, str]], cref: str, verdicts: dict):
     from rich.table import Table
 
-    costs = sorted(
-        {k[len("oracle_depth_c") : -len("_mean")] for k in curves[0] if k.startswith("oracle_depth_c")}, key=float
-    )
-    costs = [c for c in costs if not c.endswith("_std")]
+    pre, suf = "oracle_depth_c", "_mean"
+    costs = sorted((k[len(pre) : -len(suf)] for k in curves[0] if k.startswith(pre) and k.endswith(suf)), key=float)
     t = Table(title="Per model depth (mean over seeds): expected stopping depth E[τ] by cost c (nats per block)")
     heads = ["curve", "depth", "test loss", *[f"oracle c={c}" for c in costs], f"threshold c={cref}"]
     for col in [*heads, "dim. returns (seeds)", "sweep plateau"]:
