@@ -233,8 +233,13 @@ def test_snap_influence_count_and_agreement():
     # s plateaus at 4 (0.45 − 0.44 ≤ 0.1·0.56; 0.5 − 0.44 > 0.056); E[τ] 1.3 -> 2; BI needs 2 blocks -> 2
     assert (v["first_order"], v["stopping"], v["block_influence"]) == (4, 2, 2)
     assert v["agree_first_order"] and v["agree_stopping"] and v["agree_block_influence"] and v["all_agree"]
-    v = EV.curve_verdicts(curve, [1.0, 0.5, 0.45, 0.44], 0.2, [0.6, 0.3, 0.05, 0.05], 8, mass=0.9, certified=False)
+    assert v["retrained_plateau"] is None and v["all_agree_retrained"] is None
+    v = EV.curve_verdicts(
+        curve, [1.0, 0.5, 0.45, 0.44], 0.2, [0.6, 0.3, 0.05, 0.05], 8, mass=0.9, certified=False, retrained_plateau=2
+    )
     assert v["stopping"] == 1 and v["agree_stopping"] is False and v["all_agree"] is False
+    # against a plateau at 2: first-order 4 (one step) and stopping 1 (one step) agree, BI 2 agrees
+    assert v["agree_retrained_first_order"] and v["agree_retrained_stopping"] and v["all_agree_retrained"]
     assert (
         EV.curve_verdicts(curve, [1, 1, 1, 1], 1.0, [1, 1, 1, 1], None, mass=0.9, certified=False)["all_agree"] is None
     )

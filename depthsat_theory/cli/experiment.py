@@ -177,8 +177,17 @@ def _views_depth_table(curves: list[dict[str, str]], cref: str, verdicts: dict):
 def _views_verdict_table(verdicts: dict):
     from rich.table import Table
 
-    t = Table(title="Where depth stops paying (blocks), per view; agreement with the sweep plateau (±1 depth step)")
-    for col in ("curve", "first-order", "stopping E[τ]", "block influence", "sweep plateau", "all agree"):
+    t = Table(title="Where depth stops paying (blocks), per view; agreement with the plateau (±1 depth step)")
+    for col in (
+        "curve",
+        "first-order",
+        "stopping E[τ]",
+        "block influence",
+        "sweep plateau",
+        "all agree",
+        "retrained plateau",
+        "all agree (retrained)",
+    ):
         t.add_column(col)
     for name, v in verdicts.items():
         t.add_row(
@@ -188,6 +197,8 @@ def _views_verdict_table(verdicts: dict):
             f"{v['block_influence']} ({v['block_influence_count']} blocks)",
             str(v["sweep_plateau"]),
             str(v["all_agree"]),
+            str(v.get("retrained_plateau")),
+            str(v.get("all_agree_retrained")),
         )
     return t
 

@@ -108,8 +108,10 @@ RULES = {
     "block_influence": "on the curve's deepest model, the fewest blocks whose block influence carries "
     "influence_mass of the total, snapped up to the depth grid",
     "sweep_plateau": "the sweep's plateau depth of the mean test loss (bpc for text), from its summary.json",
+    "retrained_plateau": "the same plateau rule on the mean test loss of the models retrained here (the "
+    "sweep's plateau when the recipes match)",
     "agree": "two views agree when their depths are at most one step apart on the curve's depth grid; "
-    "all_agree when every view agrees with the sweep plateau",
+    "all_agree when every view agrees with the sweep plateau, all_agree_retrained with the retrained plateau",
 }
 
 _TINY_SIZES = R.Sizes(train=200, val=80, probe=96, test=96, seq_len=16)
@@ -243,6 +245,7 @@ def curve_verdicts(
     *,
     mass: float,
     certified: bool,
+    retrained_plateau: int | None = None,
 ) -> dict[str, Any]:
     """Where each view says depth stops paying on one curve, and whether they agree (:data:`RULES`).
 
@@ -255,11 +258,15 @@ def curve_verdicts(
         sweep_plateau: the sweep's plateau depth (``None`` if the sweep has no such curve).
         mass: the block-influence mass.
         certified: whether any first-order interval was non-vacuous on the curve.
+        retrained_plateau: the plateau depth of the mean test loss of the models retrained here
+            (the same rule as the sweep's); compared like the sweep plateau (``agree_retrained_*``,
+            ``all_agree_retrained``).
 
     Returns:
-        ``{"first_order", "stopping", "block_influence", "sweep_plateau"}`` depths, the raw values,
-        pairwise ``agree_*`` flags with the sweep plateau, ``all_agree`` (``None`` without a sweep
-        plateau or with a sweep plateau off the grid).
+        ``{"first_order", "stopping", "block_influence", "sweep_plateau", "retrained_plateau"}``
+        depths, the raw values, ``agree_*`` flags with the sweep plateau, ``all_agree`` (``None``
+        without a sweep plateau or with a sweep plateau off the grid), and the same against the
+        retrained plateau.
     """
     grid = list(curve.depths)
     fo = S.plateau_depth(grid, list(s_last_mean))
@@ -274,14 +281,16 @@ def curve_verdicts(
         "block_influence": bi,
         "block_influence_count": bi_n,
         "sweep_plateau": sweep_plateau,
+        "retrained_plateau": retrained_plateau,
     }
     views = {"first_order": fo, "stopping": stop, "block_influence": bi}
-    if sweep_plateau is None or sweep_plateau not in grid:
-        out.update({f"agree_{k}": None for k in views} | {"all_agree": None})
-        return out
-    for k, v in views.items():
-        out[f"agree_{k}"] = _steps_apart(v, sweep_plateau, grid) <= 1
-    out["all_agree"] = all(out[f"agree_{k}"] for k in views)
+    for tag, ref in (("", sweep_plateau), ("retrained_", retrained_plateau)):
+        if ref is None or ref not in grid:
+            out.update({f"agree_{tag}{k}": None for k in views} | {f"all_agree{'_' + tag[:-1] if tag else ''}": None})
+            continue
+        for k, v in views.items():
+            out[f"agree_{tag}{k}"] = _steps_apart(v, ref, grid) <= 1
+        out[f"all_agree{'_' + tag[:-1] if tag else ''}"] = all(out[f"agree_{tag}{k}"] for k in views)
     return out
 
 
@@ -441,6 +450,7 @@ def _figure(cfg: ViewsConfig, curves: list[S.Curve], sites: list[dict], stopping
         ax.plot(ls, dec, "d--", label="exit-loss decrease")
         ax.axhline(0, color="0.8", lw=0.8)
         ax.set_title(f"{curve.name}, {deep} blocks (mean of seeds)", fontsize=9)
+        ax.set_xticks(ls)
         ax.set_xlabel("block l")
         if j == 0:
             ax.legend(fontsize=7)
@@ -465,8 +475,11 @@ def _figure(cfg: ViewsConfig, curves: list[S.Curve], sites: list[dict], stopping
         v = verdicts.get(curve.name, {})
         if v.get("sweep_plateau") is not None:
             ax.axvline(v["sweep_plateau"], color="k", ls=":", label="sweep plateau")
+        if v.get("retrained_plateau") is not None:
+            ax.axvline(v["retrained_plateau"], color="0.5", ls="-.", lw=0.8, label="retrained plateau")
         ax.axvline(v.get("first_order", deep), color="C3", ls="--", lw=0.8, label="first-order plateau of s")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(list(curve.depths), [str(d) for d in curve.depths])
         ax.set_xlabel("model depth (blocks)")
         ax.set_ylabel("expected stopping depth")
         if j == 0:
@@ -577,6 +590,30 @@ def _depth_reg(
     return rows, summary
 
 
+def _verdicts(
+    cfg: ViewsConfig, ran: list[S.Curve], col: _Collected, seeds: tuple[int, ...], sw: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``curves.csv``'s rows and the per-curve verdicts (:func:`curve_verdicts`)."""
+    curves_rows: list[dict[str, Any]] = []
+    verdicts: dict[str, Any] = {}
+    for curve in ran:
+        crow = _curve_rows(cfg, curve, col)
+        curves_rows.extend(crow)
+        deep = max(curve.depths)
+        mine = [r for r in col.sites if (r["dataset"], r["arch"]) == (curve.dataset, curve.arch) and r["s"] is not None]
+        verdicts[curve.name] = curve_verdicts(
+            curve,
+            [r["s_last_mean"] for r in crow],
+            crow[-1][f"oracle_depth_c{cfg.reference_cost:g}_mean"],
+            np.mean([col.bis[(curve.name, deep, s)] for s in seeds], axis=0).tolist(),
+            sw["plateaus"].get(curve.name),
+            mass=cfg.influence_mass,
+            certified=any(not r["vacuous"] for r in mine),
+            retrained_plateau=S.plateau_depth(list(curve.depths), [r["test_loss_mean"] for r in crow]),
+        )
+    return curves_rows, verdicts
+
+
 def run_views(
     config: str | ViewsConfig = "tiny",
     *,
@@ -615,21 +652,7 @@ def run_views(
     ran = _train_curves(cfg, seeds, col, say)
     if not ran:
         raise ExperimentError(f"no data set available: {col.skipped}")
-    curves_rows, verdicts = [], {}
-    for curve in ran:
-        crow = _curve_rows(cfg, curve, col)
-        curves_rows.extend(crow)
-        deep = max(curve.depths)
-        mine = [r for r in col.sites if (r["dataset"], r["arch"]) == (curve.dataset, curve.arch) and r["s"] is not None]
-        verdicts[curve.name] = curve_verdicts(
-            curve,
-            [r["s_last_mean"] for r in crow],
-            crow[-1][f"oracle_depth_c{cfg.reference_cost:g}_mean"],
-            np.mean([col.bis[(curve.name, deep, s)] for s in seeds], axis=0).tolist(),
-            sw["plateaus"].get(curve.name),
-            mass=cfg.influence_mass,
-            certified=any(not r["vacuous"] for r in mine),
-        )
+    curves_rows, verdicts = _verdicts(cfg, ran, col, seeds, sw)
     reg_rows, reg_summary = _depth_reg(cfg, seeds, col, say)
     summary = {
         "skipped": col.skipped,
@@ -645,6 +668,7 @@ def run_views(
         "reference_cost": cfg.reference_cost,
         "verdicts": verdicts,
         "curves_all_agree": sum(bool(v.get("all_agree")) for v in verdicts.values()),
+        "curves_all_agree_retrained": sum(bool(v.get("all_agree_retrained")) for v in verdicts.values()),
         "curves": len(verdicts),
         "diminishing_returns_models": sum(bool(r["diminishing_returns"]) for r in col.runs),
         "updates_diminish_models": sum(bool(r["updates_diminish"]) for r in col.runs),
