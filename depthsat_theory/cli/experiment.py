@@ -20,7 +20,8 @@ __all__ = ["EXPERIMENTS", "experiment_app"]
 experiment_app = typer.Typer(
     no_args_is_help=True,
     help="Reproduce the paper's experiments (depth sweep, growth against scratch, local insertion, "
-    "criterion-driven growth, LLM expansion); results go to experiments/results/<name>/.",
+    "criterion-driven growth, LLM expansion) and the views of seeds 002/003; results go to "
+    "experiments/results/<name>/.",
 )
 
 
@@ -98,6 +99,151 @@ def sweep_command(
         resume=resume,
         curves=curve,
     )
+
+
+# ----------------------------------------------------------------------------- views side by side (issue 16)
+def _views_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.views import run_views
+
+    sweep = out.parent / "sweep"
+    return run_views(config, out=out, sweep=sweep if (sweep / "summary.json").is_file() else None, log=log)
+
+
+# after the sweep: it reads the sweep's plateau depths
+EXPERIMENTS["views"] = _views_runner
+
+
+def _csv_rows(folder: Path, name: str) -> list[dict[str, str]]:
+    import csv
+
+    with open(folder / f"{name}.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _mean_text(vals: list[str]) -> str:
+    xs = [float(v) for v in vals if v not in ("", None)]
+    return f"{sum(xs) / len(xs):.3g}" if xs else "–"
+
+
+def _views_site_table(sites: list[dict[str, str]]):
+    from rich.table import Table
+
+    t = Table(title="Per site (mean over seeds): first-order verdicts (seed votes), s/AG_rms, block influence, exits")
+    for col in ("curve", "depth", "l", "site", "verdicts", "s/AG_rms", "1−cos", "‖f‖/‖z‖", "exit loss", "oracle share"):
+        t.add_column(col)
+    groups: dict[tuple, list[dict[str, str]]] = {}
+    for r in sites:
+        groups.setdefault((r["dataset"], r["arch"], int(r["depth"]), int(r["l"])), []).append(r)
+    for (ds, arch, depth, lvl), mine in sorted(groups.items()):
+        votes: dict[str, int] = {}
+        for r in mine:
+            if r["verdict"]:
+                votes[r["verdict"]] = votes.get(r["verdict"], 0) + 1
+        t.add_row(
+            f"{ds}/{arch}",
+            str(depth),
+            str(lvl),
+            mine[0]["site"],
+            " ".join(f"{k}×{v}" for k, v in sorted(votes.items())) or "–",
+            *[_mean_text([r[k] for r in mine]) for k in ("s_over_ag_rms", "block_influence", "update_ratio")],
+            *[_mean_text([r[k] for r in mine]) for k in ("exit_loss", "oracle_share")],
+        )
+    return t
+
+
+def _views_depth_table(curves: list[dict[str, str]], cref: str, verdicts: dict):
+    from rich.table import Table
+
+    pre, suf = "oracle_depth_c", "_mean"
+    costs = sorted((k[len(pre) : -len(suf)] for k in curves[0] if k.startswith(pre) and k.endswith(suf)), key=float)
+    t = Table(title="Per model depth (mean over seeds): expected stopping depth E[τ] by cost c (nats per block)")
+    heads = ["curve", "depth", "test loss", *[f"oracle c={c}" for c in costs], f"threshold c={cref}"]
+    for col in [*heads, "dim. returns (seeds)", "sweep plateau"]:
+        t.add_column(col)
+    for r in curves:
+        name = f"{r['dataset']}/{r['arch']}"
+        t.add_row(
+            name,
+            r["depth"],
+            f"{float(r['test_loss_mean']):.3f}",
+            *[f"{float(r[f'oracle_depth_c{c}_mean']):.2f}" for c in costs],
+            f"{float(r['threshold_depth_c' + cref + '_mean']):.2f}",
+            f"{r['diminishing_returns_seeds']}/{r['n_seeds']}",
+            str(verdicts.get(name, {}).get("sweep_plateau")),
+        )
+    return t
+
+
+def _views_verdict_table(verdicts: dict):
+    from rich.table import Table
+
+    t = Table(title="Where depth stops paying (blocks), per view; agreement with the plateau (±1 depth step)")
+    for col in (
+        "curve",
+        "first-order",
+        "stopping E[τ]",
+        "block influence",
+        "sweep plateau",
+        "all agree",
+        "retrained plateau",
+        "all agree (retrained)",
+    ):
+        t.add_column(col)
+    for name, v in verdicts.items():
+        t.add_row(
+            name,
+            f"{v['first_order']} ({v['first_order_basis']})",
+            f"{v['stopping']} ({v['stopping_expected_depth']:.2f})",
+            f"{v['block_influence']} ({v['block_influence_count']} blocks)",
+            str(v["sweep_plateau"]),
+            str(v["all_agree"]),
+            str(v.get("retrained_plateau")),
+            str(v.get("all_agree_retrained")),
+        )
+    return t
+
+
+def _print_views(folder: Path) -> None:
+    """Rich tables of a views result folder: per site, per model depth, per curve."""
+    import json
+
+    from depthsat_theory.cli import render
+
+    data = json.loads((folder / "summary.json").read_text())["summary"]
+    render.console.print(_views_site_table(_csv_rows(folder, "sites")))
+    render.console.print(
+        _views_depth_table(_csv_rows(folder, "curves"), f"{data['reference_cost']:g}", data["verdicts"])
+    )
+    render.console.print(_views_verdict_table(data["verdicts"]))
+    if data.get("sweep", {}).get("note"):
+        render.console.print(f"note: {data['sweep']['note']}", markup=False)
+
+
+@experiment_app.command("views")
+def views_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/views)."),
+    seeds: str | None = _SEEDS,
+    sweep: Path | None = typer.Option(
+        None, "--sweep", help="The depth sweep's result folder (default experiments/results/sweep)."
+    ),
+) -> None:
+    """Views side by side: first-order verdicts, optimal stopping depth (seed 002), block influence, sweep plateau.
+
+    Retrains a subset of the sweep's models (same recipe and seeds), reads exits at every depth
+    (logit lens for the GPT, fitted linear readouts otherwise), and measures seed 002's L_depth
+    penalty on two data sets.
+    """
+    from depthsat_theory.experiments import ExperimentError
+    from depthsat_theory.experiments.recipe import DatasetUnavailable
+    from depthsat_theory.experiments.views import run_views
+
+    try:
+        folder = run_views(config, out=out, sweep=sweep, seeds=_seeds(seeds), log=typer.echo)
+    except (ExperimentError, DatasetUnavailable) as exc:
+        fail(exc)
+    _print_views(folder)
+    typer.echo(f"results written to {folder}")
 
 
 # ----------------------------------------------------------------------------- growth against scratch (C2)

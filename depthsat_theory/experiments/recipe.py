@@ -102,6 +102,9 @@ class Recipe:
         max_epochs: passes over ``train`` at most.
         patience: epochs without a strictly lower ``val`` loss before stopping.
         eval_batch_size: batch size of :func:`evaluate` (no effect on the numbers).
+        depth_reg: ``λ`` of seed 002's ``L_depth`` penalty added to the training loss
+            (:func:`depthsat_theory.views.depth_regularizer`, our reconstruction); ``0`` (default):
+            off, and the recipe trains exactly as without the option.
     """
 
     lr: float = 2e-3
@@ -109,10 +112,22 @@ class Recipe:
     max_epochs: int = 100
     patience: int = 3
     eval_batch_size: int = 1024
+    depth_reg: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.depth_reg) and self.depth_reg >= 0):
+            raise ValueError(f"depth_reg must be a finite number >= 0, got {self.depth_reg}")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dictionary (``"optimizer": "Adam"`` added)."""
-        return {"optimizer": "Adam", **dataclasses.asdict(self)}
+        """JSON-ready dictionary.
+
+        ``"optimizer": "Adam"`` is added; ``depth_reg`` appears only when it is on, so that the
+        keys of results recorded before the option existed (sweep ``--resume`` files) stay valid.
+        """
+        d = {"optimizer": "Adam", **dataclasses.asdict(self)}
+        if not self.depth_reg:
+            d.pop("depth_reg")
+        return d
 
 
 #: The recipe of every experiment of issue 14 (``dataclasses.replace`` it for a ``tiny`` run).
@@ -508,6 +523,14 @@ def probe_batches(splits: Splits, batch_size: int = 256, dtype: torch.dtype = to
 # ----------------------------------------------------------------------------
 
 
+def _regularized_loss(model: nn.Module, loss_fn: Callable, x: Tensor, y: Tensor, lam: float) -> Tensor:
+    """Mean loss ``+ λ·L_depth`` of one batch (the stream captured in the same forward pass)."""
+    from depthsat_theory.views import capture_stream, depth_regularizer
+
+    out, states = capture_stream(model, x, grad=True)
+    return loss_fn(out, y).mean() + lam * depth_regularizer(states)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, split: Split, splits: Splits, batch_size: int = 1024) -> dict[str, float]:
     """Mean loss and accuracy of ``model`` on ``split`` (eval mode; the mode is restored).
@@ -553,7 +576,8 @@ def train(
 ) -> TrainResult:
     """Train ``model`` on ``splits.train`` with the fixed recipe and early stopping on ``splits.val``.
 
-    Adam (``recipe.lr``, constant) on the mean per-example loss over batches of ``recipe.batch_size``
+    Adam (``recipe.lr``, constant) on the mean per-example loss (``+ λ·L_depth`` when
+    ``recipe.depth_reg = λ > 0``: :mod:`depthsat_theory.views.regularizer`) over batches of ``recipe.batch_size``
     drawn without replacement each epoch (order from ``torch.Generator().manual_seed(seed)``);
     after each epoch the ``val`` loss is measured; training stops after ``recipe.patience`` epochs
     without a strictly lower ``val`` loss (or at ``recipe.max_epochs``) and the weights of the
@@ -589,7 +613,10 @@ def train(
             running = 0.0
             for i in range(0, n, recipe.batch_size):
                 idx = perm[i : i + recipe.batch_size]
-                loss = loss_fn(model(x[idx]), y[idx]).mean()
+                if recipe.depth_reg:
+                    loss = _regularized_loss(model, loss_fn, x[idx], y[idx], recipe.depth_reg)
+                else:
+                    loss = loss_fn(model(x[idx]), y[idx]).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
