@@ -39,6 +39,7 @@ __all__ = [
     "default_rtol",
     "default_tol",
     "gradient_rounding",
+    "gram_error",
     "noise_threshold",
     "pinv_quadratic",
     "resolve_spectrum",
@@ -179,6 +180,7 @@ def resolve_spectrum(
     factor: np.ndarray | None = None,
     diag: np.ndarray | None = None,
     device: torch.device | str | None = None,
+    gram_error: float = 0.0,
 ) -> Spectrum:
     """Scale a PSD Gram to unit diagonal, eigendecompose it and apply the resolution cutoffs.
 
@@ -194,6 +196,10 @@ def resolve_spectrum(
         diag: ``diag Σ`` ``(k,)`` (default: read from ``mat``).
         device: where the float64 eigensolve or SVD runs (default CPU; the statistics pass the device
             their sums live on, e.g. the model's GPU); the result is on the CPU either way.
+        gram_error: ``η``, a bound on ``‖δΣ̃‖₂`` of the unit-diagonal Gram as accumulated (e.g. float32
+            per-batch products, :func:`gram_error`); with the default cutoffs, eigenvalues ``λ̃ ≤ 2η`` are
+            dropped too (what such a Gram resolves; ``thm-score-error`` needs ``η < λ̃_min/2``), and a
+            dropped direction above the data resolution is counted unresolved as for the float64 Gram.
 
     Returns:
         The :class:`Spectrum`.
@@ -227,16 +233,20 @@ def resolve_spectrum(
     data = _data_rtol(dtype, k)
     chosen = max(data, resolution) if rtol is None else float(rtol)
     cutoff = chosen * lmax if lmax > 0 else 0.0
+    # what the arithmetic resolves, absolute on Σ̃: the eigensolve's, and 2η for a Gram accumulated with error η
+    arith = max(resolution * lmax, 2.0 * float(gram_error))
+    if rtol is None and lmax > 0 and arith > cutoff:
+        cutoff, chosen = arith, arith / lmax
     keep = lam > cutoff if lmax > 0 else np.zeros(lam.shape, dtype=bool)
     unresolved = 0
-    if rtol is None and lmax > 0 and resolution > data:
+    if rtol is None and lmax > 0 and arith > data * lmax:
         unresolved = int(((lam > data * lmax) & ~keep).sum())
     order = np.argsort(-lam[keep])
     live = scale > 0
     dropped, dropped_lam = q[:, ~keep], lam[~keep]
     nonzero = np.abs(dropped[live]).sum(0) > 0 if live.any() else np.zeros(dropped.shape[1], dtype=bool)
     dropped, dropped_lam = dropped[:, nonzero], dropped_lam[nonzero]
-    band = dropped_lam > resolution * lmax if rtol is None and lmax > 0 else np.zeros(dropped_lam.shape, dtype=bool)
+    band = dropped_lam > arith if rtol is None and lmax > 0 else np.zeros(dropped_lam.shape, dtype=bool)
     return Spectrum(
         scale=scale,
         values=lam[keep][order],
@@ -266,6 +276,15 @@ def _gamma_acc(summands: int, product_summands: int) -> float:
     """``γ_acc = C_acc (L u64 + L_32 u32)``: float64 sums of length ``L`` of float32 products of length ``L_32``."""
     u64, u32 = unit_roundoff(torch.float64), unit_roundoff(torch.float32)
     return ACCUMULATION_FACTOR * (max(summands, 1) * u64 + max(int(product_summands), 0) * u32)
+
+
+def gram_error(*, k: int, summands: int, product_summands: int) -> float:
+    """``η = k̃ (γ_acc + C_res u64)``: the bound on ``‖δΣ̃‖₂`` of the accumulated unit-diagonal Gram (thm-score-error).
+
+    ``summands`` is the length ``L`` of the float64 sums, ``product_summands`` the length ``L_32`` of the
+    float32 per-batch products (``0``: float64 products).
+    """
+    return int(k) * (_gamma_acc(summands, product_summands) + RESOLUTION_FACTOR * unit_roundoff(torch.float64))
 
 
 def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: int, product_summands: int = 0) -> float:
@@ -334,7 +353,7 @@ def score_error(
         eps_m += RESOLUTION_FACTOR * math.sqrt(kk) * u64
         eta = 0.0
     else:
-        eta = kk * (gamma_acc + RESOLUTION_FACTOR * u64)
+        eta = gram_error(k=kk, summands=summands, product_summands=product_summands)
     lam_min = spec.lam_min
     sigma_min = math.sqrt(lam_min)
     if eps_m >= 0.5 * sigma_min or eta >= 0.5 * lam_min:
