@@ -236,3 +236,59 @@ def test_cli_score_gram_and_products_flags(tmp_path):
     for flag, bad in (("--gram", "dense"), ("--products", "float16")):
         out = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", flag, bad])
         assert out.exit_code != 0 and f"{flag} '{bad}': use one of" in out.output
+
+
+# ----------------------------------------------------------------------------- batched finishing eigensolves
+def test_eigh_batched_equals_one_eigh_per_matrix():
+    """Mixed sizes, more matrices than one call takes: each result is torch's ``eigh`` of that matrix alone."""
+    import depthsat_theory.statistics.linalg as la
+
+    rng = np.random.default_rng(3)
+    mats = []
+    for k in (5, 33, 5, 33, 33, 17):
+        a = rng.standard_normal((40, k))
+        mats.append(a.T @ a)
+    old, la.EIGH_BATCH_MAX_ELEMENTS = la.EIGH_BATCH_MAX_ELEMENTS, 2 * 33 * 33  # two 33² per call
+    try:
+        got = la.eigh_batched(mats)
+    finally:
+        la.EIGH_BATCH_MAX_ELEMENTS = old
+    for m, (lam, q) in zip(mats, got, strict=True):
+        lam1, q1 = torch.linalg.eigh(torch.from_numpy(m))
+        np.testing.assert_allclose(lam, lam1.numpy(), rtol=0, atol=1e-12 * abs(lam1).max().item())
+        np.testing.assert_allclose(np.abs(q.T @ q1.numpy()), np.eye(m.shape[0]), atol=1e-8)  # same eigenvectors
+        np.testing.assert_allclose((q * lam) @ q.T, m, rtol=0, atol=1e-11 * np.abs(m).max())
+
+
+def test_diagnose_results_with_batched_eigensolves_equal_per_site_results():
+    """``diagnose``'s finishing step (sites grouped by Gram size) against each statistic's own ``result()``:
+    the Gram path (float32 sites), the triangular factor (a float64 site) and the unit path in one run; the
+    scores agree to far below the eigensolve's share of the rounding bound, the rest exactly."""
+    from depthsat_theory.capture import accumulate
+    from depthsat_theory.diagnose.run import _site_results
+
+    net = _Net().eval()
+    batches = _probe()
+    sites = ["embed", "blocks.0", "blocks.1"]
+    fams = {"embed": "relu:32:0", "blocks.0": "relu:32:0", "blocks.1": "relu:16:0"}
+    stats = {s: statistics_for(parse_family(fams[s]), (8,), "vector") for s in sites}
+    accumulate(net, sites, batches, _loss, stats)
+    stats["units"] = statistics_for(parse_family("relu:2048:0"), (8,), "vector")  # k̃ = 2049 ≥ 1025: unit path
+    stats["float64"] = statistics_for(parse_family("relu:16:0"), (8,), "vector")  # float64 rows: the factor
+    h = net.embed(batches[0][0]).detach()
+    g = torch.tanh(h) / 10
+    stats["units"].update(h, g)
+    stats["float64"].update(h.double(), g.double())
+    names = [*sites, "units", "float64"]
+    assert [stats[s].eigh_input() is None for s in names] == [False, False, False, True, True]
+    got = _site_results(stats, names)
+    for s in names:
+        want = stats[s].result()
+        # LAPACK's batched and single eigh may differ at the eigensolve's backward error (C_res k̃ u64 of η)
+        assert abs(got[s].score - want.score) <= min(1e-9 * want.score, 1e-3 * want.score_error)
+        assert (got[s].tangent_rank, got[s].verdict, got[s].unresolved) == (
+            want.tangent_rank,
+            want.verdict,
+            want.unresolved,
+        )
+        assert got[s].score_error == pytest.approx(want.score_error, rel=1e-6)  # through λ̃_min, same solver error

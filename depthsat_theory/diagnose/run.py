@@ -78,7 +78,8 @@ from depthsat_theory.diagnose.errors import CheckpointError, DiagnoseError
 from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily, parse_family
 from depthsat_theory.statistics import Reduction, StatisticsError, StreamingStatistic, statistics_for
-from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES
+from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES, FeatureStatistics
+from depthsat_theory.statistics.linalg import EIGH_BATCH_MAX_ELEMENTS, eigh_batched
 from depthsat_theory.vocabulary import Layout
 
 __all__ = ["ProbeLoss", "diagnose"]
@@ -642,8 +643,9 @@ class _Run:
         bk = dict(bound_kwargs or {})
         bk.setdefault("candidates", len(self.sites))
         out = []
+        results = _site_results(self.stats, self.sites)
         for depth, s in enumerate(self.sites):
-            res = self.stats[s].result()
+            res = results[s]
             kw = default_epsilon(bk, self.betas.get(s))
             iv = self.stats[s].interval(self.delta, **kw) if self.delta is not None else None
             out.append(SiteDiagnosis(s, depth, self.layouts[s], self.shapes[s], res, iv))
@@ -664,6 +666,34 @@ class _Run:
             notes=_notes(loss_units, self.realizability, self.delta, bk["candidates"]),
             loss_units=loss_units,
         )
+
+
+def _site_results(stats: Mapping, sites: list[str]) -> dict:
+    """Every site's ``result()``, the Gram eigensolves of feature-family sites batched across sites.
+
+    Sites with the same Gram size and device are decomposed together by :func:`eigh_batched`, in groups
+    of at most :data:`~depthsat_theory.statistics.linalg.EIGH_BATCH_MAX_ELEMENTS` entries, each group's
+    results computed before the next group's Grams are formed (memory: one group, not every site).
+    """
+    groups: dict[tuple, list[str]] = {}
+    for s in sites:
+        acc = stats[s]
+        if isinstance(acc, FeatureStatistics):
+            groups.setdefault((acc.k, str(acc.states["sigma"].device)), []).append(s)
+    out: dict = {}
+    for (k, dev), names in groups.items():
+        per_call = max(1, EIGH_BATCH_MAX_ELEMENTS // (k * k))
+        for i in range(0, len(names), per_call):
+            inputs = {s: stats[s].eigh_input() for s in names[i : i + per_call]}
+            ready = [s for s, m in inputs.items() if m is not None]
+            eigs = dict(zip(ready, eigh_batched([inputs[s] for s in ready], device=dev), strict=True))
+            del inputs
+            for s in names[i : i + per_call]:
+                out[s] = stats[s].result(eig=eigs.pop(s)) if s in eigs else stats[s].result()
+    for s in sites:
+        if s not in out:
+            out[s] = stats[s].result()
+    return {s: out[s] for s in sites}
 
 
 def _notes(loss_units: str, realizability: bool, delta: float | None, candidates: int) -> list[str]:

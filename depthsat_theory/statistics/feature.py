@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from depthsat_theory.families import FamilyError, FeatureFamily, from_rows, to_rows
-from depthsat_theory.statistics.linalg import NOISE_ALPHA, gram_error, resolve_spectrum
+from depthsat_theory.statistics.linalg import NOISE_ALPHA, gram_error, resolve_spectrum, scaled_gram
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
@@ -577,18 +577,17 @@ class FeatureStatistics(TangentStatistics):
         self._flush()
         return (self.states["q_sum"] / self.n).cpu().numpy()
 
-    def spectrum(self, *, rtol: float | None = None):
+    def spectrum(self, *, rtol: float | None = None, eig: tuple[np.ndarray, np.ndarray] | None = None):
         """The resolved spectrum of ``Σ`` (:func:`~depthsat_theory.statistics.resolve_spectrum`).
 
         Uses the streamed triangular factor when every batch was float64 (amplitudes resolved
         to ``≈ k̃ u64``), else the float64 Gram (``def-resolution``).  With ``products="float32"`` the
         Gram carries the error ``η`` of :func:`~depthsat_theory.statistics.linalg.gram_error` (``L_32`` =
         the chunk length), and eigenvalues ``λ̃ ≤ 2η`` are dropped as unresolvable (``thm-score-error``).
+        ``eig``: the eigendecomposition of :meth:`eigh_input` when already computed (ignored with the factor).
         """
         self._flush()
-        factor = None
-        if self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64:
-            factor = self.factor.r.numpy() / np.sqrt(self.n)
+        factor = self.factor.r.numpy() / np.sqrt(self.n) if self._factored() else None
         dtype, summands, fast = self._rounding_inputs()
         eta = gram_error(k=self.k, summands=summands, product_summands=fast) if fast and factor is None else 0.0
         return resolve_spectrum(
@@ -598,10 +597,34 @@ class FeatureStatistics(TangentStatistics):
             factor=factor,
             device=self.states["sigma"].device,
             gram_error=eta,
+            eig=eig if factor is None else None,
         )
 
+    def _factored(self) -> bool:
+        """Whether :meth:`spectrum` uses the streamed triangular factor (every batch float64)."""
+        return self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64
+
+    def eigh_input(self) -> np.ndarray | None:
+        """The unit-diagonal Gram ``Σ̃`` that :meth:`result` would eigendecompose, for :func:`eigh_batched`.
+
+        ``None`` when :meth:`result` needs no Gram eigensolve (the triangular factor or the unit path is
+        used), before any example, or when the sums overflowed (``result`` then names the fault).
+        """
+        if self.n == 0 or self._kept:
+            return None
+        self._flush()
+        if self._factored():
+            return None
+        sig = self.feature_gram()
+        return scaled_gram(sig) if np.isfinite(sig).all() else None
+
     def result(
-        self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
+        self,
+        *,
+        rtol: float | None = None,
+        tol: float | None = None,
+        alpha: float = NOISE_ALPHA,
+        eig: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SaturationResult:
         """Compute ``s² = tr(G Σ⁺ Gᵀ)``, its rounding bound, the noise test and the other quantities.
 
@@ -611,6 +634,8 @@ class FeatureStatistics(TangentStatistics):
             tol: an explicit saturation threshold (default: the rounding bound
                 :func:`~depthsat_theory.statistics.score_error`).
             alpha: level of the noise test (``thm-noise-test``), in ``(0, 0.215]``.
+            eig: ``(λ̃, Q)`` of :meth:`eigh_input` when already computed (e.g. by
+                :func:`~depthsat_theory.statistics.linalg.eigh_batched` over the sites of a diagnosis).
 
         Raises:
             StatisticsError: if no examples were accumulated or the sums overflowed.
@@ -620,7 +645,7 @@ class FeatureStatistics(TangentStatistics):
             return self._unit_result(rtol=rtol, tol=tol, alpha=alpha)
         sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
-        spec = self.spectrum(rtol=rtol)
+        spec = self.spectrum(rtol=rtol, eig=eig)
         self._spec_g = (spec, big_g)  # Π g (u) = G Σ⁻ φ̃(u), formed only if the tie pool asks (_project_units)
         moment = self.noise_moment()
         q_trace = spec.trace_product(moment)  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻
