@@ -182,8 +182,8 @@ def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | No
         norms = rows_g[:, 0].pow(2).sum(1).sqrt() if g_norm2 is None else g_norm2.sqrt().to(phi.dtype)
         _add_gram(out, phi[:, 0] * norms[:, None])
         return
-    if phi.dtype != out.dtype and phi.shape[0] > 1:  # lower-precision products: chunks of examples
-        step = max(1, PRODUCT_CHUNK_ROWS // r)
+    step = max(1, PRODUCT_CHUNK_ROWS // r)
+    if phi.dtype != out.dtype and phi.shape[0] > step:  # lower-precision products: chunks of examples
         for b0 in range(0, phi.shape[0], step):
             _noise_moment(out, phi[b0 : b0 + step], rows_g[b0 : b0 + step])
         return
