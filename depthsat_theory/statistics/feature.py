@@ -136,6 +136,32 @@ def _chunks(rows: int):
     return ((i, min(i + PRODUCT_CHUNK_ROWS, rows)) for i in range(0, rows, PRODUCT_CHUNK_ROWS))
 
 
+#: Largest ``chunks · m · n`` for which :func:`_chunk_sum` forms every chunk's product in one batched call
+#: (a float32 buffer of at most 16 MiB); larger products loop over the chunks (fewer bytes, more calls).
+CHUNK_BATCH_MAX_ELEMENTS = 1 << 22
+
+
+def _chunk_sum(a: Tensor, b: Tensor) -> Tensor | None:
+    """``Σ_chunks fl(a_cᵀ b_c)`` in float64 for rows ``a`` ``(N, m)``, ``b`` ``(N, n)`` in a lower precision.
+
+    Every chunk of :data:`PRODUCT_CHUNK_ROWS` rows is multiplied in ``a``'s dtype (one batched call) and the
+    chunk products are summed in float64 (the conversion is exact).  ``None`` when the batched call would
+    hold more than :data:`CHUNK_BATCH_MAX_ELEMENTS` entries (the caller loops instead).
+    """
+    rows, c = a.shape[0], PRODUCT_CHUNK_ROWS
+    full = (rows // c) * c
+    if (full // c) * a.shape[1] * b.shape[1] > CHUNK_BATCH_MAX_ELEMENTS:
+        return None
+    out = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
+    if full:
+        nc = full // c
+        prod = torch.bmm(a[:full].reshape(nc, c, -1).transpose(1, 2), b[:full].reshape(nc, c, -1))
+        out += prod.sum(0, dtype=torch.float64)
+    if full < rows:
+        out += a[full:].T @ b[full:]
+    return out
+
+
 def _add_gram_chunked(out: Tensor, x: Tensor) -> None:
     """``out += xᵀ x`` with ``x`` in a lower precision than ``out``: one product per chunk of rows.
 
@@ -145,6 +171,10 @@ def _add_gram_chunked(out: Tensor, x: Tensor) -> None:
     kept entry is a float64 sum of float32 chunk sums of length ``≤ PRODUCT_CHUNK_ROWS``.
     """
     k = x.shape[1]
+    small = _chunk_sum(x, x)  # few columns: one batched call (full squares; call overhead dominates there)
+    if small is not None:
+        out += _mirror_lower(small)
+        return
     bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)] if k >= GRAM_BLOCK_MIN_K else [0, k]
     for r0, r1 in _chunks(x.shape[0]):
         xc = x[r0:r1]
@@ -157,6 +187,10 @@ def _add_gram_chunked(out: Tensor, x: Tensor) -> None:
 
 def _add_cross_chunked(out: Tensor, rows_g: Tensor, phi: Tensor) -> None:
     """``out += rows_gᵀ phi`` (``(d, k̃)`` float64) from lower-precision rows, one product per chunk of rows."""
+    small = _chunk_sum(rows_g, phi)
+    if small is not None:
+        out += small
+        return
     for r0, r1 in _chunks(phi.shape[0]):
         out.add_(rows_g[r0:r1].T @ phi[r0:r1])
 
