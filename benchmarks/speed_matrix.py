@@ -22,7 +22,7 @@ float32 floor.  ``impl64`` is what the float64 path computes (``Σ`` and the noi
 ``E[XᵀX]`` each ``5/8 B k̃²``, block triangular), weighted ×2 for float64's half rate.
 
 Run:  PYTHONPATH=. python benchmarks/speed_matrix.py [--tiny | --quick | --full] [--reps 3] [--json out.json]
-      [--no-gromo] [--device cuda] [--memory]
+      [--no-gromo] [--device cuda] [--memory] [--one-chunk]
 ``--tiny`` (CI): d = 64, 2 sites, batches of 256, linear and relu:256, 3 rounds: seconds.
 ``--memory``: peak resident memory of the probe loop with the only site at the bottom or the top of
 a 32-block model (fresh child process per point).
