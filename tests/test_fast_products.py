@@ -298,3 +298,21 @@ def test_diagnose_results_with_batched_eigensolves_equal_per_site_results():
             want.unresolved,
         )
         assert got[s].score_error == pytest.approx(want.score_error, rel=1e-6)  # through λ̃_min, same solver error
+
+
+def test_a_float32_checkpoint_resumes_only_as_float32(tmp_path):
+    """The checkpoint records ``products`` for a float32 run: resuming it as float64 is refused in one line,
+    resuming it as float32 gives the uninterrupted run's result exactly."""
+    from depthsat_theory.diagnose import CheckpointError
+
+    net = _Net().eval()
+    ck = tmp_path / "ck.pt"
+    probe = _probe()
+    kw = dict(sites=["blocks.0"], family="relu:16:0", kinks=False, checkpoint=ck)
+    whole = diagnose(net, _loss, probe, sites=["blocks.0"], family="relu:16:0", kinks=False, products="float32")
+    diagnose(net, _loss, probe[:2], products="float32", **kw)
+    with pytest.raises(CheckpointError, match="products"):
+        diagnose(net, _loss, probe, **kw)
+    resumed = diagnose(net, _loss, probe, products="float32", **kw)
+    assert resumed.sites[0].result.score == whole.sites[0].result.score
+    assert resumed.sites[0].result.score_error == whole.sites[0].result.score_error
