@@ -95,9 +95,9 @@ class TriangularFactor(StreamingStatistic):
             self.rows = int(state["rows"])
 
 
-#: Rows per float32 product of ``products="float32"``: each batch is multiplied in chunks of at most this many
-#: rows, every chunk's float32 product added to the float64 sums, so the float32 sums have length
-#: ``L_32 ≤`` this whatever the batch (theory/numerics.md, ``thm-score-error``: ``γ_acc = C_acc(L u64 + L_32 u32)``).
+#: Rows per float32 product with ``products="float32"``, each batch multiplied in chunks of at most this many
+#: rows and every chunk's float32 product added to the float64 sums, so the float32 sums have length
+#: ``L_32 ≤`` this whatever the batch (theory/numerics.md, ``thm-score-error``, ``γ_acc = C_acc(L u64 + L_32 u32)``).
 PRODUCT_CHUNK_ROWS = 128
 
 #: Number of column blocks of the block-triangular Gram update (:func:`_add_gram`).
@@ -136,7 +136,7 @@ def _chunks(rows: int):
     return ((i, min(i + PRODUCT_CHUNK_ROWS, rows)) for i in range(0, rows, PRODUCT_CHUNK_ROWS))
 
 
-#: Largest ``chunks · m · n`` for which :func:`_chunk_sum` forms every chunk's product in one batched call
+#: Largest ``chunks · m · n`` for which every chunk's product is formed in one batched call
 #: (a float32 buffer of at most 16 MiB); larger products loop over the chunks (fewer bytes, more calls).
 CHUNK_BATCH_MAX_ELEMENTS = 1 << 22
 
@@ -229,9 +229,9 @@ def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | No
     out += torch.einsum("bdk,bdl->kl", x, x).to(out.dtype)
 
 
-#: The Gram a :class:`FeatureStatistics` may use (``gram=``): ``"features"`` (the ``k̃ × k̃`` Gram ``Σ``
+#: The Grams a :class:`FeatureStatistics` may use (``gram=``), ``"features"`` (the ``k̃ × k̃`` Gram ``Σ``
 #: streamed batch by batch), ``"units"`` (the scaled feature rows kept and factored at the end, the unit
-#: path of theory/numerics.md ``thm-unit-gram``), ``"auto"`` (units while they are few, see below).
+#: path of theory/numerics.md ``thm-unit-gram``) and ``"auto"`` (units while they are few, see below).
 GRAM_MODES = ("auto", "features", "units")
 _GRAM_MODES = GRAM_MODES
 #: ``gram="auto"`` keeps the feature rows (no ``k̃²`` work per batch) only at sites with ``k̃`` above this ...
