@@ -22,7 +22,7 @@ float32 floor.  ``impl64`` is what the float64 path computes (``Σ`` and the noi
 ``E[XᵀX]`` each ``5/8 B k̃²``, block triangular), weighted ×2 for float64's half rate.
 
 Run:  PYTHONPATH=. python benchmarks/speed_matrix.py [--tiny | --quick | --full] [--reps 3] [--json out.json]
-      [--no-gromo] [--device cuda] [--memory]
+      [--no-gromo] [--device cuda] [--memory] [--one-chunk]
 ``--tiny`` (CI): d = 64, 2 sites, batches of 256, linear and relu:256, 3 rounds: seconds.
 ``--memory``: peak resident memory of the probe loop with the only site at the bottom or the top of
 a 32-block model (fresh child process per point).
@@ -55,6 +55,7 @@ from diagnose_speed import LinearGrowingBlock, gromo_model, steps_for
 from depthsat_theory.capture import accumulate
 from depthsat_theory.families import parse_family
 from depthsat_theory.statistics import FeatureStatistics
+from depthsat_theory.statistics import feature as feature_mod
 from depthsat_theory.tasks import ResidualMLP, classification_loss
 
 torch.set_num_threads(THREADS)
@@ -96,7 +97,7 @@ def _steps(name, model, kw):
         return steps_for("floor", model, kw)
     if name == "gromo":
         return steps_for("gromo-min", model, kw)
-    products = "float32" if name == "depthsat-f32" else "float64"
+    products = "float32" if name.startswith("depthsat-f32") else "float64"
     fam, sites, d = kw["fam"], kw["sites"], kw["d"]
     # the Gram path streamed per batch (as in the earlier tables): at 2 batches of relu:4096 the default
     # gram="auto" would keep the rows and move the work into result(), which these rows do not time
@@ -106,6 +107,16 @@ def _steps(name, model, kw):
     def step(x, y):
         accumulate(model, sites, [(x, y)], classification_loss, stats)
 
+    if name == "depthsat-f32-1chunk":  # the float32 path before chunking: one float32 product per batch
+
+        def one_chunk(x, y):
+            chunk, feature_mod.PRODUCT_CHUNK_ROWS = feature_mod.PRODUCT_CHUNK_ROWS, 1 << 30
+            try:
+                step(x, y)
+            finally:
+                feature_mod.PRODUCT_CHUNK_ROWS = chunk
+
+        return one_chunk, lambda: None
     return step, lambda: None
 
 
@@ -152,6 +163,7 @@ def run(args) -> list[dict]:
         sites = [f"blocks.{round(i * (depth - 1) / max(nsites - 1, 1))}" for i in range(nsites)]
         kw = dict(fam=fam, sites=sites, d=d)
         names = ["plain", "depthsat"] + ([] if args.no_f32 else ["depthsat-f32"])
+        names += ["depthsat-f32-1chunk"] if args.one_chunk else []
         if LinearGrowingBlock is not None and not args.no_gromo and args.device == "cpu":
             kw["gm"] = gromo_model(model, fam, sites, d)
             names.append("gromo")
@@ -166,6 +178,8 @@ def run(args) -> list[dict]:
         rows.append(row)
         gro = f"{row['gromo']:6.2f}x" if "gromo" in row else "     -"
         f32 = f"{row['depthsat-f32']:6.2f}x" if "depthsat-f32" in row else "     -"
+        if "depthsat-f32-1chunk" in row:
+            f32 += f" (1 chunk {row['depthsat-f32-1chunk']:.2f}x)"
         print(
             f"{spec:10s} d={d:<5d} sites={nsites:<3d} | ours {row['depthsat']:6.2f}x  f32 {f32}"
             f"  gromo {gro} | floor32 {floor['floor32']:5.2f}x impl64 {floor['impl64']:5.2f}x"
@@ -227,6 +241,7 @@ def main() -> None:
     ap.add_argument("--family", default=None, help="only these families of the grid (comma-separated)")
     ap.add_argument("--sites", type=int, nargs="*", default=None, help="only these site counts of the grid")
     ap.add_argument("--no-f32", action="store_true", help="leave out the opt-in float32-products rows")
+    ap.add_argument("--one-chunk", action="store_true", help="also float32 products in one chunk per batch")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_child-memory", dest="child_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

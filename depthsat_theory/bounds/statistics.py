@@ -31,7 +31,7 @@ class BoundStatistics(FeatureStatistics):
         family: a zero-output feature family.
         shape, layout: the site (see :class:`FeatureStatistics`).
         keep_probe: keep the rows in memory.
-        pool_ties, device: as for :class:`FeatureStatistics`.
+        pool_ties, device, products, gram: as for :class:`FeatureStatistics`.
 
     Raises:
         FamilyError: if ``family`` is not a feature family or does not fit the site.
@@ -46,8 +46,10 @@ class BoundStatistics(FeatureStatistics):
         keep_probe: bool = False,
         pool_ties: bool = False,
         device=None,
+        products: str = "float64",
+        gram: str = "auto",
     ):
-        super().__init__(family, shape, layout, pool_ties=pool_ties, device=device)
+        super().__init__(family, shape, layout, pool_ties=pool_ties, device=device, products=products, gram=gram)
         self.keep_probe = keep_probe
         self.add_state("feat_sq_max", torch.zeros((), dtype=torch.float64), Reduction.MAX)
         self._rows: list[tuple[np.ndarray, np.ndarray]] = []

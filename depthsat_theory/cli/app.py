@@ -33,6 +33,7 @@ from depthsat_theory.cli.inputs import (
 from depthsat_theory.families import FamilyError, FeatureFamily, family_specs, parse_family
 from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats, guaranteed_decrease
+from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES
 from depthsat_theory.statistics.realizability import crossfit_realizability
 from depthsat_theory.statistics.secondorder import CrossBlockStatistics
 from depthsat_theory.vocabulary import Layout
@@ -135,6 +136,24 @@ def _refuse_bound_options_without_delta(given: dict[str, object]) -> None:
         raise UserError(f"{names} {verb} --delta (the bound options only apply to the interval)")
 
 
+GRAM_HELP = (
+    "Feature-family statistics: 'features' streams the k̃×k̃ Gram, 'units' keeps the feature rows and factors "
+    "them once at the end (thm-unit-gram: no k̃² work per row; for k̃ much larger than the probe), 'auto' "
+    "(default) units at sites with k̃ ≥ 1025 while the rows are at most k̃/2. Same score within its bound."
+)
+PRODUCTS_HELP = (
+    "Dtype of the per-batch products of feature families, summed in float64: 'float64' (default) or 'float32' "
+    "(about half the cost; wider rounding bound and resolution, thm-score-error: ill-conditioned sites may "
+    "become undetermined)."
+)
+
+
+def _check_choice(flag: str, value: str, choices) -> None:
+    """A one-line error for a value outside ``choices``."""
+    if value not in choices:
+        raise UserError(f"{flag} {value!r}: use one of {', '.join(choices)}")
+
+
 @app.command()
 def score(
     probe: Path = typer.Option(..., "--probe", help="NPZ file with arrays z and g, each n × d."),
@@ -174,6 +193,8 @@ def score(
     crossfit_regression: str = typer.Option(
         "knn", "--crossfit-regression", help="Regression of the cross-fit: knn or local-linear (less bias, moderate d)."
     ),
+    gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
+    products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),
 ) -> None:
     """Saturation quantities of a dumped probe (activations z, activation gradients g)."""
     constants: dict[str, Any] = dict(
@@ -197,9 +218,11 @@ def score(
             )
         if not 0.0 < alpha <= 0.215:
             raise UserError(f"--alpha {alpha}: the noise test is valid for 0 < alpha <= 0.215")
+        _check_choice("--gram", gram, GRAM_MODES)
+        _check_choice("--products", products, PRODUCT_DTYPES)
         z, g = load_probe(probe)
         fam = parse_family(family)
-        acc = statistics_for(fam, (z.shape[1],), Layout.VECTOR, pool_ties=True)
+        acc = statistics_for(fam, (z.shape[1],), Layout.VECTOR, pool_ties=True, gram=gram, products=products)
         acc.update(torch.from_numpy(z), torch.from_numpy(g))
         result = acc.result(alpha=alpha)
         interval = None
@@ -408,6 +431,8 @@ def diagnose_cmd(
     curvature: bool = typer.Option(
         False, "--curvature", help="Also the measured curvature κ along Πg and the local decrease s²/(2κ)."
     ),
+    gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
+    products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -419,6 +444,8 @@ def diagnose_cmd(
     try:
         check_output_path("--json", json_path)
         check_output_path("--plot", plot)
+        _check_choice("--gram", gram, GRAM_MODES)
+        _check_choice("--products", products, PRODUCT_DTYPES)
         target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
@@ -439,6 +466,8 @@ def diagnose_cmd(
                 beta=beta,
                 second_order=second_order,
                 curvature=curvature,
+                gram=gram,
+                products=products,
                 **target.extra,
             )
         written: list[Path] = []

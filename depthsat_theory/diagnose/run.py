@@ -78,6 +78,8 @@ from depthsat_theory.diagnose.errors import CheckpointError, DiagnoseError
 from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily, parse_family
 from depthsat_theory.statistics import Reduction, StatisticsError, StreamingStatistic, statistics_for
+from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES, FeatureStatistics
+from depthsat_theory.statistics.linalg import EIGH_BATCH_MAX_ELEMENTS, eigh_batched
 from depthsat_theory.vocabulary import Layout
 
 __all__ = ["ProbeLoss", "diagnose"]
@@ -129,6 +131,8 @@ def diagnose(
     second_order: bool = False,
     kinks: bool = True,
     curvature: bool = False,
+    gram: str = "auto",
+    products: str = "float64",
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -220,6 +224,13 @@ def diagnose(
             (one more forward and double backward per batch and site: ``batches`` must be a list
             or tuple; per-example losses, unmasked), and report the local decrease ``s²/(2κ)``
             of the quadratic model (:mod:`depthsat_theory.capture.curvature`; not a guarantee).
+        gram: ``"auto"`` (default), ``"features"`` or ``"units"``: whether feature-family sites stream the
+            ``k̃ × k̃`` Gram or keep the unit rows (:class:`~depthsat_theory.statistics.FeatureStatistics`,
+            theory/numerics.md ``thm-unit-gram``; the same ``ŝ`` within its bound); ignored by general families.
+        products: ``"float64"`` (default) or ``"float32"``: the dtype of the per-batch products of
+            feature-family sites, summed in float64 either way (``"float32"``: about half the cost, with
+            the wider rounding bound and resolution of thm-score-error, so more sites may be
+            ``undetermined``); ignored by general families.
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -244,6 +255,10 @@ def diagnose(
             )
     if reduction not in REDUCTIONS:
         raise DiagnoseError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if gram not in GRAM_MODES:
+        raise DiagnoseError(f"gram must be one of {', '.join(GRAM_MODES)}, got {gram!r}")
+    if products not in PRODUCT_DTYPES:
+        raise DiagnoseError(f"products must be one of {', '.join(PRODUCT_DTYPES)}, got {products!r}")
     if checkpoint_every < 1:
         raise DiagnoseError("checkpoint_every must be >= 1")
     if total is None and isinstance(batches, Sized):
@@ -263,6 +278,8 @@ def diagnose(
         ),
         beyond=Beyond(model, site_list, fam, kinks=kinks, second_order=second_order),
         betas=betas,
+        gram=gram,
+        products=products,
     )
     run.open_checkpoint(checkpoint, config)
     if curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
@@ -413,6 +430,8 @@ class _Run:
     shapes_checked: bool = True
     beyond: Beyond | None = None
     betas: dict = field(default_factory=dict)
+    gram: str = "auto"
+    products: str = "float64"
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -431,6 +450,8 @@ class _Run:
             "model": model_fingerprint(self.model) if checkpoint is not None else None,
             "user": config or {},
         }
+        if self.products != "float64":  # the float32 products' state and bound: resume only with the same
+            self.cfg["products"] = self.products
         if checkpoint is None:
             return
         ckpt = Path(checkpoint)
@@ -496,10 +517,17 @@ class _Run:
             try:
                 if self.delta is not None:
                     self.stats[s] = BoundStatistics(
-                        cast(FeatureFamily, self.family), shp, lay, pool_ties=self.realizability
+                        cast(FeatureFamily, self.family),
+                        shp,
+                        lay,
+                        pool_ties=self.realizability,
+                        gram=self.gram,
+                        products=self.products,
                     )
                 else:
-                    self.stats[s] = statistics_for(self.family, shp, lay, pool_ties=self.realizability)
+                    self.stats[s] = statistics_for(
+                        self.family, shp, lay, pool_ties=self.realizability, gram=self.gram, products=self.products
+                    )
             except FamilyError as exc:
                 raise DiagnoseError(f"site {s!r} ({lay}, per-example shape {shp}): {exc}") from None
             self.shapes[s] = shp
@@ -615,8 +643,9 @@ class _Run:
         bk = dict(bound_kwargs or {})
         bk.setdefault("candidates", len(self.sites))
         out = []
+        results = _site_results(self.stats, self.sites)
         for depth, s in enumerate(self.sites):
-            res = self.stats[s].result()
+            res = results[s]
             kw = default_epsilon(bk, self.betas.get(s))
             iv = self.stats[s].interval(self.delta, **kw) if self.delta is not None else None
             out.append(SiteDiagnosis(s, depth, self.layouts[s], self.shapes[s], res, iv))
@@ -637,6 +666,34 @@ class _Run:
             notes=_notes(loss_units, self.realizability, self.delta, bk["candidates"]),
             loss_units=loss_units,
         )
+
+
+def _site_results(stats: Mapping, sites: list[str]) -> dict:
+    """Every site's ``result()``, the Gram eigensolves of feature-family sites batched across sites.
+
+    Sites with the same Gram size and device are decomposed together by :func:`eigh_batched`, in groups
+    of at most :data:`~depthsat_theory.statistics.linalg.EIGH_BATCH_MAX_ELEMENTS` entries, each group's
+    results computed before the next group's Grams are formed (memory: one group, not every site).
+    """
+    groups: dict[tuple, list[str]] = {}
+    for s in sites:
+        acc = stats[s]
+        if isinstance(acc, FeatureStatistics):
+            groups.setdefault((acc.k, str(acc.states["sigma"].device)), []).append(s)
+    out: dict = {}
+    for (k, dev), names in groups.items():
+        per_call = max(1, EIGH_BATCH_MAX_ELEMENTS // (k * k))
+        for i in range(0, len(names), per_call):
+            inputs = {s: stats[s].eigh_input() for s in names[i : i + per_call]}
+            ready = [s for s, m in inputs.items() if m is not None]
+            eigs = dict(zip(ready, eigh_batched([inputs[s] for s in ready], device=dev), strict=True))
+            del inputs
+            for s in names[i : i + per_call]:
+                out[s] = stats[s].result(eig=eigs.pop(s)) if s in eigs else stats[s].result()
+    for s in sites:
+        if s not in out:
+            out[s] = stats[s].result()
+    return {s: out[s] for s in sites}
 
 
 def _notes(loss_units: str, realizability: bool, delta: float | None, candidates: int) -> list[str]:

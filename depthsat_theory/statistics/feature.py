@@ -11,12 +11,15 @@ import torch
 from torch import Tensor, nn
 
 from depthsat_theory.families import FamilyError, FeatureFamily, from_rows, to_rows
-from depthsat_theory.statistics.linalg import NOISE_ALPHA, resolve_spectrum
+from depthsat_theory.statistics.linalg import NOISE_ALPHA, gram_error, resolve_spectrum, scaled_gram
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
 
 __all__ = [
+    "GRAM_MODES",
+    "PRODUCT_CHUNK_ROWS",
+    "PRODUCT_DTYPES",
     "TRIANGULAR_FACTOR_MAX_K",
     "UNIT_GRAM_MAX_FRACTION",
     "UNIT_GRAM_MIN_K",
@@ -26,7 +29,9 @@ __all__ = [
 ]
 
 #: The per-batch product dtypes of :class:`FeatureStatistics` (``products=``).
-_PRODUCT_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+#: :meta hide-value:
+PRODUCT_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_PRODUCT_DTYPES = PRODUCT_DTYPES
 
 #: Largest ``k̃`` for which float64 forward passes also stream the triangular factor of ``Φ̃``.
 TRIANGULAR_FACTOR_MAX_K = 1024
@@ -90,6 +95,11 @@ class TriangularFactor(StreamingStatistic):
             self.rows = int(state["rows"])
 
 
+#: Rows per float32 product with ``products="float32"``, each batch multiplied in chunks of at most this many
+#: rows and every chunk's float32 product added to the float64 sums, so the float32 sums have length
+#: ``L_32 ≤`` this whatever the batch (theory/numerics.md, ``thm-score-error``, ``γ_acc = C_acc(L u64 + L_32 u32)``).
+PRODUCT_CHUNK_ROWS = 128
+
 #: Number of column blocks of the block-triangular Gram update (:func:`_add_gram`).
 GRAM_BLOCKS = 4
 #: Smallest ``k̃`` for which the Gram update is split into column blocks (below it one product is cheaper).
@@ -107,6 +117,9 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
     triangle: a GEMM need not return a symmetric ``xᵀx``).
     """
     k = x.shape[1]
+    if x.dtype != out.dtype:
+        _add_gram_chunked(out, x)
+        return
     if k < GRAM_BLOCK_MIN_K:
         out += _mirror_lower((x.T @ x).to(out.dtype))
         return
@@ -116,6 +129,70 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
         blk[: j1 - j0] = _mirror_lower(blk[: j1 - j0])
         out[j0:, j0:j1] += blk
         out[j0:j1, j1:] += blk[j1 - j0 :].T
+
+
+def _chunks(rows: int):
+    """Row ranges of at most :data:`PRODUCT_CHUNK_ROWS` rows covering ``range(rows)``."""
+    return ((i, min(i + PRODUCT_CHUNK_ROWS, rows)) for i in range(0, rows, PRODUCT_CHUNK_ROWS))
+
+
+#: Largest ``chunks · m · n`` for which every chunk's product is formed in one batched call
+#: (a float32 buffer of at most 16 MiB); larger products loop over the chunks (fewer bytes, more calls).
+CHUNK_BATCH_MAX_ELEMENTS = 1 << 22
+
+
+def _chunk_sum(a: Tensor, b: Tensor) -> Tensor | None:
+    """``Σ_chunks fl(a_cᵀ b_c)`` in float64 for rows ``a`` ``(N, m)``, ``b`` ``(N, n)`` in a lower precision.
+
+    Every chunk of :data:`PRODUCT_CHUNK_ROWS` rows is multiplied in ``a``'s dtype (one batched call) and the
+    chunk products are summed in float64 (the conversion is exact).  ``None`` when the batched call would
+    hold more than :data:`CHUNK_BATCH_MAX_ELEMENTS` entries (the caller loops instead).
+    """
+    rows, c = a.shape[0], PRODUCT_CHUNK_ROWS
+    full = (rows // c) * c
+    if (full // c) * a.shape[1] * b.shape[1] > CHUNK_BATCH_MAX_ELEMENTS:
+        return None
+    out = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
+    if full:
+        nc = full // c
+        prod = torch.bmm(a[:full].reshape(nc, c, -1).transpose(1, 2), b[:full].reshape(nc, c, -1))
+        out += prod.sum(0, dtype=torch.float64)
+    if full < rows:
+        out += a[full:].T @ b[full:]
+    return out
+
+
+def _add_gram_chunked(out: Tensor, x: Tensor) -> None:
+    """``out += xᵀ x`` with ``x`` in a lower precision than ``out``: one product per chunk of rows.
+
+    Each chunk of at most :data:`PRODUCT_CHUNK_ROWS` rows is multiplied in ``x``'s dtype (the block
+    lower triangle only, as :func:`_add_gram`) and added to the float64 ``out`` (the conversion is exact);
+    the strict upper triangle is then copied from the lower one, so ``out`` is exactly symmetric and every
+    kept entry is a float64 sum of float32 chunk sums of length ``≤ PRODUCT_CHUNK_ROWS``.
+    """
+    k = x.shape[1]
+    small = _chunk_sum(x, x)  # few columns: one batched call (full squares; call overhead dominates there)
+    if small is not None:
+        out += _mirror_lower(small)
+        return
+    bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)] if k >= GRAM_BLOCK_MIN_K else [0, k]
+    for r0, r1 in _chunks(x.shape[0]):
+        xc = x[r0:r1]
+        for j0, j1 in itertools.pairwise(bounds):
+            out[j0:, j0:j1].add_(xc[:, j0:].T @ xc[:, j0:j1])
+    for j0, j1 in itertools.pairwise(bounds):  # the upper triangle from the lower one
+        out[j0:j1, j0:j1] = _mirror_lower(out[j0:j1, j0:j1])
+        out[j0:j1, j1:] = out[j1:, j0:j1].T
+
+
+def _add_cross_chunked(out: Tensor, rows_g: Tensor, phi: Tensor) -> None:
+    """``out += rows_gᵀ phi`` (``(d, k̃)`` float64) from lower-precision rows, one product per chunk of rows."""
+    small = _chunk_sum(rows_g, phi)
+    if small is not None:
+        out += small
+        return
+    for r0, r1 in _chunks(phi.shape[0]):
+        out.add_(rows_g[r0:r1].T @ phi[r0:r1])
 
 
 def _mirror_lower(square: Tensor) -> Tensor:
@@ -139,6 +216,11 @@ def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | No
         norms = rows_g[:, 0].pow(2).sum(1).sqrt() if g_norm2 is None else g_norm2.sqrt().to(phi.dtype)
         _add_gram(out, phi[:, 0] * norms[:, None])
         return
+    step = max(1, PRODUCT_CHUNK_ROWS // r)
+    if phi.dtype != out.dtype and phi.shape[0] > step:  # lower-precision products: chunks of examples
+        for b0 in range(0, phi.shape[0], step):
+            _noise_moment(out, phi[b0 : b0 + step], rows_g[b0 : b0 + step])
+        return
     if r * r * (d + k) + r * k * k <= r * d * k + d * k * k:
         y = torch.bmm(torch.bmm(rows_g, rows_g.transpose(1, 2)), phi)  # (g gᵀ) Φ̃ per example
         out += (phi.reshape(-1, k).T @ y.reshape(-1, k)).to(out.dtype)
@@ -147,10 +229,11 @@ def _noise_moment(out: Tensor, phi: Tensor, rows_g: Tensor, g_norm2: Tensor | No
     out += torch.einsum("bdk,bdl->kl", x, x).to(out.dtype)
 
 
-#: The Gram a :class:`FeatureStatistics` may use (``gram=``): ``"features"`` (the ``k̃ × k̃`` Gram ``Σ``
+#: The Grams a :class:`FeatureStatistics` may use (``gram=``), ``"features"`` (the ``k̃ × k̃`` Gram ``Σ``
 #: streamed batch by batch), ``"units"`` (the scaled feature rows kept and factored at the end, the unit
-#: path of theory/numerics.md ``thm-unit-gram``), ``"auto"`` (units while they are few, see below).
-_GRAM_MODES = ("auto", "features", "units")
+#: path of theory/numerics.md ``thm-unit-gram``) and ``"auto"`` (units while they are few, see below).
+GRAM_MODES = ("auto", "features", "units")
+_GRAM_MODES = GRAM_MODES
 #: ``gram="auto"`` keeps the feature rows (no ``k̃²`` work per batch) only at sites with ``k̃`` above this ...
 UNIT_GRAM_MIN_K = 1025
 #: ... and only while the rows seen are at most this fraction of ``k̃`` (then the kept rows use at most
@@ -365,8 +448,11 @@ class FeatureStatistics(TangentStatistics):
         prod = self._product_dtype
         if prod != torch.float64:
             phi2, rows2 = phi2.to(prod), rows2.to(prod)
-            self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], float(phi2.shape[0]))
-        self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
+            chunk = float(min(phi2.shape[0], PRODUCT_CHUNK_ROWS))
+            self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], chunk)
+            _add_cross_chunked(self.states["cross"], rows2, phi2)
+        else:
+            self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
         self._count_units(phi2.shape[0])
         if self._kept is not None:
             self._kept_rows += int(phi_x.shape[0] * phi_x.shape[1])
@@ -375,6 +461,13 @@ class FeatureStatistics(TangentStatistics):
                 self._flush()
             return
         self._add_dense(kept)
+
+    def _summands(self) -> int:
+        """Length ``L`` of the float64 sums; with float32 products also one term per chunk of rows added."""
+        base = super()._summands()
+        if self._product_summands():
+            base += math.ceil(self.units / PRODUCT_CHUNK_ROWS)
+        return base
 
     def _defer_grams(self) -> None:
         """Hold ``Σ`` and the noise moment as zero views (no memory) until the Gram path first adds to them."""
@@ -518,26 +611,54 @@ class FeatureStatistics(TangentStatistics):
         self._flush()
         return (self.states["q_sum"] / self.n).cpu().numpy()
 
-    def spectrum(self, *, rtol: float | None = None):
+    def spectrum(self, *, rtol: float | None = None, eig: tuple[np.ndarray, np.ndarray] | None = None):
         """The resolved spectrum of ``Σ`` (:func:`~depthsat_theory.statistics.resolve_spectrum`).
 
         Uses the streamed triangular factor when every batch was float64 (amplitudes resolved
-        to ``≈ k̃ u64``), else the float64 Gram (``def-resolution``).
+        to ``≈ k̃ u64``), else the float64 Gram (``def-resolution``).  With ``products="float32"`` the
+        Gram carries the error ``η`` of :func:`~depthsat_theory.statistics.linalg.gram_error` (``L_32`` =
+        the chunk length), and eigenvalues ``λ̃ ≤ 2η`` are dropped as unresolvable (``thm-score-error``).
+        ``eig``: the eigendecomposition of :meth:`eigh_input` when already computed (ignored with the factor).
         """
         self._flush()
-        factor = None
-        if self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64:
-            factor = self.factor.r.numpy() / np.sqrt(self.n)
+        factor = self.factor.r.numpy() / np.sqrt(self.n) if self._factored() else None
+        dtype, summands, fast = self._rounding_inputs()
+        eta = gram_error(k=self.k, summands=summands, product_summands=fast) if fast and factor is None else 0.0
         return resolve_spectrum(
             self.feature_gram(),
-            dtype=self.dtype or torch.float64,
+            dtype=dtype,
             rtol=rtol,
             factor=factor,
             device=self.states["sigma"].device,
+            gram_error=eta,
+            eig=eig if factor is None else None,
         )
 
+    def _factored(self) -> bool:
+        """Whether :meth:`spectrum` uses the streamed triangular factor (every batch float64)."""
+        return self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64
+
+    def eigh_input(self) -> np.ndarray | None:
+        """The unit-diagonal Gram ``Σ̃`` that :meth:`result` would eigendecompose, for :func:`eigh_batched`.
+
+        ``None`` when :meth:`result` needs no Gram eigensolve (the triangular factor or the unit path is
+        used), before any example, or when the sums overflowed (``result`` then names the fault).
+        """
+        if self.n == 0 or self._kept:
+            return None
+        self._flush()
+        if self._factored():
+            return None
+        sig = self.feature_gram()
+        return scaled_gram(sig) if np.isfinite(sig).all() else None
+
     def result(
-        self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
+        self,
+        *,
+        rtol: float | None = None,
+        tol: float | None = None,
+        alpha: float = NOISE_ALPHA,
+        eig: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SaturationResult:
         """Compute ``s² = tr(G Σ⁺ Gᵀ)``, its rounding bound, the noise test and the other quantities.
 
@@ -547,6 +668,8 @@ class FeatureStatistics(TangentStatistics):
             tol: an explicit saturation threshold (default: the rounding bound
                 :func:`~depthsat_theory.statistics.score_error`).
             alpha: level of the noise test (``thm-noise-test``), in ``(0, 0.215]``.
+            eig: ``(λ̃, Q)`` of :meth:`eigh_input` when already computed (e.g. by
+                :func:`~depthsat_theory.statistics.linalg.eigh_batched` over the sites of a diagnosis).
 
         Raises:
             StatisticsError: if no examples were accumulated or the sums overflowed.
@@ -556,7 +679,7 @@ class FeatureStatistics(TangentStatistics):
             return self._unit_result(rtol=rtol, tol=tol, alpha=alpha)
         sig, big_g = self.feature_gram(), self.cross_gradient()
         self._check_finite(sig, big_g)
-        spec = self.spectrum(rtol=rtol)
+        spec = self.spectrum(rtol=rtol, eig=eig)
         self._spec_g = (spec, big_g)  # Π g (u) = G Σ⁻ φ̃(u), formed only if the tie pool asks (_project_units)
         moment = self.noise_moment()
         q_trace = spec.trace_product(moment)  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻

@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     "ACCUMULATION_FACTOR",
+    "EIGH_BATCH_MAX_ELEMENTS",
     "FEATURE_ROUNDING_FACTOR",
     "GRADIENT_ROUNDING_FACTOR",
     "NOISE_ALPHA",
@@ -38,10 +39,13 @@ __all__ = [
     "Spectrum",
     "default_rtol",
     "default_tol",
+    "eigh_batched",
     "gradient_rounding",
+    "gram_error",
     "noise_threshold",
     "pinv_quadratic",
     "resolve_spectrum",
+    "scaled_gram",
     "score_error",
     "unit_roundoff",
 ]
@@ -171,6 +175,24 @@ def _scaling(diag: np.ndarray) -> np.ndarray:
     return scale
 
 
+def _decompose(mat, scale: np.ndarray, factor, eig, device) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(λ̃, Q, resolution)`` of the scaled Gram, from the factor's SVD, a given ``eig``, or ``eigh``.
+
+    torch's LAPACK (or the device's solver), on torch's threads: numpy's BLAS pool would compete with them.
+    """
+    k = scale.size
+    if factor is not None:
+        scaled = torch.from_numpy(factor * scale[None, :]).to(device)
+        sv_t, vt_t = torch.linalg.svd(scaled, full_matrices=False)[1:]
+        sv, vt = sv_t.cpu().numpy(), vt_t.cpu().numpy()
+        return sv**2, vt.T, (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
+    if eig is not None:
+        return eig[0], eig[1], _gram_rtol(k)
+    assert mat is not None  # checked by the caller: without a factor the Gram is given
+    lam_t, q_t = torch.linalg.eigh(torch.from_numpy(mat * np.outer(scale, scale)).to(device))
+    return lam_t.cpu().numpy(), q_t.cpu().numpy(), _gram_rtol(k)
+
+
 def resolve_spectrum(
     mat: np.ndarray | None,
     *,
@@ -179,6 +201,8 @@ def resolve_spectrum(
     factor: np.ndarray | None = None,
     diag: np.ndarray | None = None,
     device: torch.device | str | None = None,
+    gram_error: float = 0.0,
+    eig: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Spectrum:
     """Scale a PSD Gram to unit diagonal, eigendecompose it and apply the resolution cutoffs.
 
@@ -194,6 +218,12 @@ def resolve_spectrum(
         diag: ``diag Σ`` ``(k,)`` (default: read from ``mat``).
         device: where the float64 eigensolve or SVD runs (default CPU; the statistics pass the device
             their sums live on, e.g. the model's GPU); the result is on the CPU either way.
+        gram_error: ``η``, a bound on ``‖δΣ̃‖₂`` of the unit-diagonal Gram as accumulated (e.g. float32
+            per-batch products, :func:`gram_error`); with the default cutoffs, eigenvalues ``λ̃ ≤ 2η`` are
+            dropped too (what such a Gram resolves; ``thm-score-error`` needs ``η < λ̃_min/2``), and a
+            dropped direction above the data resolution is counted unresolved as for the float64 Gram.
+        eig: ``(λ̃, Q)``, the eigendecomposition of :func:`scaled_gram` ``(mat)`` when already computed
+            (:func:`eigh_batched` over several sites); without a ``factor`` only.
 
     Returns:
         The :class:`Spectrum`.
@@ -210,33 +240,25 @@ def resolve_spectrum(
         k = mat.shape[0]
         mat = 0.5 * (mat + mat.T)
         scale = _scaling(np.diag(mat).copy() if diag is None else np.asarray(diag, dtype=np.float64).copy())
-    # torch's LAPACK (or the device's solver), on torch's threads: numpy's BLAS pool would compete with them
-    if factor is not None:
-        scaled = torch.from_numpy(factor * scale[None, :]).to(device)
-        sv_t, vt_t = torch.linalg.svd(scaled, full_matrices=False)[1:]
-        sv, vt = sv_t.cpu().numpy(), vt_t.cpu().numpy()
-        lam, q = sv**2, vt.T
-        resolution = (RESOLUTION_FACTOR * math.sqrt(max(k, 1)) * unit_roundoff(torch.float64)) ** 2
-    else:
-        assert mat is not None  # checked above: without a factor the Gram is given
-        scaled = torch.from_numpy(mat * np.outer(scale, scale)).to(device)
-        lam_t, q_t = torch.linalg.eigh(scaled)
-        lam, q = lam_t.cpu().numpy(), q_t.cpu().numpy()
-        resolution = _gram_rtol(k)
+    lam, q, resolution = _decompose(mat, scale, factor, eig, device)
     lmax = float(lam.max()) if lam.size else 0.0
     data = _data_rtol(dtype, k)
     chosen = max(data, resolution) if rtol is None else float(rtol)
     cutoff = chosen * lmax if lmax > 0 else 0.0
+    # what the arithmetic resolves, absolute on Σ̃: the eigensolve's, and 2η for a Gram accumulated with error η
+    arith = max(resolution * lmax, 2.0 * float(gram_error))
+    if rtol is None and lmax > 0 and arith > cutoff:
+        cutoff, chosen = arith, arith / lmax
     keep = lam > cutoff if lmax > 0 else np.zeros(lam.shape, dtype=bool)
     unresolved = 0
-    if rtol is None and lmax > 0 and resolution > data:
+    if rtol is None and lmax > 0 and arith > data * lmax:
         unresolved = int(((lam > data * lmax) & ~keep).sum())
     order = np.argsort(-lam[keep])
     live = scale > 0
     dropped, dropped_lam = q[:, ~keep], lam[~keep]
     nonzero = np.abs(dropped[live]).sum(0) > 0 if live.any() else np.zeros(dropped.shape[1], dtype=bool)
     dropped, dropped_lam = dropped[:, nonzero], dropped_lam[nonzero]
-    band = dropped_lam > resolution * lmax if rtol is None and lmax > 0 else np.zeros(dropped_lam.shape, dtype=bool)
+    band = dropped_lam > arith if rtol is None and lmax > 0 else np.zeros(dropped_lam.shape, dtype=bool)
     return Spectrum(
         scale=scale,
         values=lam[keep][order],
@@ -249,6 +271,50 @@ def resolve_spectrum(
         factored=factor is not None,
         band=band,
     )
+
+
+def scaled_gram(mat: np.ndarray, diag: np.ndarray | None = None) -> np.ndarray:
+    """``Σ̃ = D^{-1/2} ½(Σ + Σᵀ) D^{-1/2}``, exactly the matrix :func:`resolve_spectrum` eigendecomposes."""
+    mat = 0.5 * (mat + mat.T)
+    scale = _scaling(np.diag(mat).copy() if diag is None else np.asarray(diag, dtype=np.float64).copy())
+    return mat * np.outer(scale, scale)
+
+
+#: Most float64 entries :func:`eigh_batched` stacks into one batched call (256 MiB).
+EIGH_BATCH_MAX_ELEMENTS = 1 << 25
+
+
+def eigh_batched(
+    mats: list[np.ndarray], *, device: torch.device | str | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Eigendecompositions ``(λ, Q)`` of symmetric float64 matrices, batched by size in torch.
+
+    Matrices of the same size are stacked (at most :data:`EIGH_BATCH_MAX_ELEMENTS` entries per call)
+    and decomposed by one ``torch.linalg.eigh`` on ``device`` (default CPU): one call per size on a GPU,
+    torch's LAPACK and threads on a CPU (no numpy BLAS pool competing with them).  Each decomposition
+    is that of ``torch.linalg.eigh`` of the single matrix (the same backward-stable solver; bitwise on CPU).
+
+    Args:
+        mats: ``(k_i, k_i)`` float64 numpy arrays (e.g. :func:`scaled_gram` of each site's ``Σ``).
+        device: where the solver runs; results are CPU numpy arrays.
+
+    Returns:
+        ``[(λ (k_i,), Q (k_i, k_i))]`` in the order of ``mats``, eigenvalues ascending.
+    """
+    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(mats)
+    by_size: dict[int, list[int]] = {}
+    for i, m in enumerate(mats):
+        by_size.setdefault(int(m.shape[0]), []).append(i)
+    for k, idx in by_size.items():
+        per_call = max(1, EIGH_BATCH_MAX_ELEMENTS // max(k * k, 1))
+        for start in range(0, len(idx), per_call):
+            part = idx[start : start + per_call]
+            stacked = torch.from_numpy(np.stack([mats[i] for i in part])).to(device)
+            lam, q = torch.linalg.eigh(stacked)
+            lam_np, q_np = lam.cpu().numpy(), q.cpu().numpy()
+            for j, i in enumerate(part):
+                out[i] = (lam_np[j], q_np[j])
+    return [o for o in out if o is not None]
 
 
 def pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[float, int, float, np.ndarray]:
@@ -266,6 +332,15 @@ def _gamma_acc(summands: int, product_summands: int) -> float:
     """``γ_acc = C_acc (L u64 + L_32 u32)``: float64 sums of length ``L`` of float32 products of length ``L_32``."""
     u64, u32 = unit_roundoff(torch.float64), unit_roundoff(torch.float32)
     return ACCUMULATION_FACTOR * (max(summands, 1) * u64 + max(int(product_summands), 0) * u32)
+
+
+def gram_error(*, k: int, summands: int, product_summands: int) -> float:
+    """``η = k̃ (γ_acc + C_res u64)``: the bound on ``‖δΣ̃‖₂`` of the accumulated unit-diagonal Gram (thm-score-error).
+
+    ``summands`` is the length ``L`` of the float64 sums, ``product_summands`` the length ``L_32`` of the
+    float32 per-batch products (``0``: float64 products).
+    """
+    return int(k) * (_gamma_acc(summands, product_summands) + RESOLUTION_FACTOR * unit_roundoff(torch.float64))
 
 
 def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: int, product_summands: int = 0) -> float:
@@ -334,7 +409,7 @@ def score_error(
         eps_m += RESOLUTION_FACTOR * math.sqrt(kk) * u64
         eta = 0.0
     else:
-        eta = kk * (gamma_acc + RESOLUTION_FACTOR * u64)
+        eta = gram_error(k=kk, summands=summands, product_summands=product_summands)
     lam_min = spec.lam_min
     sigma_min = math.sqrt(lam_min)
     if eps_m >= 0.5 * sigma_min or eta >= 0.5 * lam_min:

@@ -329,6 +329,27 @@ class TangentStatistics(StreamingStatistic):
         """Length of the float32 per-batch products: the largest batch so multiplied, in units (``0``: none)."""
         return round(float(self.states["product_units_max"])) if "product_units_max" in self.states else 0
 
+    def _unresolved(self, spec: Spectrum, grad_rows, noise_moment, ag_rms: float, alpha: float) -> int:
+        """How many dropped directions carry activation gradient beyond rounding (:meth:`_finish`).
+
+        A dropped direction matters when it carries activation gradient beyond rounding: one that does not
+        is indistinguishable from the model's or the Gram's rounding (theory/numerics.md).  With float32
+        products every dropped direction counts: that Gram cannot tell a real one from its own rounding.
+        """
+        if grad_rows is None:
+            return spec.unresolved
+        if not spec.dropped.shape[1]:
+            return 0
+        dtype, summands, fast = self._rounding_inputs()
+        if fast:
+            return int(spec.dropped.shape[1])
+        level = gradient_rounding(ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size, product_summands=0)
+        mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
+        flagged = mass > level
+        if noise_moment is not None and spec.band.any():
+            flagged |= _significant_dropped(spec, mass, noise_moment, self.n, alpha)
+        return int(flagged.sum())
+
     def _finish(
         self,
         spec: Spectrum,
@@ -366,18 +387,7 @@ class TangentStatistics(StreamingStatistic):
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
         err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands, product_summands=fast)
-        # a dropped direction matters when it carries activation gradient beyond rounding: one that does
-        # not is indistinguishable from the model's or the Gram's rounding (theory/numerics.md)
-        unresolved = spec.unresolved if grad_rows is None else 0
-        if grad_rows is not None and spec.dropped.shape[1]:
-            level = gradient_rounding(
-                ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size, product_summands=fast
-            )
-            mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
-            flagged = mass > level
-            if noise_moment is not None and spec.band.any():
-                flagged |= _significant_dropped(spec, mass, noise_moment, self.n, alpha)
-            unresolved = int(flagged.sum())
+        unresolved = self._unresolved(spec, grad_rows, noise_moment, ag_rms, alpha)
         tol = err if tol is None else float(tol)
         raw = rho = float("nan")
         if self.pool_ties:

@@ -1,0 +1,318 @@
+"""The float32-products fast path (issue 12): chunked float32 batch products summed in float64.
+
+Truth is independent of the engine: the exact score of the stored arrays in rational arithmetic
+(:func:`proofs_checks.t8_numerics.exact_score`), numpy float64 sums of the family's own features, and
+the default float64-products path for verdict comparisons. What is asserted is the error model of
+theory/numerics.md ``thm-score-error`` with ``L_32`` = the chunk length: ``|ŝ − s| ≤ e`` when nothing
+is dropped, ``ŝ ≤ s + e`` always (``lem-lower-bound``), "saturated" only when ``s ≤ 2e``, "improvable"
+only when ``s > 0``, and the fast verdict is the float64 one or ``undetermined`` unless the exact score
+lies within the fast path's own bound.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from depthsat_theory import parse_family
+from depthsat_theory.cli.app import app
+from depthsat_theory.diagnose import DiagnoseError, diagnose
+from depthsat_theory.statistics import statistics_for
+from depthsat_theory.statistics.feature import PRODUCT_CHUNK_ROWS
+from depthsat_theory.vocabulary import Verdict
+from proofs_checks.t8_numerics import collinear_signal, exact_score, near_threshold_probe
+
+runner = CliRunner()
+U32, U64 = 2.0**-24, 2.0**-53
+
+
+def _stats(z, g, products, family="linear", batch=None, gram="auto"):
+    st = statistics_for(parse_family(family), tuple(z.shape[1:]), "vector", products=products, gram=gram)
+    step = batch or z.shape[0]
+    for i in range(0, z.shape[0], step):
+        st.update(z[i : i + step], g[i : i + step])
+    return st
+
+
+def _sound(res, truth):
+    """The verdict and ŝ against the exact score of the stored arrays (thm-score-error, lem-lower-bound)."""
+    assert res.score <= truth + res.score_error * (1 + 1e-9) + 1e-300, (res.score, truth, res.score_error)
+    if res.verdict is Verdict.SATURATED:
+        assert truth <= 2 * res.score_error * (1 + 1e-9), (truth, res.score_error)
+    if res.probe_verdict is Verdict.IMPROVABLE:
+        assert truth > 0.0
+
+
+def test_chunked_sum_is_within_the_chunk_bound_where_one_float32_sum_is_not():
+    """One batch of 2¹⁴ rows, ``z = 1 + 2⁻¹³`` (exact in float32): ``Σ₀₀`` against the exact sum.
+
+    A single float32 sum of the batch loses the ``2⁻¹²`` part of each square once the partial sum passes
+    ``2¹²`` (measured 1.8e-4 relative); the engine claims ``L_32 = 128`` and must stay within
+    ``(128 u32 + L u64)`` of the exact sum, which only chunking achieves.
+    """
+    n = 2**14
+    z = torch.full((n, 1), 1 + 2.0**-13, dtype=torch.float32)
+    st = _stats(z, torch.ones(n, 1), "float32")
+    exact = n * (1 + 2.0**-13) ** 2  # exact in float64 (27 significant bits)
+    assert st._product_summands() == PRODUCT_CHUNK_ROWS == 128
+    gamma = PRODUCT_CHUNK_ROWS * U32 + st._summands() * U64
+    assert abs(float(st.sigma[0, 0]) - exact) <= gamma * exact
+    single = float((z.T @ z)[0, 0])  # the unchunked float32 product of the same batch
+    assert abs(single - exact) > gamma * exact  # the construction does defeat one long float32 sum
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("family", ["linear", "relu:192:0"])
+def test_float32_sums_entrywise_within_gamma_against_numpy(family, batched, monkeypatch):
+    """``Σ``, ``G`` and the noise moment from 1000-row batches (8 chunks each) against numpy float64 sums of the
+    family's own features: entrywise within ``γ_acc = 128 u32 + L u64`` of the sums of absolute products;
+    ``Σ`` exactly symmetric; the recorded ``L_32`` is the chunk, not the batch.  Both ways of forming the
+    chunk products: one batched call, and the loop over chunks (block lower triangle) used for wide sites."""
+    from depthsat_theory.statistics import feature
+
+    if not batched:
+        monkeypatch.setattr(feature, "CHUNK_BATCH_MAX_ELEMENTS", 0)
+    fam = parse_family(family)
+    gen = torch.Generator().manual_seed(7)
+    z = torch.randn(3000, 8, generator=gen)
+    g = torch.tanh(z @ torch.randn(8, 8, generator=gen)) / 10
+    st = _stats(z, g, "float32", family=family, batch=1000, gram="features")
+    phi = fam.augmented_features(fam.frozen_feature_map((8,), "vector"), z.double()).reshape(3000, -1)
+    phi32 = phi.float().double().numpy()  # the engine rounds the features to float32 before multiplying
+    g64 = g.double().numpy()
+    gamma = PRODUCT_CHUNK_ROWS * U32 + st._summands() * U64
+    assert st._product_summands() == PRODUCT_CHUNK_ROWS
+    sig = st.sigma.numpy()
+    assert np.array_equal(sig, sig.T)
+    assert np.all(np.abs(sig - phi32.T @ phi32) <= gamma * (np.abs(phi32).T @ np.abs(phi32)))
+    assert np.all(np.abs(st.cross.numpy() - g64.T @ phi32) <= gamma * (np.abs(g64).T @ np.abs(phi32)))
+    w = phi32 * np.linalg.norm(g.float().double().numpy(), axis=1)[:, None]
+    q = st.noise_moment() * st.n
+    assert np.all(np.abs(q - w.T @ w) <= 2 * gamma * (np.abs(w).T @ np.abs(w)))
+
+
+@pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3, 1e-4])
+def test_near_threshold_probes_against_exact_truth(eps):
+    """Issue 10's near-threshold construction (cancelling pairs plus a planted signal ``c·v``), 1200 rows in
+    batches of 400: the fast path is sound against the exact score at every planted size, within its bound
+    when nothing is dropped, and never contradicts the float64 path beyond that bound."""
+    rng = np.random.default_rng(11)
+    z, g0, v = near_threshold_probe(rng, eps, 600, torch.float32)
+    base = _stats(z, g0, "float64", batch=400).result()
+    vv = torch.from_numpy(np.stack([v, v], 1) / np.sqrt(np.mean(v * v)))
+    for mult in (0.0, 3.0, 30.0, 1e3, 1e5):
+        g = (g0.double() + mult * base.tol * vv).float()
+        truth = exact_score(z.double().numpy(), g.double().numpy())
+        fast = _stats(z, g, "float32", batch=400).result()
+        ref = _stats(z, g, "float64", batch=400).result()
+        _sound(fast, truth)
+        if fast.tangent_rank == fast.tangent_dim:
+            assert abs(fast.score - truth) <= fast.score_error
+        assert math.isfinite(fast.score_error)  # the cutoff keeps λ̃ > 2η: first order holds
+        if fast.verdict not in (ref.verdict, Verdict.UNDETERMINED):
+            assert truth <= 2 * fast.score_error  # only "saturated within the fast path's wider bound"
+
+
+@pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3, 1e-4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_collinear_reproducer_is_never_saturated(eps, dtype):
+    """Issue 10's ``z = (t, t + ε w)`` with ``g`` along the small direction: exact ``s = AG_rms = 1``.
+
+    The float32 Gram cannot resolve amplitude ``ε`` below ``sqrt(2η)``: the direction is dropped and counted
+    unresolved, so ŝ is only a lower bound and the verdict is never "saturated"; above it the score is
+    within the bound of the truth.
+    """
+    z, g = collinear_signal(eps, dtype)
+    truth = exact_score(z.double().numpy(), g.double().numpy())
+    assert truth == pytest.approx(1.0, rel=1e-6)
+    res = _stats(z, g, "float32", batch=250).result()
+    _sound(res, truth)
+    assert res.verdict is not Verdict.SATURATED
+    if res.tangent_rank == res.tangent_dim:
+        assert abs(res.score - truth) <= res.score_error and res.verdict is Verdict.IMPROVABLE
+    else:
+        assert res.unresolved >= 1
+
+
+@pytest.mark.parametrize("eta", [3e-7, 1e-5, 1e-3])
+def test_a_hidden_tiny_direction_is_never_grounds_for_saturated(eta):
+    """A feature direction of amplitude η carrying the whole gradient (exact s ≈ AG_rms): the fast path drops
+    it and says undetermined, never saturated, at amplitudes below, at and above what its Gram resolves."""
+    rng = np.random.default_rng(0)
+    n, d = 400, 8
+    zz = rng.standard_normal((n, d))
+    w = rng.standard_normal(n)
+    zz[:, 1] = zz[:, 0] + eta * w
+    zz = zz.astype(np.float32).astype(np.float64)
+    design = np.concatenate([zz[:, [0, *range(2, d)]], np.ones((n, 1))], 1)
+    g = np.zeros((n, d))
+    g[:, 0] = w - design @ np.linalg.lstsq(design, w, rcond=None)[0]
+    z32, g32 = torch.from_numpy(zz).float(), torch.from_numpy(g).float()
+    truth = exact_score(z32.double().numpy(), g32.double().numpy())
+    res = _stats(z32, g32, "float32").result()
+    assert truth > 0.5 * res.ag_rms
+    _sound(res, truth)
+    assert res.verdict is not Verdict.SATURATED and res.probe_verdict is not Verdict.SATURATED
+
+
+def test_wide_relu_family_against_a_float64_dense_reference():
+    """``relu:64`` on a smooth target, 2048 rows in batches of 512: the fast ``ŝ`` is within its bound of a
+    numpy float64 least-squares score of the same float32-rounded features (well conditioned: nothing
+    dropped), its bound exceeds the float64 path's, and both paths give the same verdict."""
+    fam = parse_family("relu:64:0")
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(2048, 6, generator=gen)
+    g = torch.sin(z @ torch.randn(6, 6, generator=gen)) / 20
+    fast = _stats(z, g, "float32", family="relu:64:0", batch=512).result()
+    ref = _stats(z, g, "float64", family="relu:64:0", batch=512).result()
+    phi = fam.augmented_features(fam.frozen_feature_map((6,), "vector"), z.double()).reshape(2048, -1).numpy()
+    coef = np.linalg.lstsq(phi, g.double().numpy(), rcond=None)[0]
+    s_ref = float(np.sqrt(((phi @ coef) ** 2).sum() / 2048))
+    assert fast.tangent_rank == fast.tangent_dim
+    assert abs(fast.score - s_ref) <= fast.score_error
+    assert fast.score_error >= ref.score_error and fast.verdict is ref.verdict is Verdict.IMPROVABLE
+
+
+# ----------------------------------------------------------------------------- diagnose and the CLI
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(3, 8)
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
+        )
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def _probe():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(600, 3, generator=gen)
+    y = (x[:, 0] * x[:, 1] > 0).long()
+    return [(x[i : i + 200], y[i : i + 200]) for i in range(0, 600, 200)]
+
+
+def _loss(out, y):
+    return torch.nn.functional.cross_entropy(out, y, reduction="none")
+
+
+def test_diagnose_products_and_gram_agree_with_the_default_within_both_bounds():
+    net = _Net().eval()
+    sites = ["blocks.0", "blocks.1"]
+    ref = diagnose(net, _loss, _probe(), sites=sites, family="relu:32:0", kinks=False)
+    fast = diagnose(net, _loss, _probe(), sites=sites, family="relu:32:0", kinks=False, products="float32")
+    units = diagnose(net, _loss, _probe(), sites=sites, family="relu:32:0", kinks=False, gram="units")
+    for a, b, c in zip(ref.sites, fast.sites, units.sites, strict=True):
+        ra, rb, rc = a.result, b.result, c.result
+        assert abs(ra.score - rb.score) <= ra.score_error + rb.score_error
+        assert rb.verdict in (ra.verdict, Verdict.UNDETERMINED) and rb.score_error >= ra.score_error
+        assert abs(ra.score - rc.score) <= ra.score_error + rc.score_error and rc.verdict is ra.verdict
+    with pytest.raises(DiagnoseError, match="products must be one of float64, float32, got 'float16'"):
+        diagnose(net, _loss, _probe(), sites=sites, products="float16")
+    with pytest.raises(DiagnoseError, match="gram must be one of auto, features, units, got 'dense'"):
+        diagnose(net, _loss, _probe(), sites=sites, gram="dense")
+
+
+def test_cli_score_gram_and_products_flags(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(300, 5, generator=gen, dtype=torch.float64)
+    g = torch.tanh(z @ torch.randn(5, 5, generator=gen, dtype=torch.float64)) / 10
+    path = tmp_path / "probe.npz"
+    np.savez(path, z=z.numpy(), g=g.numpy())
+    got = {}
+    for args in (["--gram", "features"], ["--gram", "units"], ["--products", "float32"]):
+        out = runner.invoke(app, ["score", "--probe", str(path), "--family", "relu:16:0", "--json", *args])
+        assert out.exit_code == 0, out.output
+        got[args[1]] = json.loads(out.output)
+    a, b, c = got["features"], got["units"], got["float32"]
+    assert abs(a["score"] - b["score"]) <= a["score_error"] + b["score_error"] and a["verdict"] == b["verdict"]
+    assert abs(a["score"] - c["score"]) <= a["score_error"] + c["score_error"]
+    assert c["score_error"] > a["score_error"]
+    for flag, bad in (("--gram", "dense"), ("--products", "float16")):
+        out = runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", flag, bad])
+        assert out.exit_code != 0 and f"{flag} '{bad}': use one of" in out.output
+
+
+# ----------------------------------------------------------------------------- batched finishing eigensolves
+def test_eigh_batched_equals_one_eigh_per_matrix():
+    """Mixed sizes, more matrices than one call takes: each result is torch's ``eigh`` of that matrix alone."""
+    import depthsat_theory.statistics.linalg as la
+
+    rng = np.random.default_rng(3)
+    mats = []
+    for k in (5, 33, 5, 33, 33, 17):
+        a = rng.standard_normal((40, k))
+        mats.append(a.T @ a)
+    old, la.EIGH_BATCH_MAX_ELEMENTS = la.EIGH_BATCH_MAX_ELEMENTS, 2 * 33 * 33  # two 33² per call
+    try:
+        got = la.eigh_batched(mats)
+    finally:
+        la.EIGH_BATCH_MAX_ELEMENTS = old
+    for m, (lam, q) in zip(mats, got, strict=True):
+        lam1, q1 = torch.linalg.eigh(torch.from_numpy(m))
+        np.testing.assert_allclose(lam, lam1.numpy(), rtol=0, atol=1e-12 * abs(lam1).max().item())
+        np.testing.assert_allclose(np.abs(q.T @ q1.numpy()), np.eye(m.shape[0]), atol=1e-8)  # same eigenvectors
+        np.testing.assert_allclose((q * lam) @ q.T, m, rtol=0, atol=1e-11 * np.abs(m).max())
+
+
+def test_diagnose_results_with_batched_eigensolves_equal_per_site_results():
+    """``diagnose``'s finishing step (sites grouped by Gram size) against each statistic's own ``result()``:
+    the Gram path (float32 sites), the triangular factor (a float64 site) and the unit path in one run; the
+    scores agree to far below the eigensolve's share of the rounding bound, the rest exactly."""
+    from depthsat_theory.capture import accumulate
+    from depthsat_theory.diagnose.run import _site_results
+
+    net = _Net().eval()
+    batches = _probe()
+    sites = ["embed", "blocks.0", "blocks.1"]
+    fams = {"embed": "relu:32:0", "blocks.0": "relu:32:0", "blocks.1": "relu:16:0"}
+    stats = {s: statistics_for(parse_family(fams[s]), (8,), "vector") for s in sites}
+    accumulate(net, sites, batches, _loss, stats)
+    stats["units"] = statistics_for(parse_family("relu:2048:0"), (8,), "vector")  # k̃ = 2049 ≥ 1025: unit path
+    stats["float64"] = statistics_for(parse_family("relu:16:0"), (8,), "vector")  # float64 rows: the factor
+    h = net.embed(batches[0][0]).detach()
+    g = torch.tanh(h) / 10
+    stats["units"].update(h, g)
+    stats["float64"].update(h.double(), g.double())
+    names = [*sites, "units", "float64"]
+    assert [stats[s].eigh_input() is None for s in names] == [False, False, False, True, True]
+    got = _site_results(stats, names)
+    for s in names:
+        want = stats[s].result()
+        # LAPACK's batched and single eigh may differ at the eigensolve's backward error (C_res k̃ u64 of η)
+        assert abs(got[s].score - want.score) <= min(1e-9 * want.score, 1e-3 * want.score_error)
+        assert (got[s].tangent_rank, got[s].verdict, got[s].unresolved) == (
+            want.tangent_rank,
+            want.verdict,
+            want.unresolved,
+        )
+        assert got[s].score_error == pytest.approx(want.score_error, rel=1e-6)  # through λ̃_min, same solver error
+
+
+def test_a_float32_checkpoint_resumes_only_as_float32(tmp_path):
+    """The checkpoint records ``products`` for a float32 run: resuming it as float64 is refused in one line,
+    resuming it as float32 gives the uninterrupted run's result exactly."""
+    from depthsat_theory.diagnose import CheckpointError
+
+    net = _Net().eval()
+    ck = tmp_path / "ck.pt"
+    probe = _probe()
+    kw = dict(sites=["blocks.0"], family="relu:16:0", kinks=False, checkpoint=ck)
+    whole = diagnose(net, _loss, probe, sites=["blocks.0"], family="relu:16:0", kinks=False, products="float32")
+    diagnose(net, _loss, probe[:2], products="float32", **kw)
+    with pytest.raises(CheckpointError, match="products"):
+        diagnose(net, _loss, probe, **kw)
+    resumed = diagnose(net, _loss, probe, products="float32", **kw)
+    assert resumed.sites[0].result.score == whole.sites[0].result.score
+    assert resumed.sites[0].result.score_error == whole.sites[0].result.score_error
