@@ -1,0 +1,363 @@
+"""Every field of :func:`interval_from_moments` against a reference written out from theory/finite-sample.md.
+
+The reference recomputes, with dense numpy on the probe's rows and the formulas of
+``thm-finite-sample`` / ``thm-empirical-bernstein`` / ``cor-agmax-certificate-finite`` as printed in
+the theory page (not the package's helpers): ``ŝ_λ²``, ``v̂``, the U-statistic by its double sum
+over pairs, the probe's ``σ̂²`` from the ``Ψ̂_i`` matrices, ``σ̄²`` by bisection of its defining
+inequality, the δ split, ``Δ^∓``, ``V̄``, ``ε_n``, both ends, ``AG_rms``'s upper bound, the
+certificate and ``n_to_certify`` by a plain scan.  Configurations cover both matrix steps, a user
+``V``, the union bound, a ridge with an eigenvalue floor and a vacuous probe (mutation testing of
+``bounds/interval.py``, issue 10; every assertion is a whole-record comparison, so any field
+computed from a wrong argument fails).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from depthsat_theory.bounds import BoundError, ProbeMoments, interval_from_moments
+from depthsat_theory.bounds.interval import bootstrap_interval, unbiased_score_squared
+from depthsat_theory.vocabulary import Certificate, Verdict
+
+
+def _rows(n=60, d=2, signal=0.6, seed=0):
+    rng = np.random.default_rng(seed)
+    z = rng.uniform(-1, 1, size=(n, 2))  # leverage 3z₁² + 3z₂² + 1 ≤ 7 on the population
+    phi = np.hstack([z, np.ones((n, 1))])
+    g = signal * (1 + np.tanh(z @ rng.normal(size=(2, d)))) + 0.5 * rng.normal(size=(n, d))
+    return phi, g
+
+
+def _bern(mean, b2, n, u):
+    """One-sided Bernstein upper bound on E Y for 0 ≤ Y ≤ b2 (square of (c + √(c² + 4e))/2), capped at b2."""
+    c = math.sqrt(2 * b2 * u / n)
+    e = max(mean, 0.0) + 2 * b2 * u / (3 * n)
+    return min(b2, (0.5 * (c + math.sqrt(c * c + 4 * e))) ** 2)
+
+
+def _sigma_bar(sig_hat2, big_l, n, u2, u4):
+    """Largest x ∈ [0, L] with √x ≤ c/2 + √(c²/4 + e_0 + σ̂²(1 + Δ^+(x))²), by bisection."""
+    c, e0 = big_l * math.sqrt(2 * u4 / n), 2 * big_l**2 * u4 / (3 * n)
+
+    def ok(x):
+        dplus = math.sqrt(2 * x * u2 / n) + 2 * big_l * u2 / (3 * n)
+        return math.sqrt(x) <= c / 2 + math.sqrt(c * c / 4 + e0 + sig_hat2 * (1 + dplus) ** 2)
+
+    if ok(big_l):
+        return big_l
+    lo, hi = 0.0, big_l
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _reference(phi, g, delta, *, gam, big_l, dim, var=None, m=1, method="worst-case", ridge=0.0, mu=None, eps=None):
+    n, k = phi.shape
+    sig = phi.T @ phi / n
+    inv = np.linalg.inv(sig + ridge * np.eye(k)) if ridge > 0 else np.linalg.pinv(sig)
+    lam, vec = np.linalg.eigh(inv)
+    half = (vec * np.sqrt(np.clip(lam, 0, None))) @ vec.T
+    xi = np.stack([np.outer(g[i], phi[i]) @ half for i in range(n)])  # ξ_i = G_i Σ̂_λ^{+1/2}
+    s2 = float(np.sum(xi.mean(0) ** 2))
+    v_hat = float(np.mean(np.sum(xi**2, axis=(1, 2))))
+    flat = xi.reshape(n, -1)
+    pairs = flat @ flat.T  # ⟨ξ_i, ξ_j⟩ for every pair
+    ustat = float(pairs.sum() - np.trace(pairs)) / (n * (n - 1))
+    psi = np.stack([half @ np.outer(phi[i], phi[i]) @ half for i in range(n)])
+    sig_hat2 = float(np.linalg.eigvalsh(np.mean([p @ p for p in psi], axis=0)).max())
+    per = delta / m
+    r = gam * math.sqrt(big_l)
+    if method == "worst-case":
+        d1 = per / 3 if var is None else per / 2
+        u1, u2, u3 = math.log(2 / d1), math.log(2 * dim / d1), math.log(1 / d1)
+        l1 = max(big_l, 1.0)
+        lo_dev = hi_dev = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+        sbar = None
+    else:
+        d1 = per / 4 if var is None else per / 3
+        u1, u2, u3 = math.log(2 / d1), math.log(2 * dim / d1), math.log(1 / d1)
+        sbar = _sigma_bar(sig_hat2, big_l, n, u2, u3)
+        root = math.sqrt(2 * sbar * u2 / n)
+        lo_dev, hi_dev = root + 2 * u2 / (3 * n), root + 2 * big_l * u2 / (3 * n)
+    vacuous = lo_dev >= 1
+    if var is None:
+        var = r * r if vacuous else _bern((1 + hi_dev) * v_hat, r * r, n, u3)
+    eps_n = math.sqrt(2 * var * u1 / n) + 2 * r * u1 / n
+    s_hat = math.sqrt(s2)
+    if vacuous:
+        lower, upper = 0.0, gam
+    else:
+        lower = max(0.0, s_hat * math.sqrt(1 - lo_dev) - eps_n)
+        upper = min(gam, s_hat * math.sqrt(1 + hi_dev) + eps_n)
+    upper_s = upper if ridge == 0 else (None if mu is None else min(gam, upper * math.sqrt(1 + ridge / mu)))
+    ag_sq = float(np.mean(np.sum(g**2, axis=1)))
+    ag_up = math.sqrt(_bern(ag_sq, gam * gam, n, math.log(1 / per)))
+    if lower > 0:
+        cert = Certificate.IMPROVABLE
+    elif eps is not None and upper_s is not None and upper_s <= eps:
+        cert = Certificate.SATURATED
+    else:
+        cert = Certificate.NOT_CERTIFIED
+    if eps is None:
+        ag_cert = "not asked (give epsilon)"
+    else:
+        ag_cert = Certificate.SATURATED if ag_up <= eps else Certificate.NOT_CERTIFIED
+    return {
+        "score": s_hat,
+        "score_lower": lower,
+        "score_upper": upper,
+        "score_upper_unregularized": upper_s,
+        "delta": delta,
+        "candidates": m,
+        "n": n,
+        "ridge": ridge,
+        "epsilon_n": eps_n,
+        "relative_deviation": max(lo_dev, hi_dev),
+        "relative_deviation_lower": lo_dev,
+        "relative_deviation_upper": hi_dev,
+        "matrix_bound": method,
+        "vacuous": vacuous,
+        "certificate": cert,
+        "saturation_epsilon": eps,
+        "score_squared": s2,
+        "score_squared_unbiased": ustat,
+        "variance_plugin": v_hat,
+        "ag_rms_upper": ag_up,
+        "ag_certificate": ag_cert,
+        "tangent_rank": k,
+        "V": var,
+        "sigma_bar": sbar,
+        "sig_hat2": sig_hat2,
+    }
+
+
+def _n_to_certify_ref(s_hat, v_hat, gam, big_l, dim, per, var=None):
+    """First n (a plain scan after a doubling bracket) with ŝ√(1 − Δ_n) − ε_n > 0, worst-case step."""
+    d1 = per / 3 if var is None else per / 2
+    v = v_hat if var is None else var
+    u1, u2 = math.log(2 / d1), math.log(2 * dim / d1)
+    l1, r = max(big_l, 1.0), gam * math.sqrt(big_l)
+
+    def lower(n):
+        dev = math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+        return dev < 1 and s_hat * math.sqrt(1 - dev) - math.sqrt(2 * v * u1 / n) - 2 * r * u1 / n > 0
+
+    hi = 1
+    while not lower(hi):
+        hi *= 2
+    return next(n for n in range(hi // 2, hi + 1) if lower(n))
+
+
+CONFIGS = {
+    "worst-case, V from the probe": {},
+    "worst-case, user V": {"var": 3.0},
+    "worst-case, union bound over 3, epsilon": {"m": 3, "eps": 0.9},
+    "empirical Bernstein": {"method": "empirical-bernstein"},
+    "empirical Bernstein, user V, union bound over 2": {"method": "empirical-bernstein", "var": 3.0, "m": 2},
+    "ridge with an eigenvalue floor, epsilon": {"ridge": 0.3, "mu": 0.2, "eps": 5.0},
+    "empirical Bernstein with a ridge": {"method": "empirical-bernstein", "ridge": 0.3},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_field_matches_the_theorem_written_out(name):
+    cfg = dict(CONFIGS[name])
+    n = 1500 if "ridge" not in cfg else 2500
+    phi, g = _rows(n=n, seed=1)
+    gam = 1.5 * float(np.linalg.norm(g, axis=1).max())
+    big_l, dim, delta = 8.0, 3, 0.2
+    if "ridge" in cfg:
+        big_l = 3.0 / (cfg["ridge"] + cfg.get("mu", 0.0))  # L = B²/(μ + λ) with B² = 3 would also do
+        big_l = max(big_l, 1.2 * float(np.max(np.einsum("ik,kl,il->i", phi, np.linalg.inv(phi.T @ phi / n), phi))))
+    ref = _reference(phi, g, delta, gam=gam, big_l=big_l, dim=dim, **cfg)
+    it = interval_from_moments(
+        ProbeMoments.from_arrays(phi, g),
+        delta,
+        ridge=cfg.get("ridge", 0.0),
+        grad_max=gam,
+        leverage_max=big_l,
+        eig_floor=cfg.get("mu"),
+        variance=cfg.get("var"),
+        dim=dim,
+        epsilon=cfg.get("eps"),
+        candidates=cfg.get("m", 1),
+        matrix_bound=cfg.get("method", "worst-case"),
+    )
+    got = it.to_dict()
+    assert (not ref["vacuous"] and ref["score_lower"] > 0) or "ridge" in cfg  # the ends are not clipped
+    for key, want in ref.items():
+        if key in ("V", "sigma_bar", "sig_hat2"):
+            continue
+        have = got[key]
+        if isinstance(want, float):
+            assert have == pytest.approx(want, rel=1e-9, abs=1e-12), key
+        else:
+            want = want.value if hasattr(want, "value") else want
+            assert have == want, key
+    assert it.constants["variance"].value == pytest.approx(ref["V"], rel=1e-9)
+    assert it.constants["variance"].source == ("user" if "var" in cfg else "probe")
+    if ref["sigma_bar"] is not None:
+        mv = it.constants["matrix_variance"]
+        assert mv.value == pytest.approx(ref["sigma_bar"], rel=1e-7) and mv.source == "probe"
+        assert f"{ref['sig_hat2']:.6g}" in mv.note
+        assert ref["sigma_bar"] < big_l  # the empirical step is not the sure bound here
+    assert it.guaranteed is True and it.label == "(1-δ) confidence interval (thm-finite-sample)"
+    assert len(it.assumptions) == 4 + ("var" in cfg)
+    assert ("asm-variance" in it.assumptions[-1]) == ("var" in cfg)
+    assert it.bootstrap_interval is None and it.looseness is None
+    union = [x for x in it.notes if x.startswith("union bound")]
+    assert union == (
+        [f"union bound over {cfg['m']} candidates: each interval at level δ/{cfg['m']}"] if "m" in cfg else []
+    )
+    if "ridge" not in cfg:
+        per = delta / cfg.get("m", 1)
+        want_n = _n_to_certify_ref(ref["score"], ref["variance_plugin"], gam, big_l, dim, per, cfg.get("var"))
+        assert it.n_to_certify == want_n
+
+
+def test_plug_in_constants_are_labelled_and_not_capped():
+    """γ and L from the probe: the label says plug-in, ``guaranteed`` is false, the constants are the probe's."""
+    phi, _ = _rows(n=800, seed=2)
+    n = phi.shape[0]
+    g = 1 + 0.01 * np.random.default_rng(2).normal(size=(n, 1))  # s ≈ ‖g‖ ≈ AG_max
+    it = interval_from_moments(ProbeMoments.from_arrays(phi, g), 0.1, dim=3)
+    lev = np.einsum("ik,kl,il->i", phi, np.linalg.pinv(phi.T @ phi / n), phi)
+    gmax = float(np.linalg.norm(g, axis=1).max())
+    assert it.constants["grad_max"].value == pytest.approx(gmax, rel=1e-12)
+    assert it.constants["leverage_max"].value == pytest.approx(float(lev.max()), rel=1e-9)
+    assert it.guaranteed is False and it.label.startswith("plug-in interval")
+    ref = _reference(phi, g, 0.1, gam=gmax, big_l=float(lev.max()), dim=3)
+    u = ref["score"] * math.sqrt(1 + ref["relative_deviation_upper"]) + ref["epsilon_n"]
+    assert u > gmax and it.score_upper == pytest.approx(u, rel=1e-9)  # not capped at the probe's γ
+
+
+def test_vacuous_probe_gives_zero_to_gamma_and_the_worst_case_variance():
+    phi, g = _rows(n=40, seed=3)
+    gam, big_l = 3.0 * float(np.linalg.norm(g, axis=1).max()), 6.0
+    for method in ("worst-case", "empirical-bernstein"):
+        ref = _reference(phi, g, 0.1, gam=gam, big_l=big_l, dim=3, method=method)
+        it = interval_from_moments(
+            ProbeMoments.from_arrays(phi, g), 0.1, grad_max=gam, leverage_max=big_l, dim=3, matrix_bound=method
+        )
+        assert ref["vacuous"] and it.vacuous
+        assert (it.score_lower, it.score_upper) == (0.0, gam)
+        assert it.constants["variance"].value == pytest.approx(gam * gam * big_l, rel=1e-12)
+        assert it.constants["variance"].source == "derived"
+        assert it.relative_deviation_lower == pytest.approx(ref["relative_deviation_lower"], rel=1e-9)
+        assert any(x.startswith("vacuous:") for x in it.notes)
+
+
+def test_empirical_bernstein_falls_back_to_l_when_the_probe_rank_is_below_d():
+    """``ridge = 0`` and ``rank Σ̂ < D``: σ̄² = L (derived), so Δ^∓ are the one-sided sure-bound terms."""
+    phi, g = _rows(n=2000, seed=4)
+    big_l, dim, delta = 8.0, 4, 0.2  # D = 4 > rank 3
+    it = interval_from_moments(
+        ProbeMoments.from_arrays(phi, g),
+        delta,
+        grad_max=5.0 * float(np.linalg.norm(g, axis=1).max()),
+        leverage_max=big_l,
+        dim=dim,
+        matrix_bound="empirical-bernstein",
+    )
+    mv = it.constants["matrix_variance"]
+    assert mv.value == big_l and mv.source == "derived" and "rank Σ̂ = 3 < D" in mv.note
+    u2 = math.log(2 * dim / (delta / 4))
+    root = math.sqrt(2 * big_l * u2 / 2000)
+    assert it.relative_deviation_lower == pytest.approx(root + 2 * u2 / 6000, rel=1e-12)
+    assert it.relative_deviation_upper == pytest.approx(root + 2 * big_l * u2 / 6000, rel=1e-12)
+
+
+def test_unbiased_score_squared_is_the_pair_sum_with_and_without_a_fixed_whitening():
+    phi, g = _rows(n=25, seed=5)
+    m = ProbeMoments.from_arrays(phi, g)
+    for ridge in (0.0, 0.4):
+        ref = _reference(phi, g, 0.1, gam=10.0, big_l=10.0, dim=3, ridge=ridge)
+        assert unbiased_score_squared(m, ridge=ridge) == pytest.approx(ref["score_squared_unbiased"], rel=1e-10)
+    w = np.diag([2.0, 0.5, 1.0]).astype(np.float32)  # any fixed PSD whitening
+    wh = np.sqrt(np.diag(w).astype(np.float64))
+    xi = np.stack([(np.outer(g[i], phi[i]) * wh).ravel() for i in range(25)])
+    pair = (np.sum(xi.sum(0) ** 2) - np.sum(xi**2)) / (25 * 24)
+    assert unbiased_score_squared(m, whitening=w) == pytest.approx(pair, rel=1e-12)
+    two = ProbeMoments.from_arrays(phi[:2], g[:2])  # n = 2 is the smallest allowed
+    x0, x1 = (np.outer(g[i], phi[i]) for i in range(2))  # ξ_i = G_i with W = I
+    assert math.isfinite(unbiased_score_squared(two))
+    assert unbiased_score_squared(two, whitening=np.eye(3)) == pytest.approx(float(np.sum(x0 * x1)), rel=1e-12)
+    with pytest.raises(BoundError, match=r"the U-statistic needs n >= 2 examples"):
+        unbiased_score_squared(ProbeMoments.from_arrays(phi[:1], g[:1]))
+
+
+@pytest.mark.parametrize("method", ["ustat", "basic", "percentile"])
+def test_bootstrap_interval_is_the_documented_quantile_rule(method):
+    """Resamples are multinomial(n, 1/N) draws of ``default_rng(seed)``; statistics by dense numpy."""
+    phi, g = _rows(n=30, seed=6)
+    n, delta, reps = 30, 0.2, 40
+    m = ProbeMoments.from_arrays(phi, g)
+    got = bootstrap_interval(m, delta, resamples=reps, seed=11, method=method)
+    rng = np.random.default_rng(11)
+
+    def stats(w):
+        sig = (phi * w[:, None]).T @ phi / n
+        inv = np.linalg.pinv(sig)
+        gx = np.einsum("id,ik->idk", g, phi)
+        mean = np.einsum("i,idk->dk", w, gx) / n
+        s2 = float(np.trace(mean @ inv @ mean.T))
+        v = float(np.einsum("i,idk,kl,idl->", w, gx, inv, gx) / n)
+        return s2, (n * s2 - v) / (n - 1)
+
+    s2_0, u_0 = stats(np.ones(n))
+    draws = [stats(rng.multinomial(n, np.full(n, 1 / n).astype(float))) for _ in range(reps)]
+    vals = np.array([u if method == "ustat" else math.sqrt(s2) for s2, u in draws])
+    q_lo, q_hi = np.quantile(vals, [delta / 2, 1 - delta / 2])
+    if method == "percentile":
+        want = (q_lo, q_hi)
+    elif method == "basic":
+        s0 = math.sqrt(s2_0)
+        want = (max(0.0, 2 * s0 - q_hi), max(0.0, 2 * s0 - q_lo))
+    else:
+        want = (math.sqrt(max(0.0, u_0 - (q_hi - s2_0))), math.sqrt(max(0.0, u_0 - (q_lo - s2_0))))
+    assert got["lower"] == pytest.approx(want[0], rel=1e-9, abs=1e-12)
+    assert got["upper"] == pytest.approx(want[1], rel=1e-9, abs=1e-12)
+    assert got["lower"] < got["upper"] and got["resamples"] == reps
+    assert got["method"].endswith("(resampling examples)") and got["label"].startswith(
+        "bootstrap interval: approximate"
+    )
+    # through interval_from_moments: the same interval at δ/m, and the looseness ratio
+    it = interval_from_moments(m, 2 * delta, candidates=2, bootstrap=reps, seed=11, bootstrap_method=method, dim=3)
+    assert it.bootstrap_interval == got
+    assert it.looseness == pytest.approx((it.score_upper - it.score_lower) / (want[1] - want[0]), rel=1e-9)
+
+
+def test_bootstrap_errors_and_a_constant_probe():
+    phi, g = _rows(n=10, seed=7)
+    m = ProbeMoments.from_arrays(phi, g)
+    with pytest.raises(BoundError, match="'ustat', 'basic' or 'percentile', got 'x'"):
+        bootstrap_interval(m, 0.1, method="x")
+    with pytest.raises(BoundError, match=r"needs the probe's rows in memory \(keep_probe=True\)"):
+        bootstrap_interval(ProbeMoments.from_arrays(phi, g, keep=False), 0.1)
+    with pytest.raises(BoundError, match="n >= 2 examples"):
+        bootstrap_interval(ProbeMoments.from_arrays(phi[:1], g[:1]), 0.1)
+    # a probe of one repeated example: every resample is the probe itself, so the interval is a point
+    same = ProbeMoments.from_arrays(np.repeat(phi[:1], 5, 0), np.repeat(g[:1], 5, 0))
+    s = math.sqrt(float(np.sum(g[0] ** 2)))  # ŝ² = ‖g‖² φᵀΣ̂⁺φ = ‖g‖² (rank one)
+    for method in ("basic", "percentile", "ustat"):
+        b = bootstrap_interval(same, 0.1, resamples=3, method=method)
+        assert b["lower"] == pytest.approx(s, rel=1e-9) and b["upper"] == pytest.approx(s, rel=1e-9), method
+
+
+def test_degenerate_probe_and_to_dict_cleaning():
+    phi, g = _rows(n=50, seed=8)
+    it = interval_from_moments(ProbeMoments.from_arrays(np.zeros_like(phi), g), 0.1, grad_max=10.0, leverage_max=3.0)
+    assert it.certificate is Verdict.DEGENERATE
+    d = it.to_dict()
+    assert d["certificate"] == Verdict.DEGENERATE.value
+    assert all(isinstance(c, dict) for c in d["constants"].values())
+    from depthsat_theory.bounds.interval import _clean
+
+    assert _clean({"a": [float("nan"), 1.0, Certificate.IMPROVABLE], "b": (1,)}) == {
+        "a": [None, 1.0, Certificate.IMPROVABLE.value],
+        "b": (1,),
+    }
