@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from depthsat_theory.bounds import BoundError, ProbeMoments, interval_from_moments
-from depthsat_theory.bounds.interval import bootstrap_interval, unbiased_score_squared
+from depthsat_theory.bounds.interval import ag_rms_upper, bootstrap_interval, unbiased_score_squared
 from depthsat_theory.vocabulary import Certificate, Verdict
 
 
@@ -205,6 +205,8 @@ def test_every_field_matches_the_theorem_written_out(name):
         assert mv.value == pytest.approx(ref["sigma_bar"], rel=1e-7) and mv.source == "probe"
         assert f"{ref['sig_hat2']:.6g}" in mv.note
         assert ref["sigma_bar"] < big_l  # the empirical step is not the sure bound here
+    if "ridge" in cfg:
+        assert it.constants["ridge"].value == cfg["ridge"] and it.constants["ridge"].source == "user"
     assert it.guaranteed is True and it.label == "(1-δ) confidence interval (thm-finite-sample)"
     assert len(it.assumptions) == 4 + ("var" in cfg)
     assert ("asm-variance" in it.assumptions[-1]) == ("var" in cfg)
@@ -248,7 +250,11 @@ def test_vacuous_probe_gives_zero_to_gamma_and_the_worst_case_variance():
         assert it.constants["variance"].value == pytest.approx(gam * gam * big_l, rel=1e-12)
         assert it.constants["variance"].source == "derived"
         assert it.relative_deviation_lower == pytest.approx(ref["relative_deviation_lower"], rel=1e-9)
-        assert any(x.startswith("vacuous:") for x in it.notes)
+        want = (
+            f"vacuous: Δ_n = {ref['relative_deviation_lower']:.3g} ≥ 1 (n = 40 is too small for the leverage "
+            f"bound L = {big_l:.4g}); `depthsat bound` gives the n needed"
+        )
+        assert want in it.notes
 
 
 def test_empirical_bernstein_falls_back_to_l_when_the_probe_rank_is_below_d():
@@ -361,3 +367,78 @@ def test_degenerate_probe_and_to_dict_cleaning():
         "a": [None, 1.0, Certificate.IMPROVABLE.value],
         "b": (1,),
     }
+
+
+_M = None
+
+
+def _probe_m():
+    global _M
+    if _M is None:
+        phi, g = _rows(n=50, seed=9)
+        _M = ProbeMoments.from_arrays(phi, g)
+    return _M
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda m: interval_from_moments(m, 0.1, matrix_bound="x"),
+            "matrix_bound must be one of ('worst-case', 'empirical-bernstein'), got 'x'",
+        ),
+        (
+            lambda m: interval_from_moments(m, 0.1, candidates=0),
+            "candidates must be a positive integer (n >= 1), got 0",
+        ),
+        (lambda m: interval_from_moments(m, 0.1, epsilon=0.0), "epsilon must be > 0, got 0"),
+        (lambda m: interval_from_moments(m, 0.1, bootstrap=-1), "bootstrap must be >= 0, got -1"),
+        (lambda m: interval_from_moments(m, 0.1, ridge=-1.0), "ridge must be >= 0, got -1"),
+        (
+            lambda m: interval_from_moments(m, 0.1, bootstrap=2, bootstrap_method="x"),
+            "bootstrap method must be 'ustat', 'basic' or 'percentile', got 'x'",
+        ),
+        (lambda m: unbiased_score_squared(m, ridge=-1.0), "ridge must be >= 0, got -1"),
+        (
+            lambda m: unbiased_score_squared(ProbeMoments.from_arrays(m.phi[:1, 0], m.g[:1, 0])),
+            "the U-statistic needs n >= 2 examples",
+        ),
+        (lambda m: bootstrap_interval(m, 0.1, resamples=0), "bootstrap must be a positive integer (n >= 1), got 0"),
+        (lambda m: ag_rms_upper(10, 1.0, None, 0.1), "missing constant grad_max"),
+        (lambda m: ag_rms_upper(10, None, 1.0, 0.1), "missing constant ag_rms"),
+        (lambda m: ag_rms_upper(10, -1.0, 1.0, 0.1), "ag_rms must be >= 0, got -1"),
+        (lambda m: ag_rms_upper(10, 1.0, float("nan"), 0.1), "grad_max is NaN"),
+        (lambda m: ag_rms_upper(0, 1.0, 1.0, 0.1), "n must be a positive integer (n >= 1), got 0"),
+        (lambda m: ag_rms_upper(10, 1.0, 1.0, 1.0), "delta must be in (0, 1), got 1.0"),
+    ],
+)
+def test_bad_arguments_give_these_exact_messages(call, message):
+    """Each bad argument is named exactly (the whole message is compared, not a fragment)."""
+    with pytest.raises(BoundError) as info:
+        call(_probe_m())
+    assert str(info.value) == message
+
+
+def test_epsilon_is_used_as_given_and_the_default_seed_and_method():
+    """``epsilon`` passes through unchanged; the bootstrap defaults are seed 0 and the U-statistic method."""
+    m = _probe_m()
+    it = interval_from_moments(m, 0.2, epsilon=0.37, bootstrap=7, dim=3)
+    assert it.saturation_epsilon == 0.37
+    assert it.bootstrap_interval == bootstrap_interval(m, 0.2, resamples=7, seed=0, method="ustat")
+    assert it.bootstrap_interval != bootstrap_interval(m, 0.2, resamples=7, seed=1, method="ustat")
+
+
+def test_leverage_derived_from_a_feature_norm_bound_with_a_ridge():
+    """``L = B²/(μ + λ)`` from ``feature_norm_max`` (derived): the interval equals the one with that ``L`` given."""
+    phi, g = _rows(n=2500, seed=10)
+    m = ProbeMoments.from_arrays(phi, g)
+    b = 1.01 * float(np.sqrt((phi**2).sum(1).max()))
+    lam, mu = 0.3, 0.2
+    kw = dict(ridge=lam, grad_max=10.0, eig_floor=mu, dim=3)
+    derived = interval_from_moments(m, 0.2, feature_norm_max=b, **kw)
+    given = interval_from_moments(m, 0.2, leverage_max=b * b / (mu + lam), **kw)
+    assert derived.constants["leverage_max"].value == pytest.approx(b * b / (mu + lam), rel=1e-12)
+    assert derived.constants["leverage_max"].source == "derived"
+    assert derived.score_lower == pytest.approx(given.score_lower, rel=1e-12)
+    assert derived.score_upper == pytest.approx(given.score_upper, rel=1e-12)
+    assert derived.guaranteed and derived.constants["feature_norm_max"].value == b
