@@ -442,3 +442,68 @@ def test_leverage_derived_from_a_feature_norm_bound_with_a_ridge():
     assert derived.score_lower == pytest.approx(given.score_lower, rel=1e-12)
     assert derived.score_upper == pytest.approx(given.score_upper, rel=1e-12)
     assert derived.guaranteed and derived.constants["feature_norm_max"].value == b
+
+
+@pytest.mark.parametrize("ridge", [0.0, 0.1])
+def test_inverted_interval_message_names_the_constants_to_check(ridge):
+    """γ below the lower end (probe maximum tampered so the γ check passes): refused, with the ends in the
+    message; also with a ridge and no eigenvalue floor (no upper bound on the unregularized s)."""
+    phi, g = _rows(n=1500, seed=1)
+    m = ProbeMoments.from_arrays(phi, g)
+    s_hat = _reference(phi, g, 0.2, gam=1.0, big_l=8.0, dim=3, ridge=ridge)["score"]
+    gam = 0.2 * s_hat
+    m.g_max = 0.1 * s_hat
+    ref = _reference(phi, g, 0.2, gam=gam, big_l=8.0, dim=3, ridge=ridge)
+    lower = ref["score"] * math.sqrt(1 - ref["relative_deviation_lower"]) - ref["epsilon_n"]
+    assert lower > gam
+    with pytest.raises(BoundError) as info:
+        interval_from_moments(m, 0.2, ridge=ridge, grad_max=gam, leverage_max=8.0, dim=3)
+    assert str(info.value) == (
+        f"inconsistent constants: the interval would be inverted (lower end {lower:.4g} > upper end {gam:.4g}); "
+        f"check grad_max, leverage_max, variance and eig_floor against the probe"
+    )
+
+
+def test_guaranteed_needs_both_gamma_and_l_from_outside_the_probe():
+    m = _probe_m()
+    both = interval_from_moments(m, 0.2, grad_max=50.0, leverage_max=50.0, dim=3)
+    only_l = interval_from_moments(m, 0.2, leverage_max=50.0, dim=3)
+    only_g = interval_from_moments(m, 0.2, grad_max=50.0, dim=3)
+    assert (both.guaranteed, only_l.guaranteed, only_g.guaranteed) == (True, False, False)
+    assert only_l.label.startswith("plug-in interval") and only_g.label.startswith("plug-in interval")
+
+
+def test_saturation_certificate_at_and_just_below_the_upper_end():
+    """Pure noise, a large probe: "certified ε-saturated" exactly when ε ≥ the written-out upper end."""
+    phi, g = _rows(n=3000, signal=0.0, seed=12)
+    g = g - g.mean(0)
+    gam = 1.5 * float(np.linalg.norm(g, axis=1).max())
+    ref = _reference(phi, g, 0.2, gam=gam, big_l=8.0, dim=3)
+    assert ref["score_lower"] == 0.0 and ref["score_upper"] < gam
+    m = ProbeMoments.from_arrays(phi, g)
+    for factor, want in ((1.000001, Certificate.SATURATED), (0.999999, Certificate.NOT_CERTIFIED)):
+        eps = factor * ref["score_upper"]
+        it = interval_from_moments(m, 0.2, grad_max=gam, leverage_max=8.0, dim=3, epsilon=eps)
+        assert it.certificate == want
+    # with a ridge and no eigenvalue floor there is no upper end for s: never certified saturated
+    it = interval_from_moments(m, 0.2, ridge=0.3, grad_max=gam, leverage_max=8.0, dim=3, epsilon=10 * gam)
+    assert it.score_upper_unregularized is None and it.certificate == Certificate.NOT_CERTIFIED
+
+
+def test_unbiased_field_is_none_for_one_example_and_the_pair_product_for_two():
+    phi, g = _rows(n=2, seed=13)
+    one = interval_from_moments(ProbeMoments.from_arrays(phi[:1], g[:1]), 0.2, grad_max=99.0, leverage_max=9.0)
+    assert one.score_squared_unbiased is None
+    two = interval_from_moments(ProbeMoments.from_arrays(phi, g), 0.2, grad_max=99.0, leverage_max=9.0, dim=3)
+    assert two.score_squared_unbiased == pytest.approx(unbiased_score_squared(ProbeMoments.from_arrays(phi, g)))
+    ref = _reference(phi, g, 0.2, gam=99.0, big_l=9.0, dim=3)
+    assert two.score_squared_unbiased == pytest.approx(ref["score_squared_unbiased"], rel=1e-9, abs=1e-12)
+
+
+def test_looseness_is_the_width_ratio_on_a_non_vacuous_interval():
+    phi, g = _rows(n=1500, seed=1)
+    m = ProbeMoments.from_arrays(phi, g)
+    it = interval_from_moments(m, 0.2, grad_max=20.0, leverage_max=8.0, dim=3, bootstrap=5)
+    assert it.score_lower > 0
+    b = it.bootstrap_interval
+    assert it.looseness == pytest.approx((it.score_upper - it.score_lower) / (b["upper"] - b["lower"]), rel=1e-12)
