@@ -218,7 +218,7 @@ def test_every_field_matches_the_theorem_written_out(name):
     if "ridge" not in cfg:
         per = delta / cfg.get("m", 1)
         want_n = _n_to_certify_ref(ref["score"], ref["variance_plugin"], gam, big_l, dim, per, cfg.get("var"))
-        assert it.n_to_certify == want_n
+        assert it.n_to_certify == want_n and isinstance(it.n_to_certify, int)
 
 
 def test_plug_in_constants_are_labelled_and_not_capped():
@@ -231,7 +231,10 @@ def test_plug_in_constants_are_labelled_and_not_capped():
     gmax = float(np.linalg.norm(g, axis=1).max())
     assert it.constants["grad_max"].value == pytest.approx(gmax, rel=1e-12)
     assert it.constants["leverage_max"].value == pytest.approx(float(lev.max()), rel=1e-9)
-    assert it.guaranteed is False and it.label.startswith("plug-in interval")
+    assert it.guaranteed is False
+    assert it.label == (
+        "plug-in interval: γ and/or L from the probe, not a guarantee (thm-finite-sample with estimated constants)"
+    )
     ref = _reference(phi, g, 0.1, gam=gmax, big_l=float(lev.max()), dim=3)
     u = ref["score"] * math.sqrt(1 + ref["relative_deviation_upper"]) + ref["epsilon_n"]
     assert u > gmax and it.score_upper == pytest.approx(u, rel=1e-9)  # not capped at the probe's γ
@@ -249,6 +252,9 @@ def test_vacuous_probe_gives_zero_to_gamma_and_the_worst_case_variance():
         assert (it.score_lower, it.score_upper) == (0.0, gam)
         assert it.constants["variance"].value == pytest.approx(gam * gam * big_l, rel=1e-12)
         assert it.constants["variance"].source == "derived"
+        u1 = math.log(2 / (0.1 / (3 if method == "worst-case" else 4)))
+        r = gam * math.sqrt(big_l)
+        assert it.epsilon_n == pytest.approx(math.sqrt(2 * r * r * u1 / 40) + 2 * r * u1 / 40, rel=1e-12)
         assert it.relative_deviation_lower == pytest.approx(ref["relative_deviation_lower"], rel=1e-9)
         want = (
             f"vacuous: Δ_n = {ref['relative_deviation_lower']:.3g} ≥ 1 (n = 40 is too small for the leverage "
@@ -507,3 +513,115 @@ def test_looseness_is_the_width_ratio_on_a_non_vacuous_interval():
     assert it.score_lower > 0
     b = it.bootstrap_interval
     assert it.looseness == pytest.approx((it.score_upper - it.score_lower) / (b["upper"] - b["lower"]), rel=1e-12)
+
+
+def test_constants_records_in_the_dictionary():
+    """``to_dict()['constants']`` is each :class:`Constant`'s own record; the keys are the dataclass fields."""
+    from dataclasses import fields
+
+    from depthsat_theory.bounds.interval import ScoreInterval
+
+    it = interval_from_moments(_probe_m(), 0.2, grad_max=50.0, leverage_max=50.0, dim=3)
+    d = it.to_dict()
+    assert set(d) == {f.name for f in fields(ScoreInterval)}
+    assert d["constants"] == {k: c.to_dict() for k, c in it.constants.items()}
+
+
+def test_matrix_and_variance_constants_carry_their_symbols_sources_and_notes():
+    """The σ² and V constants name their symbol, source and justification (what `score --delta` prints)."""
+    phi, g = _rows(n=1500, seed=1)
+    m = ProbeMoments.from_arrays(phi, g)
+    kw = dict(grad_max=20.0, leverage_max=8.0, dim=3)
+    eb = interval_from_moments(m, 0.2, matrix_bound="empirical-bernstein", **kw)
+    mv, var = eb.constants["matrix_variance"], eb.constants["variance"]
+    psi = _reference(phi, g, 0.2, gam=20.0, big_l=8.0, dim=3, method="empirical-bernstein")["sig_hat2"]
+    assert (mv.symbol, mv.source) == ("σ²", "probe")
+    assert mv.note == (
+        f"empirical-Bernstein upper bound on ‖E Ψ_x²‖ from σ̂² = {psi:.6g} (thm-empirical-bernstein; "
+        f"rigorous given γ, L and D)"
+    )
+    v_hat = eb.variance_plugin
+    assert (var.symbol, var.source) == ("V", "probe")
+    assert var.note == (
+        f"empirical-Bernstein upper bound on E‖G_x Σ_λ^{{+1/2}}‖² from v̂ = {v_hat:.6g} (rigorous given γ and L)"
+    )
+    bare = ProbeMoments.from_arrays(phi, g, keep=False)
+    fb = interval_from_moments(bare, 0.2, matrix_bound="empirical-bernstein", **kw).constants["matrix_variance"]
+    assert (fb.symbol, fb.value, fb.source) == ("σ²", 8.0, "derived")
+    assert fb.note == "σ² ≤ L surely (the probe's rows were not kept: no probe estimate)"
+    low = interval_from_moments(m, 0.2, matrix_bound="empirical-bernstein", grad_max=20.0, leverage_max=8.0, dim=4)
+    assert low.constants["matrix_variance"].note == "σ² ≤ L surely (rank Σ̂ = 3 < D: no probe estimate)"
+    vac = interval_from_moments(ProbeMoments.from_arrays(phi[:40], g[:40]), 0.2, **kw).constants["variance"]
+    assert (vac.symbol, vac.value, vac.source) == ("V", pytest.approx(400.0 * 8.0), "derived")
+    assert vac.note == "worst case R² (the bound is vacuous)"
+
+
+def test_empirical_bernstein_with_a_small_ridge_uses_the_probe_even_below_full_rank():
+    """With ``0 < λ ≤ 1`` and ``D`` above the probe's rank the ridge makes ``Ĉ`` invertible: σ̄² from the probe."""
+    phi, g = _rows(n=2500, seed=1)
+    it = interval_from_moments(
+        ProbeMoments.from_arrays(phi, g),
+        0.2,
+        ridge=0.3,
+        grad_max=20.0,
+        leverage_max=8.0,
+        dim=4,
+        matrix_bound="empirical-bernstein",
+    )
+    assert it.constants["matrix_variance"].source == "probe" and it.constants["matrix_variance"].value < 8.0
+
+
+def test_unregularized_upper_end_is_capped_at_a_given_gamma_only():
+    phi, g = _rows(n=2500, seed=1)
+    m = ProbeMoments.from_arrays(phi, g)
+    gam_probe = float(np.linalg.norm(g, axis=1).max())
+    kw = dict(ridge=0.3, eig_floor=0.001, leverage_max=8.0, dim=3)
+    given = interval_from_moments(m, 0.2, grad_max=1.01 * gam_probe, **kw)
+    assert given.score_upper * math.sqrt(1 + 0.3 / 0.001) > 1.01 * gam_probe
+    assert given.score_upper_unregularized == 1.01 * gam_probe
+    plug = interval_from_moments(m, 0.2, **kw)  # γ from the probe: no cap
+    assert plug.score_upper_unregularized == pytest.approx(plug.score_upper * math.sqrt(1 + 0.3 / 0.001), rel=1e-12)
+    assert plug.score_upper_unregularized > gam_probe
+    notes = interval_from_moments(m, 0.2, ridge=0.3, grad_max=20.0, leverage_max=8.0, dim=3).notes
+    assert (
+        "with a ridge and no eig_floor, the upper end bounds s_λ only (s ≥ s_λ); give --eig-floor for a "
+        "saturation certificate on s"
+    ) in notes
+
+
+def test_certificates_at_exact_equality_with_epsilon():
+    """``ε`` equal to the upper end (or to the AG_rms bound) certifies: the rules are ``≤ ε``."""
+    phi, g = _rows(n=3000, signal=0.0, seed=12)
+    g = g - g.mean(0)
+    m = ProbeMoments.from_arrays(phi, g)
+    kw = dict(grad_max=30.0, leverage_max=8.0, dim=3)
+    first = interval_from_moments(m, 0.2, **kw)
+    assert first.score_lower == 0.0
+    at = interval_from_moments(m, 0.2, epsilon=first.score_upper, **kw)
+    assert at.certificate == Certificate.SATURATED
+    ag = interval_from_moments(m, 0.2, epsilon=first.ag_rms_upper, **kw)
+    assert ag.ag_certificate == Certificate.SATURATED
+
+
+def test_bootstrap_of_one_resample_with_a_ridge_and_an_exact_zero_width():
+    phi, g = _rows(n=200, seed=14)
+    m = ProbeMoments.from_arrays(phi, g)
+    it = interval_from_moments(m, 0.2, ridge=0.5, bootstrap=1, seed=3, dim=3)
+    assert it.bootstrap_interval == bootstrap_interval(m, 0.2, resamples=1, ridge=0.5, seed=3)
+    assert it.bootstrap_interval != bootstrap_interval(m, 0.2, resamples=1, ridge=0.0, seed=3)
+    # one repeated example with integer values: every resample's statistic is exactly the same
+    same = ProbeMoments.from_arrays(np.ones((6, 1)), np.full((6, 1), 2.0))
+    flat = interval_from_moments(same, 0.2, bootstrap=4, grad_max=2.0, leverage_max=1.0, dim=1)
+    assert flat.bootstrap_interval["lower"] == flat.bootstrap_interval["upper"] == 2.0
+    assert flat.looseness is None
+
+
+def test_user_bounds_the_probe_contradicts_are_refused():
+    """A feature-norm bound below the probe's largest feature norm, or ``D`` below the probe's rank."""
+    phi, g = _rows(n=300, seed=15)
+    m = ProbeMoments.from_arrays(phi, g)
+    b_probe = float(np.sqrt((phi**2).sum(1).max()))
+    with pytest.raises(BoundError, match="feature_norm_max"):
+        interval_from_moments(m, 0.2, grad_max=20.0, feature_norm_max=0.9 * b_probe, eig_floor=0.1)
+    with pytest.raises(BoundError, match="dim"):
+        interval_from_moments(m, 0.2, grad_max=20.0, leverage_max=8.0, dim=2)
