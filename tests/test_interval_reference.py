@@ -630,3 +630,40 @@ def test_user_bounds_the_probe_contradicts_are_refused():
     with pytest.raises(BoundError) as info:
         interval_from_moments(m, 0.2, grad_max=20.0, leverage_max=8.0, dim=2)
     assert str(info.value) == "dim=2 is below the probe's rank Σ̂ = 3 ≤ rank Σ, so it does not bound rank Σ"
+
+
+def test_bootstrap_defaults_messages_and_smallest_probe():
+    m = _probe_m()
+    dflt = bootstrap_interval(m, 0.2)
+    assert dflt == bootstrap_interval(m, 0.2, resamples=200, seed=0, method="ustat") and dflt["resamples"] == 200
+    assert dflt != bootstrap_interval(m, 0.2, resamples=200, seed=1)
+    phi, g = _rows(n=2, seed=16)
+    assert math.isfinite(bootstrap_interval(ProbeMoments.from_arrays(phi, g), 0.2, resamples=5)["upper"])  # n = 2
+    with pytest.raises(BoundError) as info:
+        bootstrap_interval(ProbeMoments.from_arrays(phi[:1], g[:1]), 0.2)
+    assert str(info.value) == (
+        "the U-statistic bootstrap needs n >= 2 examples (the probe has n = 1); pass bootstrap=0 for no bootstrap "
+        "interval"
+    )
+    with pytest.raises(BoundError) as info:
+        bootstrap_interval(ProbeMoments.from_arrays(phi, g, keep=False), 0.2)
+    assert str(info.value) == "the bootstrap needs the probe's rows in memory (keep_probe=True)"
+
+
+def test_bootstrap_of_a_weighted_probe_resamples_by_multiplicity():
+    """A probe of distinct rows with multiplicities: resamples are multinomial(n, w/n) over the rows."""
+    phi, g = _rows(n=12, seed=17)
+    w0 = np.arange(1, 13, dtype=float)
+    n = int(w0.sum())
+    m = ProbeMoments.from_arrays(phi, g, w0)
+    got = bootstrap_interval(m, 0.2, resamples=30, seed=5, method="percentile")
+    rng = np.random.default_rng(5)
+
+    def s_of(w):
+        sig = (phi * w[:, None]).T @ phi / n
+        mean = (g * w[:, None]).T @ phi / n
+        return math.sqrt(float(np.trace(mean @ np.linalg.pinv(sig) @ mean.T)))
+
+    vals = [s_of(rng.multinomial(n, w0 / n).astype(float)) for _ in range(30)]
+    lo, hi = np.quantile(vals, [0.1, 0.9])
+    assert (got["lower"], got["upper"]) == (pytest.approx(lo, rel=1e-9), pytest.approx(hi, rel=1e-9))
