@@ -22,7 +22,8 @@ Usage, from the repository root (``OMP_NUM_THREADS=1``)::
     python tests/mutate_inprocess.py --tests test_interval_reference,test_bounds \\
         --out mutants/interval.json 'depthsat_theory.bounds.interval.*'
 
-``--reuse`` skips the generation when ``mutants/`` is already there.  Prints a table per function
+``--reuse`` skips the generation when ``mutants/`` is already there; ``--max-case-seconds S`` leaves
+out (and lists) the cases whose clean run takes longer than ``S`` (a quicker, weaker run).  Prints a table per function
 (killed / survived / timeout / no tests) and every survivor's name; ``mutmut show NAME`` gives the
 diff.  Exit status 0 (the survivors are for a person to judge: killed by a new test or explained).
 """
@@ -140,6 +141,12 @@ def main() -> int:
     ap.add_argument("--tests", required=True, help="comma-separated test modules (tests/ on the path)")
     ap.add_argument("--out", default="mutants/inprocess.json")
     ap.add_argument("--reuse", action="store_true", help="keep the existing mutants/ folder")
+    ap.add_argument(
+        "--max-case-seconds",
+        type=float,
+        default=float("inf"),
+        help="leave out cases whose clean run takes longer (listed; a quicker, weaker run)",
+    )
     args = ap.parse_args()
     if not args.reuse or not Path("mutants").is_dir():
         generate()
@@ -166,6 +173,10 @@ def main() -> int:
             print(f"clean run failed, left out: {case[0]}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
             continue
         dur[case[0]], cov[case[0]] = time.perf_counter() - t, set(hits)
+        if dur[case[0]] > args.max_case_seconds:
+            print(f"slow case left out ({dur[case[0]]:.1f} s): {case[0]}"[:300], file=sys.stderr)
+            skipped += 1
+            continue
         good.append(case)
     print(
         f"{len(good)} cases ({skipped} left out: fixtures/slow), clean run {sum(dur.values()):.0f} s", file=sys.stderr
