@@ -334,6 +334,13 @@ def test_bootstrap_interval_is_the_documented_quantile_rule(method):
     assert got["lower"] == pytest.approx(want[0], rel=1e-9, abs=1e-12)
     assert got["upper"] == pytest.approx(want[1], rel=1e-9, abs=1e-12)
     assert got["lower"] < got["upper"] and got["resamples"] == reps
+    names = {
+        "ustat": "basic bootstrap of the U-statistic of s², square-rooted",
+        "basic": "basic bootstrap of ŝ",
+        "percentile": "percentile bootstrap of ŝ",
+    }
+    assert got["method"] == names[method] + " (resampling examples)"
+    assert got["label"] == "bootstrap interval: approximate, not a guarantee (needs the probe in memory)"
     assert got["method"].endswith("(resampling examples)") and got["label"].startswith(
         "bootstrap interval: approximate"
     )
@@ -667,3 +674,71 @@ def test_bootstrap_of_a_weighted_probe_resamples_by_multiplicity():
     vals = [s_of(rng.multinomial(n, w0 / n).astype(float)) for _ in range(30)]
     lo, hi = np.quantile(vals, [0.1, 0.9])
     assert (got["lower"], got["upper"]) == (pytest.approx(lo, rel=1e-9), pytest.approx(hi, rel=1e-9))
+
+
+def _dev_wc(n, big_l, dim, per, parts=3):
+    u2 = math.log(2 * dim / (per / parts))
+    l1 = max(big_l, 1.0)
+    return math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
+
+
+def test_derived_l_the_probe_contradicts_is_refused_with_its_derivation():
+    """``L = B²/(μ + λ)`` with an eigenvalue floor far above the probe's: a probe leverage above
+    ``L/(1 − Δ_n)`` is an error naming where ``L`` came from."""
+    phi, g = _rows(n=2000, seed=18)
+    m = ProbeMoments.from_arrays(phi, g)
+    b = 1.01 * float(np.sqrt((phi**2).sum(1).max()))
+    lam, mu = 0.01, 2.0
+    big_l = b * b / (mu + lam)
+    inv = np.linalg.inv(phi.T @ phi / 2000 + lam * np.eye(3))
+    lev = float(np.max(np.einsum("ik,kl,il->i", phi, inv, phi)))
+    dev = _dev_wc(2000, big_l, 3, 0.2)
+    assert lev > big_l / (1 - dev)
+    with pytest.raises(BoundError) as info:
+        interval_from_moments(m, 0.2, ridge=lam, grad_max=20.0, feature_norm_max=b, eig_floor=mu, dim=3)
+    assert str(info.value) == (
+        f"L = B²/(μ + λ) = {big_l:.4g} (from feature_norm_max with eig_floor/ridge) is below the probe's own max "
+        f"leverage ℓ̂ = {lev:.4g} (with Σ̂; ℓ̂ ≤ L/(1 − Δ_n) = {big_l / (1 - dev):.4g} whenever the interval's "
+        f"matrix event holds), so it is not an almost-sure bound"
+    )
+
+
+def test_probe_tension_thresholds_are_exact():
+    """A user ``L`` with ``ℓ̂ = L/(1 − Δ_n)``, ``V = v̂`` and ``μ`` = the probe's smallest nonzero eigenvalue
+    sit exactly on the thresholds: no error, no V or μ note (only the leverage note, since ``ℓ̂ > L``)."""
+    phi, g = _rows(n=2000, seed=19)
+    m = ProbeMoments.from_arrays(phi, g)
+    lev = float(np.max(np.einsum("ik,kl,il->i", phi, np.linalg.pinv(phi.T @ phi / 2000), phi)))
+    lo, hi = 1.0, lev  # L/(1 − Δ(L)) increases in L: solve L/(1 − Δ(L)) = ℓ̂
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mid / (1 - _dev_wc(2000, mid, 3, 0.2, 2)) < lev else (lo, mid)
+    big_l = hi
+    assert abs(big_l / (1 - _dev_wc(2000, big_l, 3, 0.2, 2)) / lev - 1) < 1e-13  # V given: δ in two
+    v_hat = interval_from_moments(m, 0.2, dim=3).variance_plugin
+    ev = np.linalg.eigvalsh(m.sigma)
+    it = interval_from_moments(m, 0.2, grad_max=20.0, leverage_max=big_l, dim=3, variance=v_hat)
+    assert not any(x.startswith("--variance") for x in it.notes)
+    assert any(x.startswith("the probe's largest leverage") for x in it.notes)
+    ridge_it = interval_from_moments(m, 0.2, ridge=0.1, eig_floor=float(ev.min()), grad_max=20.0, leverage_max=50.0)
+    assert not any(x.startswith("--eig-floor") for x in ridge_it.notes)
+    low = interval_from_moments(m, 0.2, ridge=0.1, eig_floor=1.5 * float(ev.min()), grad_max=20.0, leverage_max=50.0)
+    assert any(x.startswith("--eig-floor") for x in low.notes)
+
+
+def test_eigenvalue_floor_note_on_small_and_on_rank_deficient_gram():
+    """The μ note compares μ with the smallest eigenvalue above the cutoff ``rtol · λ_max``: on a Gram whose
+    eigenvalues are all below 1, and on a rank-deficient Gram whose zero eigenvalue is rounding noise."""
+    phi, g = _rows(n=2000, seed=20)
+    small = ProbeMoments.from_arrays(0.1 * phi, g)
+    ev = np.linalg.eigvalsh(small.sigma)
+    assert ev.max() < 1
+    it = interval_from_moments(small, 0.2, ridge=0.01, eig_floor=2 * float(ev.min()), grad_max=20.0, leverage_max=900.0)
+    assert any(x.startswith("--eig-floor") for x in it.notes)
+    dup = np.hstack([phi[:, :1], phi[:, :1], phi[:, 1:]]) * 1000.0  # a repeated column, large scale
+    m = ProbeMoments.from_arrays(dup, g)
+    ev = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T))
+    real = ev[ev > 1e-6 * ev.max()]
+    assert ev.min() < 1e-6 * ev.max() and real.size == 3
+    it = interval_from_moments(m, 0.2, ridge=1.0, eig_floor=0.5 * float(real.min()), grad_max=20.0, leverage_max=90.0)
+    assert not any(x.startswith("--eig-floor") for x in it.notes)
