@@ -742,3 +742,21 @@ def test_eigenvalue_floor_note_on_small_and_on_rank_deficient_gram():
     assert ev.min() < 1e-6 * ev.max() and real.size == 3
     it = interval_from_moments(m, 0.2, ridge=1.0, eig_floor=0.5 * float(real.min()), grad_max=20.0, leverage_max=90.0)
     assert not any(x.startswith("--eig-floor") for x in it.notes)
+
+
+def test_eigenvalue_floor_note_ignores_directions_below_the_cutoff():
+    """The μ note uses eigenvalues above ``rtol · λ_max`` only: a resolved-away direction (eigenvalue
+    1e-9 below the cutoff 1.8e-9 of a Gram with λ_max ≈ 7e5) does not trigger it, and a Gram that is
+    exactly zero has no nonzero eigenvalue to compare."""
+    phi, g = _rows(n=2000, seed=20)
+    z = phi[:, 0]
+    near = np.stack([1000 * z, 1000 * z + 4.5e-5 * np.random.default_rng(0).standard_normal(2000), phi[:, 1]], 1)
+    m = ProbeMoments.from_arrays(near, g)
+    ev = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T))
+    cut = m.rtol * ev.max()
+    assert 10 * m.rtol / ev.max() < ev[0] < 0.9 * cut < ev[1]  # one direction inside (rtol/λ_max, rtol·λ_max)
+    it = interval_from_moments(m, 0.2, ridge=1.0, eig_floor=0.5 * float(ev[1]), grad_max=20.0, leverage_max=90.0)
+    assert not any(x.startswith("--eig-floor") for x in it.notes)
+    zero = ProbeMoments.from_arrays(np.zeros((5, 3)), np.ones((5, 1)))
+    it = interval_from_moments(zero, 0.2, ridge=0.1, eig_floor=0.5, grad_max=2.0, leverage_max=3.0, dim=3)
+    assert not any(x.startswith("--eig-floor") for x in it.notes)
