@@ -165,6 +165,8 @@ def test_general_family_noise_moment_matches_per_example_jacobians():
 def test_verdict_reason_names_each_outcome():
     zero = _result(torch.zeros(8, 2, dtype=torch.float64), torch.ones(8, 2, dtype=torch.float64), "linear-nobias")
     assert zero.verdict is Verdict.DEGENERATE and "rank K = 0" in zero.verdict_reason
+    # no kept direction: Σ⁻ = 0, so v̂ = tr(Σ⁻ E[XᵀX]) = 0 exactly (and the noise ratio with it)
+    assert (zero.tangent_rank, zero.noise_variance, zero.noise_ratio) == (0, 0.0, 0.0)
     z, g = collinear_signal(1e-1, torch.float64, n=200)
     assert "exceeds" in _result(z, g).verdict_reason
     assert math.isfinite(_result(z, g).score_error)
