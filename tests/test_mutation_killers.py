@@ -677,3 +677,21 @@ def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands,
     exact = a * (eps_m + gamma_acc * root)
     got = gradient_rounding(ag_rms=float(a), dtype=dtype, summands=summands, k=k, product_summands=product_summands)
     assert abs(Fraction(got) - exact) <= exact * Fraction(1, 2**48)
+
+
+def test_resolve_spectrum_scales_by_the_given_diagonal_and_names_its_arguments():
+    """A ``diag`` given with the Gram is the one scaled by (``D^{-1/2} Σ D^{-1/2}``, dense numpy); neither the
+    Gram nor a factor with its diagonal is a one-line error."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((50, 3)) * np.array([1.0, 3.0, 0.5])
+    mat = x.T @ x / 50
+    diag = 4.0 * np.diag(mat) * np.array([1.0, 2.0, 0.5])
+    spec = resolve_spectrum(mat, diag=diag)
+    np.testing.assert_allclose(spec.scale, 1 / np.sqrt(diag), rtol=1e-15)
+    want = np.linalg.eigvalsh(mat / np.sqrt(np.outer(diag, diag)))
+    assert spec.lam_max == pytest.approx(float(want.max()), rel=1e-12)
+    np.testing.assert_allclose(np.sort(spec.values), np.sort(want), rtol=1e-12)
+    for kwargs in ({}, {"factor": x}):
+        with pytest.raises(ValueError) as info:
+            resolve_spectrum(None, **kwargs)
+        assert str(info.value) == "resolve_spectrum needs the Gram mat, or a factor together with its diag"
