@@ -695,3 +695,22 @@ def test_resolve_spectrum_scales_by_the_given_diagonal_and_names_its_arguments()
         with pytest.raises(ValueError) as info:
             resolve_spectrum(None, **kwargs)
         assert str(info.value) == "resolve_spectrum needs the Gram mat, or a factor together with its diag"
+
+
+def test_score_raw_score_and_ag_rms_keep_their_exact_order_when_g_is_in_the_span():
+    """``g = φ̃ W`` (so ``s = r = AG_rms`` exactly): rounding must not put ``ŝ`` above ``r̂`` or ``AG_rms``, nor
+    ``r̂`` above ``AG_rms`` (the output clips them back), and all three agree with the truth to 1e-12."""
+    at_top = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        z = rng.standard_normal((30, 3))
+        phi = np.hstack([z, np.ones((30, 1))])
+        g = phi @ rng.standard_normal((4, 3))
+        stats = statistics_for(parse_family("linear"), (3,), "vector", pool_ties=True)
+        stats.update(torch.from_numpy(z), torch.from_numpy(g))
+        res = stats.result()
+        truth = math.sqrt(float(np.mean(np.sum(g**2, axis=1))))
+        assert res.score <= res.raw_score <= res.ag_rms
+        assert res.score == pytest.approx(truth, rel=1e-12) and res.raw_score == pytest.approx(truth, rel=1e-12)
+        at_top += res.score == res.ag_rms
+    assert at_top > 0  # the clip is exercised
