@@ -49,6 +49,9 @@ Checks:
   probe's ``L̂``) and an optimistic variance ``V = 0`` at ``s = 0`` (``asm-variance``
   fails) make the interval miss ``s`` far more often than ``δ``, while the interval with
   valid constants covers.
+- ``t7-eb-ceiling`` (numeric): ``prop-eb-ceiling`` on every population: ``σ² ≥ Eℓ²/r₀``, and the
+  worst-case ``Δ_n`` over the empirical-Bernstein ``max(Δ^∓(σ̃²))`` is at most ``√(L/σ²)`` for every
+  size and ``σ̃² ∈ [σ², L]``; the non-vacuous sizes' ratio at ``σ̃² = L`` is at most 1.60.
 """
 
 from __future__ import annotations
@@ -863,4 +866,102 @@ def empirical_bernstein(ctx: Context) -> Outcome:
         counterexamples=int(bad),
         detail=f"{cells} cells × {reps} probes (rows kept: σ̂² needs them)",
         table=(title, cols, rows),
+    )
+
+
+# ============================================================================ ceiling of the empirical-Bernstein step
+def _dev_wc(n: int, l1: float, u: float) -> float:
+    """The worst-case ``Δ_n = √(2L₁u/n) + 2L₁u/(3n)`` (thm-finite-sample)."""
+    return math.sqrt(2 * l1 * u / n) + 2 * l1 * u / (3 * n)
+
+
+def _dev_eb(n: int, x: float, big_l: float, u: float) -> float:
+    """``max(Δ^−(x), Δ^+(x))`` of thm-empirical-bernstein."""
+    root = math.sqrt(2 * x * u / n)
+    return max(root + 2 * u / (3 * n), root + 2 * big_l * u / (3 * n))
+
+
+@check("T7", ["prop-eb-ceiling"], "t7-eb-ceiling", "numeric")
+def eb_ceiling(ctx: Context) -> Outcome:
+    """``σ² ≥ Eℓ²/r₀`` and ``Δ_n / max(Δ^∓(σ̃²)) ≤ √(L/σ²)`` on the T7 populations, exactly (dense numpy).
+
+    For each population (one unit per example): the population ``σ² = λ_max(E Ψ²)`` with the
+    population whitening, ``Eℓ``, ``Eℓ²``, ``r₀ = rank Σ``; for every size and ``σ̃² ∈ {σ², (σ² + L)/2, L}``
+    the worst-case ``Δ_n`` over the empirical-Bernstein ``max(Δ^−, Δ^+)`` written out from the
+    theorems (δ split in three and in four) must not exceed ``√(L/σ²) ≤ √(L r₀/Eℓ²)``; with
+    ``σ̃² = L`` the non-vacuous sizes' ratio must not exceed 1.60. Reported: the library's ratio on
+    one probe per size (its ``σ̄²`` comes from the probe).
+    """
+    rng = ctx.rng("t7-eb-ceiling")
+    rows, bad, inst, tight = [], 0, 0, 0.0
+    for pop in populations(ctx):
+        phi, lam = pop.phi, pop.ridge
+        n_pop, k = phi.shape
+        sig = phi.T @ phi / n_pop
+        ev = np.linalg.eigvalsh(sig)
+        r0 = int((ev > 1e-12 * ev.max()).sum())
+        inv = np.linalg.inv(sig + lam * np.eye(k)) if lam > 0 else np.linalg.pinv(sig, rcond=1e-12, hermitian=True)
+        w, v = np.linalg.eigh(inv)
+        rows_w = phi @ ((v * np.sqrt(np.clip(w, 0, None))) @ v.T)
+        lev = (rows_w**2).sum(1)
+        sig2 = float(np.linalg.eigvalsh((rows_w * lev[:, None]).T @ rows_w / n_pop).max())
+        big_l, e_l, e_l2 = pop.lev, float(lev.mean()), float(np.mean(lev**2))
+        inst += 1
+        bad += sig2 < e_l2 / r0 * (1 - 1e-9)
+        bad += lam == 0 and abs(e_l - r0) > 1e-8 * r0
+        ceiling = math.sqrt(big_l / sig2)
+        bad += ceiling > math.sqrt(big_l * r0 / e_l2) * (1 + 1e-9)
+        dim = float(k) if lam > 0 else float(min(k, max(1, math.floor(big_l))))
+        u, u_eb = math.log(2 * dim / (DELTA / 3)), math.log(2 * dim / (DELTA / 4))
+        l1 = max(big_l, 1.0)
+
+        for n in pop.sizes:
+            for x in (sig2, 0.5 * (sig2 + big_l), big_l):
+                inst += 1
+                ratio = _dev_wc(n, l1, u) / _dev_eb(n, x, big_l, u_eb)
+                tight = max(tight, ratio / ceiling)
+                bad += ratio > ceiling * (1 + 1e-12)
+        n_wc = _nonvacuous_n(lambda n, a=l1, b=u: _dev_wc(n, a, b))
+        n_eb = _nonvacuous_n(lambda n, a=big_l, b=u_eb: math.sqrt(2 * a * b / n) + 2 * b / (3 * n))
+        inst += 1
+        bad += n_wc / n_eb > 1.60
+        n = pop.sizes[-1]
+        m = ProbeMoments.from_arrays(phi, pop.g, pop.draw(rng, n, 1)[0])
+        kw: dict[str, Any] = dict(ridge=lam, grad_max=pop.gamma, leverage_max=big_l)
+        lib = (
+            interval_from_moments(m, DELTA, **kw).relative_deviation
+            / interval_from_moments(m, DELTA, matrix_bound="empirical-bernstein", **kw).relative_deviation
+        )
+        rows.append(
+            [
+                pop.name,
+                _fmt(e_l),
+                _fmt(big_l),
+                _fmt(e_l2),
+                _fmt(sig2),
+                _fmt(math.sqrt(big_l * u / (sig2 * u_eb))),
+                _fmt(_dev_wc(n, l1, u) / _dev_eb(n, sig2, big_l, u_eb)),
+                _fmt(lib),
+                _fmt(n_wc / n_eb),
+            ]
+        )
+    cols = [
+        "population",
+        "Eℓ",
+        "L",
+        "Eℓ²",
+        "σ²",
+        "ceiling √(Lu/(σ²u'))",
+        "ratio, σ² exact, largest n",
+        "ratio, library, largest n",
+        "non-vacuous n ratio (σ̄² = L)",
+    ]
+    return Outcome(
+        instances=inst,
+        counterexamples=int(bad),
+        detail=(
+            f"{len(rows)} populations; Δ_n / max(Δ^∓) never above √(L/σ²) ≤ √(L r₀/Eℓ²) (prop-eb-ceiling); "
+            f"largest ratio / √(L/σ²) = {tight:.3f}"
+        ),
+        table=(f"ceiling of the empirical-Bernstein matrix step (δ = {DELTA})", cols, rows),
     )

@@ -369,3 +369,60 @@ def test_cli_audit_refuses_keyword_batches_and_unknown_sites(tmp_path, monkeypat
         out = runner.invoke(app, ["audit", "linear", *args])
         lines = [ln for ln in out.output.splitlines() if ln.startswith("error:")]
         assert out.exit_code == 2 and len(lines) == 1 and needle in lines[0], out.output
+
+
+def _tiny_bert_dir(tmp_path, is_decoder):
+    """A random 2-layer BERT (``BertForMaskedLM``) saved with the character tokenizer, built offline."""
+    import transformers
+
+    cfg = transformers.BertConfig(
+        vocab_size=len(char_tokenizer().get_vocab()),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=256,
+        is_decoder=is_decoder,
+    )
+    torch.manual_seed(0)
+    d = tmp_path / f"bert-decoder-{is_decoder}"
+    transformers.BertForMaskedLM(cfg).eval().save_pretrained(str(d))
+    char_tokenizer().save_pretrained(str(d))
+    return d
+
+
+def test_hf_bert_encoder_folder_is_refused_naming_what_is_wrong(tmp_path, monkeypatch):
+    """``AutoModelForCausalLM`` loads a BERT folder as ``BertLMHeadModel`` with bidirectional attention;
+    ``hf:`` refuses it in one line naming the class, ``config.is_decoder`` and the fixes, through the
+    CLI (exit 2, nothing written) and the Python API.  The same weights with ``is_decoder = true``
+    (a causal mask) are accepted: the refusal is about attention, not about the name BERT."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    enc = _tiny_bert_dir(tmp_path, is_decoder=False)
+    # independent premise: this loaded model's first logit row does change with the last token
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(enc), local_files_only=True).eval()
+    with torch.no_grad():
+        a = m(input_ids=torch.tensor([[3, 4, 5, 6]])).logits[0, 0]
+        b = m(input_ids=torch.tensor([[3, 4, 5, 7]])).logits[0, 0]
+    assert not torch.allclose(a, b)
+    with pytest.raises(ModelSpecError) as err:
+        resolve_model(f"hf:{enc}", n_batches=1, batch_size=2)
+    msg = str(err.value)
+    for needle in (
+        "BertLMHeadModel",
+        "'bert'",
+        "config.is_decoder = False",
+        "not a causal language model",
+        '"is_decoder": true',
+        "package.module:attr",
+    ):
+        assert needle in msg, msg
+    out_json = tmp_path / "d.json"
+    out = runner.invoke(app, ["diagnose", "--model", f"hf:{enc}", "--json", str(out_json), "-q"])
+    lines = [ln for ln in out.output.splitlines() if ln.startswith("error:")]
+    assert out.exit_code == 2 and len(lines) == 1 and "not a causal language model" in lines[0], out.output
+    assert not out_json.exists()
+    dec = _tiny_bert_dir(tmp_path, is_decoder=True)
+    res = resolve_model(f"hf:{dec}", n_batches=1, batch_size=2)
+    assert type(res.model).__name__ == "BertLMHeadModel"

@@ -677,3 +677,40 @@ def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands,
     exact = a * (eps_m + gamma_acc * root)
     got = gradient_rounding(ag_rms=float(a), dtype=dtype, summands=summands, k=k, product_summands=product_summands)
     assert abs(Fraction(got) - exact) <= exact * Fraction(1, 2**48)
+
+
+def test_resolve_spectrum_scales_by_the_given_diagonal_and_names_its_arguments():
+    """A ``diag`` given with the Gram is the one scaled by (``D^{-1/2} Σ D^{-1/2}``, dense numpy); neither the
+    Gram nor a factor with its diagonal is a one-line error."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((50, 3)) * np.array([1.0, 3.0, 0.5])
+    mat = x.T @ x / 50
+    diag = 4.0 * np.diag(mat) * np.array([1.0, 2.0, 0.5])
+    spec = resolve_spectrum(mat, diag=diag)
+    np.testing.assert_allclose(spec.scale, 1 / np.sqrt(diag), rtol=1e-15)
+    want = np.linalg.eigvalsh(mat / np.sqrt(np.outer(diag, diag)))
+    assert spec.lam_max == pytest.approx(float(want.max()), rel=1e-12)
+    np.testing.assert_allclose(np.sort(spec.values), np.sort(want), rtol=1e-12)
+    for kwargs in ({}, {"factor": x}):
+        with pytest.raises(ValueError) as info:
+            resolve_spectrum(None, **kwargs)
+        assert str(info.value) == "resolve_spectrum needs the Gram mat, or a factor together with its diag"
+
+
+def test_score_raw_score_and_ag_rms_keep_their_exact_order_when_g_is_in_the_span():
+    """``g = φ̃ W`` (so ``s = r = AG_rms`` exactly): rounding must not put ``ŝ`` above ``r̂`` or ``AG_rms``, nor
+    ``r̂`` above ``AG_rms`` (the output clips them back), and all three agree with the truth to 1e-12."""
+    at_top = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        z = rng.standard_normal((30, 3))
+        phi = np.hstack([z, np.ones((30, 1))])
+        g = phi @ rng.standard_normal((4, 3))
+        stats = statistics_for(parse_family("linear"), (3,), "vector", pool_ties=True)
+        stats.update(torch.from_numpy(z), torch.from_numpy(g))
+        res = stats.result()
+        truth = math.sqrt(float(np.mean(np.sum(g**2, axis=1))))
+        assert res.score <= res.raw_score <= res.ag_rms
+        assert res.score == pytest.approx(truth, rel=1e-12) and res.raw_score == pytest.approx(truth, rel=1e-12)
+        at_top += res.score == res.ag_rms
+    assert at_top > 0  # the clip is exercised

@@ -165,9 +165,35 @@ def test_general_family_noise_moment_matches_per_example_jacobians():
 def test_verdict_reason_names_each_outcome():
     zero = _result(torch.zeros(8, 2, dtype=torch.float64), torch.ones(8, 2, dtype=torch.float64), "linear-nobias")
     assert zero.verdict is Verdict.DEGENERATE and "rank K = 0" in zero.verdict_reason
+    # no kept direction: Σ⁻ = 0, so v̂ = tr(Σ⁻ E[XᵀX]) = 0 exactly (and the noise ratio with it)
+    assert (zero.tangent_rank, zero.noise_variance, zero.noise_ratio) == (0, 0.0, 0.0)
     z, g = collinear_signal(1e-1, torch.float64, n=200)
     assert "exceeds" in _result(z, g).verdict_reason
     assert math.isfinite(_result(z, g).score_error)
+
+
+def test_improvable_reason_states_what_the_noise_level_promises():
+    """rem-noise-test-level: the reason of "improvable" gives the statistic against χ²₁ at 0.95 (3.841…, scipy)
+    and says the level is asymptotic, measured only for symmetric/mildly skewed g, and what certifies."""
+    from dataclasses import replace
+
+    from scipy.stats import chi2
+
+    z, g = collinear_signal(1e-1, torch.float64, n=200)
+    res = _result(z, g)
+    assert res.verdict is Verdict.IMPROVABLE
+    reason = res.verdict_reason
+    assert f"n ŝ²/v̂ = {res.noise_ratio:.3g} > {chi2.ppf(0.95, 1):.3g}" in reason, reason
+    for needle in (
+        "level α = 0.05 as n grows",
+        "symmetric or mildly skewed g",
+        "rem-noise-test-level",
+        "--delta with --grad-max and --leverage-max",
+    ):
+        assert needle in reason, reason
+    bare = replace(res, noise_ratio=float("nan"))  # no noise statistic streamed: no claim about it
+    assert bare.verdict is Verdict.IMPROVABLE
+    assert bare.verdict_reason.endswith("(no noise test: v̂ not streamed)") and "level" not in bare.verdict_reason
 
 
 def _paired(z: np.ndarray, rng: np.random.Generator, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -139,10 +139,18 @@ class SaturationResult:
         :attr:`probe_verdict`, except that ``IMPROVABLE`` also needs the noise test
         (``thm-noise-test``): when ``n ŝ² / v̂ ≤ χ²_{1,1−α}`` the probe's score is within what
         an activation gradient independent of the features would give, so the verdict is
-        ``UNDETERMINED`` (the reason says how many examples would decide).  On probes with
-        population score ``0`` the rate of ``IMPROVABLE`` is then at most ``alpha``
-        (asymptotically).  ``SATURATED`` states saturation of the probe's measure within
-        :attr:`tol`; the population needs the interval of :mod:`depthsat_theory.bounds`.
+        ``UNDETERMINED`` (the reason says how many examples would decide).  What ``alpha``
+        promises on probes with population score ``0`` (``rem-noise-test-level``): a rate of
+        ``IMPROVABLE`` at most ``alpha`` as ``n → ∞`` for every gradient law with finite variance
+        (``thm-noise-test``, proved); at a finite ``n`` with ``n/k̃`` in ``[0.1, 100]``, at most
+        ``alpha`` within Monte Carlo error for the laws of ``num-noise-test`` (``g`` independent of
+        the features, Gaussian, Rademacher, Student t₃ or centred exponential), which is evidence,
+        not a theorem; for other laws no finite-``n`` level is promised, and none can be
+        (``prop-noise-no-uniform-level``: a gradient whose mean rides on rare large values looks
+        constant on a probe that misses them).  A finite-sample guarantee for every law with
+        ``‖g‖ ≤ γ`` is the interval of :mod:`depthsat_theory.bounds` with given ``γ`` and ``L``
+        ("certified improvable" at level ``δ``).  ``SATURATED`` states saturation of the probe's
+        measure within :attr:`tol`; the population needs that interval too.
         """
         pv = self.probe_verdict
         if pv is Verdict.IMPROVABLE and self.significant is False:
@@ -166,7 +174,14 @@ class SaturationResult:
         if v is Verdict.SATURATED:
             return f"s = {self.score:.3g} is within the rounding bound {self.tol:.3g}"
         if v is Verdict.IMPROVABLE:
-            return f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} and the noise test"
+            if self.significant is None:
+                return f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} (no noise test: v̂ not streamed)"
+            return (
+                f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} and the noise test "
+                f"(n ŝ²/v̂ = {self.noise_ratio:.3g} > {self.noise_threshold:.3g}; level α = {self.alpha:g} as n grows, "
+                f"at this n only for symmetric or mildly skewed g: rem-noise-test-level; a finite-sample "
+                f"guarantee needs --delta with --grad-max and --leverage-max)"
+            )
         if self.kink_ties:
             return (
                 f"{self.kink_ties} exact tie(s) at kinks (relu/abs at 0, max ties) after the site: J may not be "

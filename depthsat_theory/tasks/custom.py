@@ -154,7 +154,8 @@ def resolve_model(
 
     Raises:
         ModelSpecError: an unknown name, a folder that is not a Hugging Face causal LM checkpoint
-            (no ``config.json``, no weights, no tokenizer, another architecture), a missing
+            (no ``config.json``, no weights, no tokenizer, another architecture, or an encoder such as
+            BERT whose logits see later tokens), a missing
             module or attribute, a factory that raises or returns anything but
             ``(model, loss_fn, batches)``, bad counts, an unreadable ``text`` or a bad ``device``.
         depthsat_theory.extras.MissingExtraError: ``hf:`` without the ``models`` extra.
@@ -324,7 +325,41 @@ def _hf_load(transformers: Any, path: Path, spec: str) -> tuple[nn.Module, Any]:
         ) from None
     model.config.use_cache = False
     model.eval()
+    _require_causal(model, config, spec)
     return model, tok
+
+
+def _require_causal(model: nn.Module, config: Any, spec: str) -> None:
+    """Refuse a model whose logits at a position depend on later tokens (not a causal LM).
+
+    ``AutoModelForCausalLM`` also loads encoders (``bert``, ``roberta``, ... give a ``*LMHeadModel``
+    with bidirectional attention when ``config.is_decoder`` is false): their next-token loss sees
+    the token it predicts, so every score on it would be meaningless.  Two forwards of a 4-token
+    window that differ only in the last token must give the same logits at the first three
+    positions (exactly, up to a relative 1e-5) in a causal model.
+
+    Raises:
+        ModelSpecError: naming the class, ``config.is_decoder`` and what to do.
+    """
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        return
+    ids = torch.arange(1, 5).remainder(vocab).view(1, 4)
+    other = ids.clone()
+    other[0, -1] = (ids[0, -1] + 1) % vocab
+    with torch.no_grad():
+        a = model(input_ids=ids).logits[0, :-1].double()
+        b = model(input_ids=other).logits[0, :-1].double()
+    if float((a - b).abs().max()) <= 1e-5 * (1.0 + float(a.abs().max())):
+        return
+    flag = getattr(config, "is_decoder", None)
+    raise ModelSpecError(
+        f"spec {spec!r}: {type(model).__name__} (model_type {config.model_type!r}, config.is_decoder = {flag}) is "
+        f"not a causal language model: its logits at earlier positions change when only the last token changes, "
+        f"so the next-token loss would see the token it predicts; give a decoder checkpoint (Llama, GPT-2, ...), "
+        f'set "is_decoder": true in config.json if the model was trained as a decoder, or use a '
+        f"package.module:attr factory with the encoder's own loss"
+    )
 
 
 def _hf_model(
