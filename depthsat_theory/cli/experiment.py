@@ -152,6 +152,8 @@ def criterion_growth_command(
     """
     from depthsat_theory.experiments.criterion import run_criterion_growth
 
+    if sweep is not None and not (sweep / "summary.json").is_file():
+        fail(f"--sweep {sweep}: no summary.json there; name a folder written by `depthsat experiment sweep`")
     _run(run_criterion_growth, config=config, out=out, seeds=_seeds(seeds), datasets=dataset, sweep=sweep)
 
 
