@@ -346,6 +346,7 @@ def test_cli_package_exports_app_and_main():
         (["--instances", "0"], "error: --instances must be >= 1, got 0"),
         (["--construction-fraction", "2"], "error: --construction-fraction must be in [0, 1], got 2.0"),
         (["--models", "mlp,foo"], "error: unknown model kind 'foo' in --models; use mlp, cnn, gpt"),
+        (["--seed", "-1"], "error: --seed must be >= 0, got -1"),
     ],
 )
 def test_check_config_errors_name_the_flags(args, message, tmp_path):
