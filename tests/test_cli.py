@@ -363,3 +363,14 @@ def test_check_config_errors_name_the_flags(args, message, tmp_path):
     )
     assert res.returncode == 2
     assert res.stderr.strip() == message
+
+
+def test_check_writable_says_whether_the_report_folder_is_missing_or_a_file(tmp_path):
+    from depthsat_theory.cli.inputs import check_writable
+
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    with pytest.raises(OSError, match="is not a folder"):
+        check_writable(a_file / "r.json")
+    with pytest.raises(OSError, match="does not exist"):
+        check_writable(tmp_path / "missing" / "r.json")
