@@ -374,3 +374,14 @@ def test_check_writable_says_whether_the_report_folder_is_missing_or_a_file(tmp_
         check_writable(a_file / "r.json")
     with pytest.raises(OSError, match="does not exist"):
         check_writable(tmp_path / "missing" / "r.json")
+
+
+def test_a_usage_error_in_a_subcommand_names_its_full_path():
+    res = subprocess.run(
+        [sys.executable, "-m", "depthsat_theory.cli", "experiment", "all", "--out", "x"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().endswith("(see depthsat experiment all --help)"), res.stderr
