@@ -346,6 +346,7 @@ def test_cli_package_exports_app_and_main():
         (["--instances", "0"], "error: --instances must be >= 1, got 0"),
         (["--construction-fraction", "2"], "error: --construction-fraction must be in [0, 1], got 2.0"),
         (["--models", "mlp,foo"], "error: unknown model kind 'foo' in --models; use mlp, cnn, gpt"),
+        (["--seed", "-1"], "error: --seed must be >= 0, got -1"),
     ],
 )
 def test_check_config_errors_name_the_flags(args, message, tmp_path):
@@ -362,3 +363,25 @@ def test_check_config_errors_name_the_flags(args, message, tmp_path):
     )
     assert res.returncode == 2
     assert res.stderr.strip() == message
+
+
+def test_check_writable_says_whether_the_report_folder_is_missing_or_a_file(tmp_path):
+    from depthsat_theory.cli.inputs import check_writable
+
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    with pytest.raises(OSError, match="is not a folder"):
+        check_writable(a_file / "r.json")
+    with pytest.raises(OSError, match="does not exist"):
+        check_writable(tmp_path / "missing" / "r.json")
+
+
+def test_a_usage_error_in_a_subcommand_names_its_full_path():
+    res = subprocess.run(
+        [sys.executable, "-m", "depthsat_theory.cli", "experiment", "all", "--out", "x"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().endswith("(see depthsat experiment all --help)"), res.stderr

@@ -223,6 +223,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
         (["--config", "tiny", "--seeds", "1,1"], "--seeds"),
         (["--config", "tiny", "--blocks", "9"], "--blocks"),
         (["--config", "tiny", "--steps", "0"], "steps"),
+        (["--config", "tiny", "--max-tokens", "1"], "--max-tokens"),
     ):
         res = runner.invoke(app, ["experiment", "expand", *args, "--out", str(out)])
         assert res.exit_code == 2, (args, res.output)

@@ -299,3 +299,15 @@ def test_decide_falls_back_to_the_point_estimate_when_nothing_is_certified():
     # the fallback stops when the bias-corrected score is at most ε everywhere (0.09² ≤ 0.1²)
     d = decide(_fake_diagnosis([n, n], [0.0] * 2, [0.2, 0.6], [0.0081, -0.01]), 0.1, False)
     assert d["stop"] and d["rule"] == FALLBACK
+
+
+def test_criterion_growth_refuses_a_sweep_folder_without_results(tmp_path):
+    out = tmp_path / "crit"
+    (tmp_path / "empty").mkdir()
+    for sweep in (tmp_path / "missing", tmp_path / "empty"):
+        res = runner.invoke(
+            app, ["experiment", "criterion-growth", "--config", "tiny", "--out", str(out), "--sweep", str(sweep)]
+        )
+        assert res.exit_code == 2, res.output
+        assert res.output.startswith("error: --sweep") and len(res.output.strip().splitlines()) == 1, res.output
+    assert not out.exists()

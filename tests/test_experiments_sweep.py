@@ -321,6 +321,33 @@ def test_a_missing_fashion_mnist_is_skipped_with_its_reason(tmp_path, monkeypatc
     R._fashion.cache_clear()
 
 
+def test_a_bad_out_or_resume_is_refused_before_any_training(tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a model was trained before the bad input was refused")
+
+    monkeypatch.setattr(S, "_one_model", never)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("dataset,arch\ndigits,mlp\n")
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"key": "abc/digits/mlp/1/0", "rec')
+    for args in (
+        ["--out", str(a_file)],
+        ["--out", str(a_file / "sweep")],
+        ["--seeds", ""],
+        ["--resume", str(tmp_path)],
+        ["--resume", str(a_file)],
+    ):
+        res = runner.invoke(app, ["experiment", "sweep", "--config", "tiny", "--out", str(tmp_path / "o"), *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert "error:" in res.output and len(res.output.strip().splitlines()) == 1, (args, res.output)
+    assert a_file.read_text() == "dataset,arch\ndigits,mlp\n"  # nothing appended to a wrong --resume
+    res = runner.invoke(app, ["experiment", "all", "--config", "tiny", "--root", str(a_file)])
+    assert res.exit_code == 2 and "not a folder" in res.output, res.output
+    # a line cut by a crash is still skipped (the run then trains: the planted trainer says so)
+    with pytest.raises(AssertionError, match="trained before"):
+        S.run_sweep("tiny", out=tmp_path / "o", seeds=[0], resume=cut)
+
+
 # ----------------------------------------------------------------------------- provenance
 def test_provenance_records_the_checkout_at_the_start_and_flags_a_commit_made_during_the_run(monkeypatch):
     from depthsat_theory.experiments import record

@@ -175,6 +175,8 @@ class CheckConfig:
         resolve_device(self.device)  # a ModelSpecError (a ValueError) naming device
         if self.instances < 1:
             raise ValueError(f"instances must be >= 1, got {self.instances}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0.0 <= self.construction_fraction <= 1.0:
             raise ValueError(f"construction_fraction must be in [0, 1], got {self.construction_fraction}")
         if self.steps < 3:

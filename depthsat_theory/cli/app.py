@@ -589,8 +589,12 @@ def main() -> None:
     except _USAGE_ERROR as exc:  # unknown option, unparsable value: one line too
         msg = exc.format_message()
         if msg:  # (an empty message: typer already printed the help of a bare command)
-            name = f"depthsat {exc.ctx.info_name} " if exc.ctx is not None and exc.ctx.parent else "depthsat "
-            render.err_console.print(f"error: {msg} (see {name}--help)", markup=False, highlight=False, soft_wrap=True)
+            parts, ctx = [], exc.ctx
+            while ctx is not None and ctx.parent is not None:  # the subcommand path below the root
+                parts.append(ctx.info_name)
+                ctx = ctx.parent
+            name = " ".join(["depthsat", *reversed(parts)])
+            render.err_console.print(f"error: {msg} (see {name} --help)", markup=False, highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except Exception as exc:
         render.err_console.print(

@@ -42,18 +42,32 @@ EXPERIMENTS["sweep"] = _sweep_runner
 
 
 def _seeds(text: str | None) -> list[int] | None:
-    if not text:
+    if text is None:
         return None
+    if not text.strip(" ,"):
+        fail(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2")
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         fail(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2")
 
 
+def _check_out(out: Path | None, flag: str = "--out") -> None:
+    """Refuse, before any training, a result folder that could not be written at the end."""
+    if out is None:
+        return
+    for folder in (Path(out), *Path(out).parents):
+        if folder.exists():
+            if not folder.is_dir():
+                fail(f"{flag} {out}: {folder} exists and is not a folder; name a folder")
+            return
+
+
 def _run(runner: Callable[..., Path], **kwargs) -> None:
     from depthsat_theory.experiments import ExperimentError
     from depthsat_theory.experiments.recipe import DatasetUnavailable
 
+    _check_out(kwargs.get("out"))
     try:
         folder = runner(log=typer.echo, **kwargs)
     except (ExperimentError, DatasetUnavailable, GrowError) as exc:
@@ -284,6 +298,8 @@ def criterion_growth_command(
     """
     from depthsat_theory.experiments.criterion import run_criterion_growth
 
+    if sweep is not None and not (sweep / "summary.json").is_file():
+        fail(f"--sweep {sweep}: no summary.json there; name a folder written by `depthsat experiment sweep`")
     _run(run_criterion_growth, config=config, out=out, seeds=_seeds(seeds), datasets=dataset, sweep=sweep)
 
 
@@ -330,6 +346,7 @@ def expand_command(
     from depthsat_theory.tasks.zoo import ZooUnavailableError
 
     seed_list = _seeds(seeds)
+    _check_out(out)
     try:
         cfg = with_overrides(
             config,
@@ -394,6 +411,7 @@ def all_command(
     root: Path = typer.Option(Path("experiments/results"), "--root", help="Folder of the result folders."),
 ) -> None:
     """Regenerate every experiment's results (in the registry's order) into ROOT/<name>/."""
+    _check_out(root, "--root")
     for name, runner in EXPERIMENTS.items():
         typer.echo(f"== {name} ({config})")
         _run(runner, config=config, out=root / name)

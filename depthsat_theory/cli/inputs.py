@@ -47,7 +47,8 @@ def check_writable(path: Path) -> None:
         raise OSError(f"--report {path} is a directory; give a file path")
     folder = path.resolve().parent
     if not folder.is_dir():
-        raise OSError(f"--report folder {folder} does not exist")
+        why = "is not a folder" if folder.exists() else "does not exist"
+        raise OSError(f"--report folder {folder} {why}")
     if not os.access(folder, os.W_OK):
         raise OSError(f"--report folder {folder} is not writable")
 

@@ -481,6 +481,8 @@ def _config(config: str | ExpandConfig) -> ExpandConfig:
         raise ExperimentError(f"--config {config!r}: give one of {', '.join(CONFIGS)}")
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.probe_windows < 1 or cfg.heldout_windows < 1:
         raise ExperimentError("steps, batch size, probe and held-out windows must all be >= 1")
+    if cfg.max_tokens < 2:
+        raise ExperimentError(f"--max-tokens {cfg.max_tokens}: a window needs at least 2 tokens (one prediction)")
     if len(set(cfg.seeds)) < 1 or len(set(cfg.seeds)) != len(cfg.seeds):
         raise ExperimentError(f"--seeds {list(cfg.seeds)}: give distinct seeds")
     if not cfg.lr > 0:

@@ -463,13 +463,25 @@ class _Resume:
         self.path = None if path is None else Path(path)
         self.cfg = cfg
         self.done: dict[str, dict] = {}
+        if self.path is not None and self.path.exists() and not self.path.is_file():
+            raise ExperimentError(f"--resume {self.path}: not a file; name a JSON-lines file")
         if self.path is not None and self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            lines = self.path.read_text().splitlines()
+            for i, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-                self.done[rec.get("key", "")] = rec.get("record", {})
+                    if line.startswith('{"key": '):
+                        continue  # a line cut by a crash
+                    rec = None
+                if not isinstance(rec, dict) or not isinstance(rec.get("record"), dict) or "key" not in rec:
+                    raise ExperimentError(
+                        f"--resume {self.path}: line {i} is not a finished-model record; "
+                        "name a file written by --resume (nothing was appended)"
+                    )
+                self.done[rec["key"]] = rec["record"]
 
     def key(self, curve: Curve, depth: int, seed: int) -> str:
         sizes = self.cfg.sizes.get(curve.dataset)

@@ -48,7 +48,9 @@ class GrowReport:
         positions: ``"auto"``, ``"even"`` or the explicit indices, as given.
         chosen: the chosen sites, in depth order, each with its diagnosis row and why it was chosen.
         ranking: :meth:`SiteRanking.to_dict` of the diagnosis.
-        new_sites: the new blocks' module names in the grown model.
+        new_sites: where the new blocks are in the grown model: ``expand_layers``, the new layers'
+            (renumbered) module names; ``insert_blocks``, the insertion sites, each now a wrapper
+            module whose ``.site`` is the old module and ``.block`` the new block.
         new_parameters: number of new scalar parameters.
         deviation, tolerance: output deviation at insertion on the first probe batch, and its tolerance.
         first_step: :meth:`FirstStepPreview.to_dict` (predicted and observed change of the first step).
