@@ -13,6 +13,8 @@ import csv
 import itertools
 import json
 import math
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -172,10 +174,14 @@ def _macs(in_dim: int, width: int, depth: int, classes: int) -> int:
     return 3 * forward - in_dim * width
 
 
-def test_growth_tiny_through_the_cli(tmp_path):
-    out = tmp_path / "growth"
-    res = runner.invoke(app, ["experiment", "growth", "--config", "tiny", "--out", str(out)])
+def test_growth_tiny_through_the_cli(tmp_path, monkeypatch):
+    # no --out: a tiny run goes to a new temporary folder, never over the committed experiments/results/
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["experiment", "growth", "--config", "tiny"])
     assert res.exit_code == 0, res.output
+    out = Path(res.output.strip().splitlines()[-1].removeprefix("results written to "))
+    assert not (tmp_path / "experiments").exists()
+    assert out.name == "growth" and out.parent.parent == Path(tempfile.gettempdir())
     cfg = GROWTH_CONFIGS["tiny"]
     rows = _read(out / "runs.csv")
     assert len(rows) == 3 * len(cfg["seeds"])
@@ -203,6 +209,20 @@ def test_growth_tiny_through_the_cli(tmp_path):
     assert res_d["relative_test_loss_grown_vs_scratch"]["mean"] == pytest.approx(sum(rel) / len(rel), rel=1e-9)
     assert summary["meta"]["seeds"] == cfg["seeds"]
     assert (out / "growth.png").is_file() and (out / "growth.svg").is_file()
+
+
+def test_only_the_full_configuration_defaults_to_the_committed_results():
+    from depthsat_theory.experiments.record import DEFAULT_RESULTS_ROOT, default_folder
+
+    assert (
+        default_folder("growth", "full")
+        == Path("experiments") / "results" / "growth"
+        == DEFAULT_RESULTS_ROOT / "growth"
+    )
+    for config in ("tiny", "large"):
+        folder = default_folder("sweep", config)
+        assert folder.name == "sweep" and not folder.exists() and folder.parent.is_dir()
+        assert folder.parent.parent == Path(tempfile.gettempdir())
 
 
 def test_growth_cli_refuses_one_seed(tmp_path):

@@ -408,10 +408,19 @@ EXPERIMENTS["fixed-depth"] = _fixed_depth_runner
 @experiment_app.command("all")
 def all_command(
     config: str = _CONFIG,
-    root: Path = typer.Option(Path("experiments/results"), "--root", help="Folder of the result folders."),
+    root: Path | None = typer.Option(
+        None,
+        "--root",
+        help="Folder of the result folders (default: experiments/results for --config full, a new temporary "
+        "folder otherwise, so a quick run never replaces the committed results).",
+    ),
 ) -> None:
     """Regenerate every experiment's results (in the registry's order) into ROOT/<name>/."""
+    from depthsat_theory.experiments.record import default_folder
+
+    root = root if root is not None else default_folder("", config)
     _check_out(root, "--root")
+    typer.echo(f"results go to {root}")
     for name, runner in EXPERIMENTS.items():
         typer.echo(f"== {name} ({config})")
         _run(runner, config=config, out=root / name)

@@ -48,6 +48,7 @@ from depthsat_theory.experiments.growth import sweep_sizes
 from depthsat_theory.experiments.record import (
     DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    default_folder,
     provenance,
     summarize,
     write_results,
@@ -428,7 +429,7 @@ def run_criterion_growth(
             )
     sweep_dir = Path(sweep) if sweep is not None else DEFAULT_RESULTS_ROOT / "sweep"
     summary = {**_summary(stops, rounds, cfg, sweep_dir), "skipped": skipped}
-    target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "criterion-growth"
+    target = Path(out) if out is not None else default_folder("criterion-growth", config)
     fig = _figure(rounds, sites, cfg) if rounds else None
     return write_results(
         target,

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from depthsat_theory.experiments.record import (
-    DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    default_folder,
     provenance,
     summarize,
     write_results,
@@ -458,7 +458,7 @@ def run_expand(
         "trainer": "transformers.Trainer (Adam, constant lr, no clipping, sequential batches, old layers frozen)",
     }
     fig = _figure(rows, cfg)
-    folder = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "expand"
+    folder = Path(out) if out is not None else default_folder("expand", cfg.name)
     write_results(
         folder,
         tables={"runs": runs, "ranking": ranking_rows, "paired": paired_even + paired_random, "train_curves": curves},

@@ -54,8 +54,8 @@ from torch import Tensor, nn
 
 from depthsat_theory.experiments import recipe as rc
 from depthsat_theory.experiments.record import (
-    DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    default_folder,
     provenance,
     summarize,
     write_results,
@@ -612,7 +612,7 @@ def run_fixed_depth(
     """
     started = time.time()
     cfg = _config(config, seeds, datasets)
-    target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "fixed-depth"
+    target = Path(out) if out is not None else default_folder("fixed-depth", cfg["config"])
     if target.exists() and not target.is_dir():  # refused before training, not after (write_results checks too)
         raise ExperimentError(f"--out {target}: exists and is not a folder; name a folder")
     rows: list[dict] = []

@@ -31,8 +31,8 @@ from depthsat_theory.experiments import recipe as rc
 from depthsat_theory.experiments.deepen import deepen, interleaved_positions
 from depthsat_theory.experiments.flops import training_cost
 from depthsat_theory.experiments.record import (
-    DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    default_folder,
     provenance,
     summarize,
     write_results,
@@ -329,7 +329,7 @@ def run_growth(
         "skipped": skipped,
         "recipe": dataclasses.replace(rc.RECIPE, **cfg["recipe"]).to_dict(),
     }
-    target = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "growth"
+    target = Path(out) if out is not None else default_folder("growth", cfg["config"])
     fig = _figure(rows, curves, cfg) if rows else None
     return write_results(
         target,

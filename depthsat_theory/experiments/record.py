@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExperimentError", "provenance", "summarize", "write_results"]
+__all__ = ["ExperimentError", "default_folder", "provenance", "summarize", "write_results"]
 
 #: where ``depthsat experiment`` writes by default (relative to the working directory)
 DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
@@ -31,6 +31,26 @@ DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
 
 class ExperimentError(ValueError):
     """A bad experiment configuration or output folder (the CLI prints it in one line, exit 2)."""
+
+
+def default_folder(name: str, config: str) -> Path:
+    """Where an experiment writes when no ``--out`` is given.
+
+    Only the committed configuration (``"full"``) writes into ``experiments/results/<name>``; any
+    other (``tiny``, ``large``) gets a new temporary folder, so a quick run never replaces the
+    committed results.
+
+    Args:
+        name: the experiment (``"sweep"``, ``"growth"``, …).
+        config: the configuration's name.
+
+    Returns:
+        ``experiments/results/<name>`` for ``full``; otherwise ``<new temporary folder>/<name>``
+        (not yet existing: :func:`write_results` creates it atomically).
+    """
+    if config == "full":
+        return DEFAULT_RESULTS_ROOT / name
+    return Path(tempfile.mkdtemp(prefix=f"depthsat-{config}-")) / name
 
 
 def _git_commit() -> dict[str, Any]:

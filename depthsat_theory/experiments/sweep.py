@@ -44,8 +44,8 @@ from torch import Tensor, nn
 
 from depthsat_theory.experiments import recipe as R
 from depthsat_theory.experiments.record import (
-    DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    default_folder,
     provenance,
     summarize,
     write_results,
@@ -724,7 +724,7 @@ def run_sweep(
         "plateaus": plateaus,
         "insertion": ins_curves,
     }
-    folder = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "sweep"
+    folder = Path(out) if out is not None else default_folder("sweep", cfg.name)
     return write_results(
         folder,
         tables={

@@ -43,6 +43,7 @@ from depthsat_theory.experiments import sweep as S
 from depthsat_theory.experiments.record import (
     DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    default_folder,
     provenance,
     summarize,
     write_results,
@@ -676,7 +677,7 @@ def run_views(
         "depth_reg": reg_summary,
         "rules": RULES,
     }
-    folder = Path(out) if out is not None else DEFAULT_RESULTS_ROOT / "views"
+    folder = Path(out) if out is not None else default_folder("views", cfg.name)
     return write_results(
         folder,
         tables={
