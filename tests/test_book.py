@@ -159,10 +159,16 @@ return {math: math.length, containers: document.querySelectorAll("mjx-container"
 
 
 def _visit(browser, url: str) -> dict:
+    from selenium.common.exceptions import TimeoutException
+
     browser.get_log("browser")
     browser.get_log("performance")
     browser.get(url)
-    browser.execute_async_script(_WAIT_MATHJAX)
+    try:
+        browser.execute_async_script(_WAIT_MATHJAX)
+    except TimeoutException:  # a browser stalled by a loaded machine (seen once): one fresh load, then it counts
+        browser.get(url)
+        browser.execute_async_script(_WAIT_MATHJAX)
     browser.execute_script("document.querySelectorAll('img[loading=lazy]').forEach(i => i.loading = 'eager');")
     info = browser.execute_script(_INSPECT)
     info["console"] = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
