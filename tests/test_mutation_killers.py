@@ -654,7 +654,7 @@ def test_spectrum_order_and_dtype_check():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5)]
+    ("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5), (1, 1, 0), (16, 1, 3)]
 )
 def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands, product_summands):
     """The dropped-direction level ``A (ε_M + γ_acc √k̃)`` of theory/numerics.md, in rationals (both sides).
@@ -662,7 +662,8 @@ def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands,
     ``ε_M = C_φ u_in √k̃`` and ``γ_acc = C_acc (L u64 + L_32 u32)`` with the page's constants
     (``C_φ = 4``, ``C_acc = 1``); ``k̃`` a perfect square so that ``√k̃`` is rational and the level is
     an exact :class:`~fractions.Fraction`.  A level lowered by ``1/k̃`` (``√k̃ → 1/√k̃``) would count
-    rounding-level gradient as unresolved; a raised one would hide real directions.
+    rounding-level gradient as unresolved; a raised one would hide real directions.  ``L = 1`` (a sum of one
+    term) is the formula's ``L u64`` too, not a floor of two terms.
     """
     from fractions import Fraction
 
@@ -714,3 +715,80 @@ def test_score_raw_score_and_ag_rms_keep_their_exact_order_when_g_is_in_the_span
         assert res.score == pytest.approx(truth, rel=1e-12) and res.raw_score == pytest.approx(truth, rel=1e-12)
         at_top += res.score == res.ag_rms
     assert at_top > 0  # the clip is exercised
+
+
+# ----------------------------------------------------------------------------- the unresolved count and the band
+def _two_pair_gram(rho1: float, rho2: float) -> np.ndarray:
+    """Block diagonal of ``[[1, ρ], [ρ, 1]]`` pairs: unit diagonal, eigenvalues ``1 ± ρ₁`` and ``1 ± ρ₂`` exactly."""
+    mat = np.eye(4)
+    mat[0, 1] = mat[1, 0] = rho1
+    mat[2, 3] = mat[3, 2] = rho2
+    return mat
+
+
+def test_unresolved_count_is_above_the_data_resolution_times_lam_max():
+    """def-resolution: a dropped eigenvalue counts as unresolved when ``λ̃ > (C_res √k̃ u_in)² · λ̃_max``.
+
+    float16, ``k̃ = 4``: the data rtol is ``(8 · 2 · 2⁻¹¹)² = 2⁻¹⁴``; ``λ̃_max = 1 + ρ₁ ≈ 2`` (closed form of a
+    ``2 × 2`` block). With a Gram error ``η = 10⁻²`` everything up to ``2η`` is dropped; of the two small
+    eigenvalues ``1 − ρ₁ = 6·10⁻⁵`` lies between ``2⁻¹⁴/λ̃_max`` and ``2⁻¹⁴ λ̃_max`` (not unresolved: below
+    the data resolution) and ``1 − ρ₂ = 10⁻³`` above (unresolved).
+    """
+    rho1, rho2 = 1 - 6e-5, 1 - 1e-3
+    spec = resolve_spectrum(_two_pair_gram(rho1, rho2), dtype=torch.float16, gram_error=1e-2)
+    data = (C_RES * 2 * U[torch.float16]) ** 2
+    lam_max = 1 + rho1
+    assert spec.lam_max == pytest.approx(lam_max, rel=1e-14, abs=0)
+    assert data / lam_max < 1 - rho1 <= data * lam_max < 1 - rho2 <= 2e-2  # the instance is where it should be
+    assert spec.rank == 2 and spec.unresolved == 1
+
+
+@pytest.mark.parametrize(("rtol", "dropped"), [(0.1, 1), (0.3, 2)])
+def test_an_explicit_rtol_has_no_band(rtol, dropped):
+    """:attr:`Spectrum.band` marks directions dropped by the *data resolution* alone; under an explicit ``rtol``
+    the cutoff is the caller's (nothing unresolved, no band), even when the dropped eigenvalues (``1 − ρ₂ = 10⁻²``
+    and ``1 − ρ₁ = 0.5`` of ``λ̃_max = 1.99``, closed forms) lie far above what the float64 arithmetic resolves."""
+    spec = resolve_spectrum(_two_pair_gram(0.5, 1 - 1e-2), dtype=torch.float64, rtol=rtol)
+    assert spec.rank == 4 - dropped and spec.band.shape == (dropped,)
+    assert spec.unresolved == 0 and not spec.band.any()
+
+
+def _hand_spectrum(k: int, band: list[bool]) -> Spectrum:
+    """Spectrum of ``I_k`` whose last ``m`` coordinate axes are declared dropped (``band`` for each)."""
+    m = len(band)
+    eye = np.eye(k)
+    return Spectrum(
+        scale=np.ones(k),
+        values=np.ones(k - m),
+        vectors=eye[:, : k - m],
+        lam_max=1.0,
+        cutoff=0.5,
+        rtol=0.5,
+        unresolved=0,
+        dropped=eye[:, k - m :],
+        band=np.array(band, dtype=bool),
+    )
+
+
+@pytest.mark.parametrize("with_moment", [True, False])
+def test_dropped_directions_above_rounding_and_noise_significant_ones_both_count(with_moment):
+    """theory/numerics.md, *Dropped directions that carry gradient*: the unresolved count is the number of dropped
+    directions whose ``‖G̃v‖`` exceeds the rounding level ``A(ε_M + γ_acc √k̃)``, together with band directions
+    that pass the noise test on their own (which needs the noise moment; without it only the first rule applies).
+
+    Hand-built spectrum of ``I_3``: axis 0 kept, axes 1 (band) and 2 (not band) dropped. ``G̃`` has
+    component ``A``-sized entries on both dropped axes (far above the ``≈ 10⁻¹⁴ A`` level), and the noise moment
+    ``E[XᵀX] = I`` gives the band axis the ratio ``n ‖G̃ e₁‖² / 1 = 64 · 4 ≫ χ²₁(0.95)``: both count, 2.
+    A band axis carrying no gradient (ratio 0, mass 0) adds nothing: 1.
+    """
+    rng = np.random.default_rng(0)
+    n = 64
+    stats = statistics_for(parse_family("linear-nobias"), (3,), "vector")
+    stats.update(torch.from_numpy(rng.standard_normal((n, 3))), torch.from_numpy(rng.standard_normal((n, 3))))
+    moment = np.eye(3) if with_moment else None
+    spec = _hand_spectrum(3, [True, False])
+    for band_mass, want in ((2.0, 2), (0.0, 1)):
+        grad_rows = np.array([[1.0, band_mass, 3.0], [0.5, 0.0, -1.0], [0.0, 0.0, 0.0]])
+        res = stats._finish(spec, 1.0, np.zeros(9), 9, None, grad_rows=grad_rows, noise_moment=moment)
+        assert res.unresolved == want, (band_mass, with_moment)
+        assert res.probe_verdict is not Verdict.SATURATED
