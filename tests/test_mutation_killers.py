@@ -654,7 +654,8 @@ def test_spectrum_order_and_dtype_check():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5), (1, 1, 0), (16, 1, 3)]
+    ("k", "summands", "product_summands"),
+    [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5), (1, 1, 0), (16, 1, 3)],
 )
 def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands, product_summands):
     """The dropped-direction level ``A (ε_M + γ_acc √k̃)`` of theory/numerics.md, in rationals (both sides).
