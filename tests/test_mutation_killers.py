@@ -742,6 +742,8 @@ def test_unresolved_count_is_above_the_data_resolution_times_lam_max():
     assert spec.lam_max == pytest.approx(lam_max, rel=1e-14, abs=0)
     assert data / lam_max < 1 - rho1 <= data * lam_max < 1 - rho2 <= 2e-2  # the instance is where it should be
     assert spec.rank == 2 and spec.unresolved == 1
+    # the cutoff is the Gram's 2η, reported relative to λ̃_max
+    assert spec.cutoff == 2e-2 and spec.rtol == pytest.approx(2e-2 / lam_max, rel=1e-14, abs=0)
 
 
 @pytest.mark.parametrize(("rtol", "dropped"), [(0.1, 1), (0.3, 2)])
@@ -793,3 +795,31 @@ def test_dropped_directions_above_rounding_and_noise_significant_ones_both_count
         res = stats._finish(spec, 1.0, np.zeros(9), 9, None, grad_rows=grad_rows, noise_moment=moment)
         assert res.unresolved == want, (band_mass, with_moment)
         assert res.probe_verdict is not Verdict.SATURATED
+
+
+def test_a_given_eigendecomposition_is_used_with_the_gram_resolution():
+    """``eig=`` (the batched eigensolve of :func:`scaled_gram`) gives the spectrum of the closed form: the pair
+    Gram's eigenvalues ``1 ± ρ`` (dense numpy cross-check), ``rtol = C_res k̃ u64`` of a float64 Gram (``k̃ = 4``)."""
+    from depthsat_theory.statistics.linalg import eigh_batched, scaled_gram
+
+    mat = _two_pair_gram(0.5, 0.25) * np.array([4.0, 4.0, 0.25, 0.25])[:, None] * np.array([4.0, 4.0, 0.25, 0.25])
+    eig = eigh_batched([scaled_gram(mat)])[0]
+    spec = resolve_spectrum(mat, eig=eig)
+    np.testing.assert_allclose(spec.values, [1.5, 1.25, 0.75, 0.5], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(np.sort(spec.values), np.linalg.eigvalsh(_two_pair_gram(0.5, 0.25)), rtol=1e-14)
+    assert spec.lam_max == pytest.approx(1.5, rel=1e-15, abs=0) and spec.rtol == C_RES * 4 * U[torch.float64]
+    assert spec.vectors.shape == (4, 4) and spec.unresolved == 0
+
+
+def test_float32_products_count_no_direction_of_a_dead_feature():
+    """With float32 products every dropped direction *above zero amplitude* counts as unresolved (theory/numerics.md,
+    *Float32 products*); a feature that is zero on every example has scale 0 (``def-resolution``: dropped exactly)
+    and no amplitude at all, so a well-conditioned probe with one dead feature has nothing unresolved."""
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((200, 4))
+    z[:, 2] = 0.0
+    g = rng.standard_normal((200, 4))
+    stats = statistics_for(parse_family("linear-nobias"), (4,), "vector", products="float32")
+    stats.update(torch.from_numpy(z), torch.from_numpy(g))
+    res = stats.result()
+    assert res.unresolved == 0 and res.tangent_rank == 4 * 3
