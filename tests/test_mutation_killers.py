@@ -823,3 +823,18 @@ def test_float32_products_count_no_direction_of_a_dead_feature():
     stats.update(torch.from_numpy(z), torch.from_numpy(g))
     res = stats.result()
     assert res.unresolved == 0 and res.tangent_rank == 4 * 3
+
+
+def test_scaled_gram_with_a_given_diagonal():
+    """``scaled_gram(Σ, diag)`` is ``D^{-1/2} ½(Σ + Σᵀ) D^{-1/2}`` with the *given* ``D`` (dense numpy), and with
+    ``diag = diag Σ`` it is unit-diagonal."""
+    from depthsat_theory.statistics.linalg import scaled_gram
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 3))
+    mat = x.T @ x / 40
+    mat[0, 1] += 1e-3  # not exactly symmetric: the symmetric part is used
+    diag = np.array([4.0, 0.25, 9.0])
+    want = 0.5 * (mat + mat.T) / np.sqrt(np.outer(diag, diag))
+    np.testing.assert_allclose(scaled_gram(mat, diag), want, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(np.diag(scaled_gram(mat)), np.ones(3), rtol=1e-14, atol=0)
