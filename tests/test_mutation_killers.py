@@ -654,7 +654,8 @@ def test_spectrum_order_and_dtype_check():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("k", "summands", "product_summands"), [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5)]
+    ("k", "summands", "product_summands"),
+    [(4, 1000, 0), (9, 513, 256), (64, 10**6, 0), (144, 7, 5), (1, 1, 0), (16, 1, 3)],
 )
 def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands, product_summands):
     """The dropped-direction level ``A (ε_M + γ_acc √k̃)`` of theory/numerics.md, in rationals (both sides).
@@ -662,7 +663,8 @@ def test_gradient_rounding_level_is_the_stated_level_exactly(dtype, k, summands,
     ``ε_M = C_φ u_in √k̃`` and ``γ_acc = C_acc (L u64 + L_32 u32)`` with the page's constants
     (``C_φ = 4``, ``C_acc = 1``); ``k̃`` a perfect square so that ``√k̃`` is rational and the level is
     an exact :class:`~fractions.Fraction`.  A level lowered by ``1/k̃`` (``√k̃ → 1/√k̃``) would count
-    rounding-level gradient as unresolved; a raised one would hide real directions.
+    rounding-level gradient as unresolved; a raised one would hide real directions.  ``L = 1`` (a sum of one
+    term) is the formula's ``L u64`` too, not a floor of two terms.
     """
     from fractions import Fraction
 
@@ -714,3 +716,125 @@ def test_score_raw_score_and_ag_rms_keep_their_exact_order_when_g_is_in_the_span
         assert res.score == pytest.approx(truth, rel=1e-12) and res.raw_score == pytest.approx(truth, rel=1e-12)
         at_top += res.score == res.ag_rms
     assert at_top > 0  # the clip is exercised
+
+
+# ----------------------------------------------------------------------------- the unresolved count and the band
+def _two_pair_gram(rho1: float, rho2: float) -> np.ndarray:
+    """Block diagonal of ``[[1, ρ], [ρ, 1]]`` pairs: unit diagonal, eigenvalues ``1 ± ρ₁`` and ``1 ± ρ₂`` exactly."""
+    mat = np.eye(4)
+    mat[0, 1] = mat[1, 0] = rho1
+    mat[2, 3] = mat[3, 2] = rho2
+    return mat
+
+
+def test_unresolved_count_is_above_the_data_resolution_times_lam_max():
+    """def-resolution: a dropped eigenvalue counts as unresolved when ``λ̃ > (C_res √k̃ u_in)² · λ̃_max``.
+
+    float16, ``k̃ = 4``: the data rtol is ``(8 · 2 · 2⁻¹¹)² = 2⁻¹⁴``; ``λ̃_max = 1 + ρ₁ ≈ 2`` (closed form of a
+    ``2 × 2`` block). With a Gram error ``η = 10⁻²`` everything up to ``2η`` is dropped; of the two small
+    eigenvalues ``1 − ρ₁ = 6·10⁻⁵`` lies between ``2⁻¹⁴/λ̃_max`` and ``2⁻¹⁴ λ̃_max`` (not unresolved: below
+    the data resolution) and ``1 − ρ₂ = 10⁻³`` above (unresolved).
+    """
+    rho1, rho2 = 1 - 6e-5, 1 - 1e-3
+    spec = resolve_spectrum(_two_pair_gram(rho1, rho2), dtype=torch.float16, gram_error=1e-2)
+    data = (C_RES * 2 * U[torch.float16]) ** 2
+    lam_max = 1 + rho1
+    assert spec.lam_max == pytest.approx(lam_max, rel=1e-14, abs=0)
+    assert data / lam_max < 1 - rho1 <= data * lam_max < 1 - rho2 <= 2e-2  # the instance is where it should be
+    assert spec.rank == 2 and spec.unresolved == 1
+    # the cutoff is the Gram's 2η, reported relative to λ̃_max
+    assert spec.cutoff == 2e-2 and spec.rtol == pytest.approx(2e-2 / lam_max, rel=1e-14, abs=0)
+
+
+@pytest.mark.parametrize(("rtol", "dropped"), [(0.1, 1), (0.3, 2)])
+def test_an_explicit_rtol_has_no_band(rtol, dropped):
+    """:attr:`Spectrum.band` marks directions dropped by the *data resolution* alone; under an explicit ``rtol``
+    the cutoff is the caller's (nothing unresolved, no band), even when the dropped eigenvalues (``1 − ρ₂ = 10⁻²``
+    and ``1 − ρ₁ = 0.5`` of ``λ̃_max = 1.99``, closed forms) lie far above what the float64 arithmetic resolves."""
+    spec = resolve_spectrum(_two_pair_gram(0.5, 1 - 1e-2), dtype=torch.float64, rtol=rtol)
+    assert spec.rank == 4 - dropped and spec.band.shape == (dropped,)
+    assert spec.unresolved == 0 and not spec.band.any()
+
+
+def _hand_spectrum(k: int, band: list[bool]) -> Spectrum:
+    """Spectrum of ``I_k`` whose last ``m`` coordinate axes are declared dropped (``band`` for each)."""
+    m = len(band)
+    eye = np.eye(k)
+    return Spectrum(
+        scale=np.ones(k),
+        values=np.ones(k - m),
+        vectors=eye[:, : k - m],
+        lam_max=1.0,
+        cutoff=0.5,
+        rtol=0.5,
+        unresolved=0,
+        dropped=eye[:, k - m :],
+        band=np.array(band, dtype=bool),
+    )
+
+
+@pytest.mark.parametrize("with_moment", [True, False])
+def test_dropped_directions_above_rounding_and_noise_significant_ones_both_count(with_moment):
+    """theory/numerics.md, *Dropped directions that carry gradient*: the unresolved count is the number of dropped
+    directions whose ``‖G̃v‖`` exceeds the rounding level ``A(ε_M + γ_acc √k̃)``, together with band directions
+    that pass the noise test on their own (which needs the noise moment; without it only the first rule applies).
+
+    Hand-built spectrum of ``I_3``: axis 0 kept, axes 1 (band) and 2 (not band) dropped. ``G̃`` has
+    component ``A``-sized entries on both dropped axes (far above the ``≈ 10⁻¹⁴ A`` level), and the noise moment
+    ``E[XᵀX] = I`` gives the band axis the ratio ``n ‖G̃ e₁‖² / 1 = 64 · 4 ≫ χ²₁(0.95)``: both count, 2.
+    A band axis carrying no gradient (ratio 0, mass 0) adds nothing: 1.
+    """
+    rng = np.random.default_rng(0)
+    n = 64
+    stats = statistics_for(parse_family("linear-nobias"), (3,), "vector")
+    stats.update(torch.from_numpy(rng.standard_normal((n, 3))), torch.from_numpy(rng.standard_normal((n, 3))))
+    moment = np.eye(3) if with_moment else None
+    spec = _hand_spectrum(3, [True, False])
+    for band_mass, want in ((2.0, 2), (0.0, 1)):
+        grad_rows = np.array([[1.0, band_mass, 3.0], [0.5, 0.0, -1.0], [0.0, 0.0, 0.0]])
+        res = stats._finish(spec, 1.0, np.zeros(9), 9, None, grad_rows=grad_rows, noise_moment=moment)
+        assert res.unresolved == want, (band_mass, with_moment)
+        assert res.probe_verdict is not Verdict.SATURATED
+
+
+def test_a_given_eigendecomposition_is_used_with_the_gram_resolution():
+    """``eig=`` (the batched eigensolve of :func:`scaled_gram`) gives the spectrum of the closed form: the pair
+    Gram's eigenvalues ``1 ± ρ`` (dense numpy cross-check), ``rtol = C_res k̃ u64`` of a float64 Gram (``k̃ = 4``)."""
+    from depthsat_theory.statistics.linalg import eigh_batched, scaled_gram
+
+    mat = _two_pair_gram(0.5, 0.25) * np.array([4.0, 4.0, 0.25, 0.25])[:, None] * np.array([4.0, 4.0, 0.25, 0.25])
+    eig = eigh_batched([scaled_gram(mat)])[0]
+    spec = resolve_spectrum(mat, eig=eig)
+    np.testing.assert_allclose(spec.values, [1.5, 1.25, 0.75, 0.5], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(np.sort(spec.values), np.linalg.eigvalsh(_two_pair_gram(0.5, 0.25)), rtol=1e-14)
+    assert spec.lam_max == pytest.approx(1.5, rel=1e-15, abs=0) and spec.rtol == C_RES * 4 * U[torch.float64]
+    assert spec.vectors.shape == (4, 4) and spec.unresolved == 0
+
+
+def test_float32_products_count_no_direction_of_a_dead_feature():
+    """With float32 products every dropped direction *above zero amplitude* counts as unresolved (theory/numerics.md,
+    *Float32 products*); a feature that is zero on every example has scale 0 (``def-resolution``: dropped exactly)
+    and no amplitude at all, so a well-conditioned probe with one dead feature has nothing unresolved."""
+    rng = np.random.default_rng(3)
+    z = rng.standard_normal((200, 4))
+    z[:, 2] = 0.0
+    g = rng.standard_normal((200, 4))
+    stats = statistics_for(parse_family("linear-nobias"), (4,), "vector", products="float32")
+    stats.update(torch.from_numpy(z), torch.from_numpy(g))
+    res = stats.result()
+    assert res.unresolved == 0 and res.tangent_rank == 4 * 3
+
+
+def test_scaled_gram_with_a_given_diagonal():
+    """``scaled_gram(Σ, diag)`` is ``D^{-1/2} ½(Σ + Σᵀ) D^{-1/2}`` with the *given* ``D`` (dense numpy), and with
+    ``diag = diag Σ`` it is unit-diagonal."""
+    from depthsat_theory.statistics.linalg import scaled_gram
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 3))
+    mat = x.T @ x / 40
+    mat[0, 1] += 1e-3  # not exactly symmetric: the symmetric part is used
+    diag = np.array([4.0, 0.25, 9.0])
+    want = 0.5 * (mat + mat.T) / np.sqrt(np.outer(diag, diag))
+    np.testing.assert_allclose(scaled_gram(mat, diag), want, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(np.diag(scaled_gram(mat)), np.ones(3), rtol=1e-14, atol=0)
