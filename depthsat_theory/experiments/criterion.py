@@ -384,7 +384,8 @@ def run_criterion_growth(
 
     Args:
         config: ``"tiny"`` or ``"full"`` (:data:`CONFIGS`).
-        out: the result folder.
+        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/criterion-growth``
+            for ``full``, a new temporary folder otherwise).
         seeds: override the seeds.
         datasets: override the image data sets.
         sweep: the depth sweep's result folder (default ``experiments/results/sweep``): its

@@ -365,7 +365,8 @@ def run_expand(
 
     Args:
         config: a name of :data:`CONFIGS` or an :class:`ExpandConfig`.
-        out: the result folder (default ``experiments/results/expand``), replaced atomically.
+        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/expand``
+            for ``full``, a new temporary folder otherwise), replaced atomically.
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (where every model runs and trains).
         progress: called with a one-line message after each step of the experiment.
 

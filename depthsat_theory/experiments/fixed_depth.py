@@ -596,7 +596,8 @@ def run_fixed_depth(
 
     Args:
         config: ``"tiny"`` or ``"full"`` (:data:`CONFIGS`).
-        out: the result folder (default ``experiments/results/fixed-depth``).
+        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/fixed-depth``
+            for ``full``, a new temporary folder otherwise).
         seeds: override the configuration's seeds (at least 2 distinct).
         datasets: override its data sets (image data sets of :data:`~.recipe.DATASETS`).
         log: called with one line per finished data set, depth and seed.

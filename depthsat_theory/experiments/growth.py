@@ -290,7 +290,8 @@ def run_growth(
 
     Args:
         config: ``"tiny"`` or ``"full"`` (:data:`CONFIGS`).
-        out: the result folder (default ``experiments/results/growth``).
+        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/growth``
+            for ``full``, a new temporary folder otherwise).
         seeds: override the configuration's seeds (at least 2).
         datasets: override its data sets (image data sets of :data:`~.recipe.DATASETS`).
         log: called with one line per finished run.

@@ -680,7 +680,8 @@ def run_sweep(
 
     Args:
         config: ``"tiny"``, ``"full"`` (:data:`CONFIGS`) or a :class:`SweepConfig`.
-        out: the result folder (default ``experiments/results/sweep``).
+        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/sweep``
+            for ``full``, a new temporary folder otherwise).
         seeds: seeds to run (default: the configuration's); at least 2 for a spread.
         progress: called with one line after each trained model.
         resume: a JSON-lines file of finished models: models recorded there (same configuration)

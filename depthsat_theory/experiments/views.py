@@ -627,7 +627,8 @@ def run_views(
 
     Args:
         config: ``"tiny"``, ``"full"`` (:data:`CONFIGS`) or a :class:`ViewsConfig`.
-        out: the result folder (default ``experiments/results/views``).
+        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/views``
+            for ``full``, a new temporary folder otherwise).
         sweep: the sweep's result folder whose plateau depths are compared (default
             ``experiments/results/sweep``; for ``tiny`` a missing default folder is allowed: no
             plateau).
