@@ -967,3 +967,17 @@ def test_diagnose_caches_trained_models_by_default(monkeypatch, tmp_path):
     monkeypatch.setenv("DEPTHSAT_CACHE", str(tmp_path / "file"))
     with pytest.raises(UserError, match="is a file, not a folder"):
         diagnose_target("mlp", 0, None, None)
+
+
+def test_an_unknown_site_lists_the_sites_next_to_it():
+    from depthsat_theory.capture import sites as sites_mod
+
+    model = nn.Sequential()
+    model.add_module("blocks", nn.ModuleList([nn.Linear(2, 2) for _ in range(4)]))
+    # a missing index: the message lists the modules next to it, in the model's order
+    with pytest.raises(sites_mod.SiteError, match=r"'blocks\.9'.*similar: blocks\.0, blocks\.1, blocks\.2, blocks\.3$"):
+        sites_mod.resolve_module(model, "blocks.9")
+    with pytest.raises(
+        sites_mod.SiteError, match=r"similar: blocks\.1, "
+    ):  # a misspelt parent: the nearest names, closest first
+        sites_mod.resolve_module(model, "blokcs.1")

@@ -49,6 +49,7 @@ Conventions (theory/definitions.md):
 from __future__ import annotations
 
 import copy
+import difflib
 import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, cast
@@ -119,7 +120,9 @@ def resolve_module(model: nn.Module, name: str) -> nn.Module:
     """
     mods = dict(model.named_modules())
     if name not in mods:
-        close = [n for n in mods if n and name.split(".")[-1] in n][:5]
+        parent = name.rpartition(".")[0]
+        siblings = [n for n in mods if n and n.rpartition(".")[0] == parent]  # e.g. blocks.0 … blocks.3
+        close = siblings[:8] or difflib.get_close_matches(name, [n for n in mods if n], n=5)
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise SiteError(f"no module named {name!r} in {type(model).__name__}{hint}")
     return mods[name]
