@@ -92,6 +92,8 @@ def test_attention_heads_and_layouts_come_from_the_registry():
     assert parse_family("linear").layouts == (Layout.VECTOR, Layout.SEQUENCE, Layout.IMAGE)
     with pytest.raises(FamilyError, match="does not fit a 'vector' site"):
         att.check_site((4,), "vector")
+    with pytest.raises(FamilyError, match="unknown site layout 'bogus': use one of vector, sequence, image"):
+        parse_family("linear").check_site((4,), "bogus")
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,8 @@ class ResidualFamily(abc.ABC):
             shape: per-example site shape (without the batch dimension).
             layout: the site's layout.
         """
+        if layout not in tuple(Layout):
+            raise FamilyError(f"unknown site layout {str(layout)!r}: use one of {', '.join(Layout)}")
         if layout not in self.layouts:
             raise FamilyError(
                 f"family {self.spec!r} does not fit a {str(layout)!r} site "
