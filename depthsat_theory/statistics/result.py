@@ -209,7 +209,7 @@ class SaturationResult:
         )
         return (
             f"n ŝ²/v̂ = {self.noise_ratio:.3g} ≤ {self.noise_threshold:.3g} (noise test, α = {self.alpha:g}): "
-            f"the score is within sampling noise on {self.n} examples; {more}"
+            f"the score is within sampling noise on {self.n} example{'s' if self.n != 1 else ''}; {more}"
         )
 
     def to_dict(self, *, with_gradient: bool = False) -> dict:
