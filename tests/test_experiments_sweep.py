@@ -220,7 +220,13 @@ def test_a_failing_run_leaves_no_result_folder(tmp_path, monkeypatch):
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
     out = tmp_path / "x"
-    for args in (["--config", "huge"], ["--seeds", "a,b"], ["--seeds", "1,1"], ["--curve", "cifar/vit"]):
+    for args in (
+        ["--config", "huge"],
+        ["--seeds", "a,b"],
+        ["--seeds", "1,1"],
+        ["--seeds", "0,-1"],
+        ["--curve", "cifar/vit"],
+    ):
         res = runner.invoke(app, ["experiment", "sweep", *args, "--out", str(out)])
         assert res.exit_code == 2, (args, res.output)
         assert "error:" in res.output and len(res.output.strip().splitlines()) == 1

@@ -47,9 +47,12 @@ def _seeds(text: str | None) -> list[int] | None:
     if not text.strip(" ,"):
         fail(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2")
     try:
-        return [int(s) for s in text.split(",") if s.strip()]
+        seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         fail(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2")
+    if any(s < 0 for s in seeds):
+        fail(f"--seeds {text!r}: seeds are non-negative integers, e.g. 0,1,2")
+    return seeds
 
 
 def _check_out(out: Path | None, flag: str = "--out") -> None:
