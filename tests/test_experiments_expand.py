@@ -243,3 +243,16 @@ def test_equal_positions_give_equal_results(tiny_run):
                 assert a["loss_after"] == b["loss_after"] and a["train_loss_last"] == b["train_loss_last"]
                 pairs += 1
     assert pairs >= 1  # tiny, seed 0: the random draw is LLaMA-Pro's [1, 3]
+
+
+def test_too_many_blocks_are_refused_before_the_diagnosis(tmp_path, monkeypatch):
+    from depthsat_theory.experiments import expand as expand_mod
+
+    def never(*args, **kwargs):
+        raise AssertionError("the layers were ranked before --blocks was checked")
+
+    monkeypatch.setattr(expand_mod, "_rank", never)
+    res = runner.invoke(
+        app, ["experiment", "expand", "--config", "tiny", "--blocks", "9", "--out", str(tmp_path / "x")]
+    )
+    assert res.exit_code == 2 and "error: --blocks 9: the model has 4 layers (give 1..4)" in res.output, res.output

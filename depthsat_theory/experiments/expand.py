@@ -391,6 +391,9 @@ def run_expand(
     dev = resolve_device(device)
     base, tok, model_text = _load(cfg)
     base = base.to(dev)
+    n_layers = _n_layers(base)
+    if not 1 <= cfg.blocks <= n_layers:  # before the diagnosis (minutes on SmolLM2), not after it
+        raise ExperimentError(f"--blocks {cfg.blocks}: the model has {n_layers} layers (give 1..{n_layers})")
     from depthsat_theory.tasks.zoo import _kjv_verses
 
     parts = split_verses(_kjv_verses())
@@ -405,7 +408,6 @@ def run_expand(
     ranked, ranking_rows, ranked_by = _rank(base, probe, loss_fn)
     rank_seconds = round(time.perf_counter() - t, 1)
     say(f"ranked the layers in {rank_seconds} s: {ranked[: cfg.blocks]} first ({ranked_by})")
-    n_layers = _n_layers(base)
     rows: list[dict] = []
     for seed in cfg.seeds:
         train = to_device(_windows(tok, parts["train"], cfg.steps * cfg.batch_size, cfg.batch_size, seed, cfg), dev)
