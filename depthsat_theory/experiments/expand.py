@@ -171,6 +171,13 @@ def _n_layers(model: nn.Module) -> int:
     return int(config.num_hidden_layers)
 
 
+def _checked_layers(model: nn.Module, k: int) -> int:
+    n_layers = _n_layers(model)
+    if not 1 <= k <= n_layers:
+        raise ExperimentError(f"--blocks {k}: the model has {n_layers} layers (give 1..{n_layers})")
+    return n_layers
+
+
 def arm_positions(arm: str, n_layers: int, k: int, *, seed: int, ranked: Sequence[int] = ()) -> list[int]:
     """The layers after which an arm inserts its ``k`` copies (ascending).
 
@@ -391,9 +398,7 @@ def run_expand(
     dev = resolve_device(device)
     base, tok, model_text = _load(cfg)
     base = base.to(dev)
-    n_layers = _n_layers(base)
-    if not 1 <= cfg.blocks <= n_layers:  # before the diagnosis (minutes on SmolLM2), not after it
-        raise ExperimentError(f"--blocks {cfg.blocks}: the model has {n_layers} layers (give 1..{n_layers})")
+    n_layers = _checked_layers(base, cfg.blocks)  # before the diagnosis (minutes on SmolLM2), not after it
     from depthsat_theory.tasks.zoo import _kjv_verses
 
     parts = split_verses(_kjv_verses())
