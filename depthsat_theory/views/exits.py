@@ -298,26 +298,25 @@ def logit_lens_table(
     head = getattr(model, "head", None) if head is None else head
     if norm is None or head is None:
         raise ValueError("logit lens: pass norm= and head= (the model has no ln_f/head attributes)")
-    per_depth: list[list[Tensor]] = []
-    for i in range(0, x.shape[0], batch_size):
-        _, st = capture_stream(model, x[i : i + batch_size], names)
-        for k, z in enumerate(st.states):
-            if len(per_depth) <= k:
-                per_depth.append([])
-            per_depth[k].append(head(norm(z)))
-    return _table([torch.cat(p) for p in per_depth], y, "nats per token", "logit lens")
+    logits = _per_depth(model, x, names, batch_size, lambda z: head(norm(z)))
+    return _table(logits, y, "nats per token", "logit lens")
 
 
 @torch.no_grad()
-def _stream_features(model: nn.Module, x: Tensor, names: Sequence[str] | None, batch_size: int) -> list[Tensor]:
+def _per_depth(model: nn.Module, x: Tensor, names: Sequence[str] | None, batch_size: int, read) -> list[Tensor]:
+    """``read(z_l)`` at every depth ``l``, over ``x`` in batches, concatenated per depth."""
     per_depth: list[list[Tensor]] = []
     for i in range(0, x.shape[0], batch_size):
         _, st = capture_stream(model, x[i : i + batch_size], names)
         for k, z in enumerate(st.states):
             if len(per_depth) <= k:
                 per_depth.append([])
-            per_depth[k].append(_features(z).double())
+            per_depth[k].append(read(z))
     return [torch.cat(p) for p in per_depth]
+
+
+def _stream_features(model: nn.Module, x: Tensor, names: Sequence[str] | None, batch_size: int) -> list[Tensor]:
+    return _per_depth(model, x, names, batch_size, lambda z: _features(z).double())
 
 
 @dataclass
