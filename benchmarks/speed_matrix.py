@@ -18,7 +18,8 @@ float64, the opt-in fast path with the wider rounding bound), ``gromo`` (GroMo 0
 The **flop floor** printed next to each ratio counts multiply-adds per batch:
 plain ``3F`` (``F`` the forward's, the backward twice that); statistics per site (features
 ``B d K``, ``Σ`` symmetric ``B k̃²/2``, ``G`` ``B d k̃``): ``floor32 = 1 + stats/plain``, the issue's
-float32 floor.  ``impl64`` is what the float64 path computes (``Σ`` and the noise moment
+float32 floor; ``floor32q`` (printed ``+q``) adds the noise moment ``E[XᵀX]`` (a second symmetric
+``B k̃²/2``), which the noise test needs and GroMo does not compute.  ``impl64`` is what the float64 path computes (``Σ`` and the noise moment
 ``E[XᵀX]`` each ``5/8 B k̃²``, block triangular), weighted ×2 for float64's half rate.
 
 Run:  PYTHONPATH=. python benchmarks/speed_matrix.py [--tiny | --quick | --full] [--reps 3] [--json out.json]
@@ -88,6 +89,7 @@ def flop_floor(spec: str, d: int, depth: int, nsites: int) -> dict:
     return {
         "plain_macs": plain,
         "floor32": 1 + nsites * stats32 / plain,
+        "floor32q": 1 + nsites * (stats32 + kt * kt / 2) / plain,
         "impl64": 1 + 2 * nsites * impl64 / plain,
     }
 
@@ -182,7 +184,8 @@ def run(args) -> list[dict]:
             f32 += f" (1 chunk {row['depthsat-f32-1chunk']:.2f}x)"
         print(
             f"{spec:10s} d={d:<5d} sites={nsites:<3d} | ours {row['depthsat']:6.2f}x  f32 {f32}"
-            f"  gromo {gro} | floor32 {floor['floor32']:5.2f}x impl64 {floor['impl64']:5.2f}x"
+            f"  gromo {gro} | floor32 {floor['floor32']:5.2f}x (+q {floor['floor32q']:5.2f}x)"
+            f" impl64 {floor['impl64']:5.2f}x"
             f" | plain {row['plain_s']:.3f} s/pass | load {load0:.1f}->{load1:.1f}",
             flush=True,
         )

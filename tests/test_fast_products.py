@@ -3,7 +3,8 @@
 Truth is independent of the engine: the exact score of the stored arrays in rational arithmetic
 (:func:`proofs_checks.t8_numerics.exact_score`), numpy float64 sums of the family's own features, and
 the default float64-products path for verdict comparisons. What is asserted is the error model of
-theory/numerics.md ``thm-score-error`` with ``L_32`` = the chunk length: ``|ŝ − s| ≤ e`` when nothing
+theory/numerics.md ``thm-score-error`` with ``L_32`` = the blocked sum's length (chunks of 128 rows
+accumulated in float32): ``|ŝ − s| ≤ e`` when nothing
 is dropped, ``ŝ ≤ s + e`` always (``lem-lower-bound``), "saturated" only when ``s ≤ 2e``, "improvable"
 only when ``s > 0``, and the fast verdict is the float64 one or ``undetermined`` unless the exact score
 lies within the fast path's own bound.
@@ -52,31 +53,29 @@ def test_chunked_sum_is_within_the_chunk_bound_where_one_float32_sum_is_not():
     """One batch of 2¹⁴ rows, ``z = 1 + 2⁻¹³`` (exact in float32): ``Σ₀₀`` against the exact sum.
 
     A single float32 sum of the batch loses the ``2⁻¹²`` part of each square once the partial sum passes
-    ``2¹²`` (measured 1.8e-4 relative); the engine claims ``L_32 = 128`` and must stay within
-    ``(128 u32 + L u64)`` of the exact sum, which only chunking achieves.
+    ``2¹²`` (measured 1.8e-4 relative); the engine claims the blocked-sum length ``L_32 = 128 + 2¹⁴/128 − 1 = 255``
+    (chunks of 128 rows, 128 chunk sums) and must stay within ``(255 u32 + L u64)`` of the exact sum, which only
+    chunking achieves.
     """
     n = 2**14
     z = torch.full((n, 1), 1 + 2.0**-13, dtype=torch.float32)
     st = _stats(z, torch.ones(n, 1), "float32")
     exact = n * (1 + 2.0**-13) ** 2  # exact in float64 (27 significant bits)
-    assert st._product_summands() == PRODUCT_CHUNK_ROWS == 128
-    gamma = PRODUCT_CHUNK_ROWS * U32 + st._summands() * U64
+    assert PRODUCT_CHUNK_ROWS == 128
+    assert st._product_summands() == 255
+    gamma = 255 * U32 + st._summands() * U64
     assert abs(float(st.sigma[0, 0]) - exact) <= gamma * exact
     single = float((z.T @ z)[0, 0])  # the unchunked float32 product of the same batch
     assert abs(single - exact) > gamma * exact  # the construction does defeat one long float32 sum
 
 
-@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("family", ["linear", "relu:192:0"])
-def test_float32_sums_entrywise_within_gamma_against_numpy(family, batched, monkeypatch):
+def test_float32_sums_entrywise_within_gamma_against_numpy(family):
     """``Σ``, ``G`` and the noise moment from 1000-row batches (8 chunks each) against numpy float64 sums of the
-    family's own features: entrywise within ``γ_acc = 128 u32 + L u64`` of the sums of absolute products;
-    ``Σ`` exactly symmetric; the recorded ``L_32`` is the chunk, not the batch.  Both ways of forming the
-    chunk products: one batched call, and the loop over chunks (block lower triangle) used for wide sites."""
-    from depthsat_theory.statistics import feature
-
-    if not batched:
-        monkeypatch.setattr(feature, "CHUNK_BATCH_MAX_ELEMENTS", 0)
+    family's own features: entrywise within ``γ_acc = L_32 u32 + L u64`` of the sums of absolute products;
+    ``Σ`` exactly symmetric; the recorded ``L_32`` is the blocked sum's ``128 + 8 − 1 = 135``, not the batch.
+    Seven chunks of 128 rows and a tail of 104 per batch; ``linear`` takes its float32 features straight
+    from ``z`` (``copies_input``), ``relu`` rounds float64 features."""
     fam = parse_family(family)
     gen = torch.Generator().manual_seed(7)
     z = torch.randn(3000, 8, generator=gen)
@@ -85,8 +84,8 @@ def test_float32_sums_entrywise_within_gamma_against_numpy(family, batched, monk
     phi = fam.augmented_features(fam.frozen_feature_map((8,), "vector"), z.double()).reshape(3000, -1)
     phi32 = phi.float().double().numpy()  # the engine rounds the features to float32 before multiplying
     g64 = g.double().numpy()
-    gamma = PRODUCT_CHUNK_ROWS * U32 + st._summands() * U64
-    assert st._product_summands() == PRODUCT_CHUNK_ROWS
+    gamma = 135 * U32 + st._summands() * U64
+    assert st._product_summands() == 135
     sig = st.sigma.numpy()
     assert np.array_equal(sig, sig.T)
     assert np.all(np.abs(sig - phi32.T @ phi32) <= gamma * (np.abs(phi32).T @ np.abs(phi32)))
@@ -94,6 +93,37 @@ def test_float32_sums_entrywise_within_gamma_against_numpy(family, batched, monk
     w = phi32 * np.linalg.norm(g.float().double().numpy(), axis=1)[:, None]
     q = st.noise_moment() * st.n
     assert np.all(np.abs(q - w.T @ w) <= 2 * gamma * (np.abs(w).T @ np.abs(w)))
+
+
+@pytest.mark.parametrize(
+    ("family", "zdtype"), [("linear", torch.float16), ("linear", torch.float32), ("relu:20:1", torch.float32)]
+)
+def test_masked_sequence_sums_within_gamma_against_numpy(family, zdtype):
+    """A padded sequence site (``B = 300, T = 5``, ``1130`` real rows in one batch): ``Σ`` and ``G`` over the
+    real rows only, against numpy float64 sums of the float32-rounded features of those rows, entrywise within
+    ``L_32 u32 + L u64`` with ``L_32 = 128 + ⌈1130/128⌉ − 1 = 136``; half-precision ``z`` goes through the
+    float32 features of ``linear`` exactly."""
+    fam = parse_family(family)
+    gen = torch.Generator().manual_seed(3)
+    b, t, d = 300, 5, 6
+    z = torch.randn(b, t, d, generator=gen).to(zdtype)
+    mask = torch.rand(b, t, generator=gen) < 0.7
+    mask[:, 0] = True
+    g = (torch.randn(b, t, d, generator=gen) / 10) * mask[..., None]
+    st = statistics_for(fam, (t, d), "sequence", products="float32", gram="features")
+    st.update(z, g, mask)
+    real = mask.reshape(-1).numpy()
+    assert int(real.sum()) == 1130
+    phi = fam.augmented_features(fam.frozen_feature_map((t, d), "sequence"), z.double()).reshape(b * t, -1)
+    phi32 = phi.float().double().numpy()[real]
+    g64 = g.reshape(b * t, d).double().numpy()[real]
+    assert st._product_summands() == 136
+    gamma = 136 * U32 + st._summands() * U64
+    sig = st.sigma.numpy()
+    assert np.array_equal(sig, sig.T)
+    assert np.all(np.abs(sig - phi32.T @ phi32) <= gamma * (np.abs(phi32).T @ np.abs(phi32)))
+    assert np.all(np.abs(st.cross.numpy() - g64.T @ phi32) <= gamma * (np.abs(g64).T @ np.abs(phi32)))
+    assert st.units == 1130 and st.n == b
 
 
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3, 1e-4])
@@ -218,6 +248,10 @@ def test_diagnose_products_and_gram_agree_with_the_default_within_both_bounds():
         assert abs(ra.score - rb.score) <= ra.score_error + rb.score_error
         assert rb.verdict in (ra.verdict, Verdict.UNDETERMINED) and rb.score_error >= ra.score_error
         assert abs(ra.score - rc.score) <= ra.score_error + rc.score_error and rc.verdict is ra.verdict
+    # the report states the products and their float32 sum length: batches of 200 rows, L_32 = 128 + 2 − 1
+    assert (ref.products, fast.products) == ("float64", "float32")
+    assert fast.to_dict()["products"] == "float32" and ref.to_dict()["products"] == "float64"
+    assert any("L_32 = 129" in note for note in fast.notes) and not any("L_32" in note for note in ref.notes)
     with pytest.raises(DiagnoseError, match="products must be one of float64, float32, got 'float16'"):
         diagnose(net, _loss, _probe(), sites=sites, products="float16")
     with pytest.raises(DiagnoseError, match="gram must be one of auto, features, units, got 'dense'"):

@@ -148,6 +148,8 @@ class Diagnosis:
         realizability: whether ``r̂`` and ``ρ̂`` were computed (tie pooling).
         world_size: processes that shared the probe.
         resumed_from: batches restored from a checkpoint (``0``: fresh run).
+        products: dtype of the per-batch products, ``"float64"`` or the opt-in ``"float32"`` (whose
+            wider rounding bound is in every site's ``score_error``, theory/numerics.md ``thm-score-error``).
         description: free text (model name, probe).
         notes: caveats printed with the table.
     """
@@ -164,6 +166,7 @@ class Diagnosis:
     description: str = ""
     notes: list[str] = field(default_factory=list)
     loss_units: str = "nats per example"
+    products: str = "float64"
 
     @property
     def joint_score(self) -> float:
@@ -190,6 +193,7 @@ class Diagnosis:
             "realizability": self.realizability,
             "world_size": self.world_size,
             "resumed_from": self.resumed_from,
+            "products": self.products,
             "notes": list(self.notes),
             "joint_score": _finite(self.joint_score),
             "sites": [s.to_dict() for s in self.sites],

@@ -277,9 +277,16 @@ class FeatureFamily(ResidualFamily):
     Statistics for these families use the cross-gradient
     ``G = E[Σ_r g_r φ̃_rᵀ]`` and ``Σ = E[Σ_r φ̃_r φ̃_rᵀ]`` and never build the
     ``(units·d) × p`` Jacobian (see :mod:`depthsat_theory.statistics`).
+
+    Attributes:
+        copies_input: whether ``φ`` only copies entries of the site tensor (no arithmetic: ``linear``,
+            ``conv1x1``), so that features computed in the site's own dtype are exact; the float32 products
+            of :class:`~depthsat_theory.statistics.FeatureStatistics` then skip the float64 features.
+            ``False`` (the safe default) for every other family.
     """
 
     bias: bool = True
+    copies_input: bool = False
 
     def __init__(self, spec: str, *, bias: bool = True, unit: str = "row", layouts: tuple[str, ...] = tuple(Layout)):
         self.spec = spec

@@ -231,10 +231,11 @@ class _CausalAttentionFeatures(nn.Module):
 
 
 class _SimpleFeatureFamily(FeatureFamily):
-    def __init__(self, spec, make, kdim, *, bias=True, unit="row", layouts=tuple(Layout)):
+    def __init__(self, spec, make, kdim, *, bias=True, unit="row", layouts=tuple(Layout), copies_input=False):
         super().__init__(spec, bias=bias, unit=unit, layouts=layouts)
         self._make = make
         self._kdim = kdim
+        self.copies_input = copies_input
 
     def feature_dim(self, shape, layout):
         return int(self._kdim(self.site_dim(shape, layout)))
@@ -261,7 +262,7 @@ class _Conv3x3Family(_SimpleFeatureFamily):
 def linear(*, bias: bool = True) -> FeatureFamily:
     """Linear family ``h(u) = W u (+ c)`` on rows: ``φ(u) = u``, ``k = d``."""
     return _SimpleFeatureFamily(
-        "linear" if bias else "linear-nobias", lambda d, lay: _Rows(lay), lambda d: d, bias=bias
+        "linear" if bias else "linear-nobias", lambda d, lay: _Rows(lay), lambda d: d, bias=bias, copies_input=True
     )
 
 
@@ -346,7 +347,9 @@ def preln_mlp(width: int, seed: int = 0) -> FeatureFamily:
 
 def conv1x1(*, bias: bool = True) -> FeatureFamily:
     """A zero ``1×1`` convolution on image sites (the linear family on pixel rows)."""
-    return _Conv1x1Family("conv1x1", lambda d, lay: _Rows(lay), lambda d: d, bias=bias, layouts=(Layout.IMAGE,))
+    return _Conv1x1Family(
+        "conv1x1", lambda d, lay: _Rows(lay), lambda d: d, bias=bias, layouts=(Layout.IMAGE,), copies_input=True
+    )
 
 
 def conv3x3(width: int, seed: int = 0) -> FeatureFamily:

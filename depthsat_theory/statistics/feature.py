@@ -95,10 +95,26 @@ class TriangularFactor(StreamingStatistic):
             self.rows = int(state["rows"])
 
 
-#: Rows per float32 product with ``products="float32"``, each batch multiplied in chunks of at most this many
-#: rows and every chunk's float32 product added to the float64 sums, so the float32 sums have length
-#: ``L_32 ≤`` this whatever the batch (theory/numerics.md, ``thm-score-error``, ``γ_acc = C_acc(L u64 + L_32 u32)``).
+#: Rows per chunk of the float32 products with ``products="float32"``: each batch is multiplied chunk by chunk,
+#: the chunk products are accumulated in float32 and the batch's sum is added once to the float64 sums, so every
+#: float32 entry is a blocked sum of length ``L_32 = c + ⌈B/c⌉ − 1`` (:func:`product_sum_length`, Higham's bound
+#: for blocked summation) whatever the order inside a chunk (theory/numerics.md, ``thm-score-error``,
+#: ``γ_acc = C_acc(L u64 + L_32 u32)``).
 PRODUCT_CHUNK_ROWS = 128
+
+
+def product_sum_length(rows: int) -> int:
+    """Length ``L_32`` of the float32 sums of a batch of ``rows`` rows (``0`` for an empty batch).
+
+    Chunks of ``c = min(rows,`` :data:`PRODUCT_CHUNK_ROWS` ``)`` rows, ``m = ⌈rows / c⌉`` chunks accumulated in
+    float32: every product passes through at most ``c − 1`` additions inside its chunk and ``m − 1`` across chunks
+    (any summation order), hence ``L_32 = c + m − 1`` (e.g. ``135`` for ``1024`` rows, ``255`` for ``2¹⁴``).
+    """
+    if rows <= 0:
+        return 0
+    c = min(int(rows), PRODUCT_CHUNK_ROWS)
+    return c + math.ceil(rows / c) - 1
+
 
 #: Number of column blocks of the block-triangular Gram update (:func:`_add_gram`).
 GRAM_BLOCKS = 4
@@ -114,85 +130,55 @@ def _add_gram(out: Tensor, x: Tensor) -> None:
     part below the diagonal block, so the multiply-adds are ``N k̃² (m + 1)/(2m)`` (``5/8`` of a
     full product for ``m = 4``) and every entry is the same sum of the same products as in
     ``xᵀ x`` (same rounding).  ``out`` stays exactly symmetric (the diagonal blocks mirror their lower
-    triangle: a GEMM need not return a symmetric ``xᵀx``).
+    triangle: a GEMM need not return a symmetric ``xᵀx``).  Rows in a lower precision than ``out`` are
+    multiplied by :func:`_lowp_gram` and the batch's Gram is added to ``out`` once.
     """
-    k = x.shape[1]
     if x.dtype != out.dtype:
-        _add_gram_chunked(out, x)
+        out += _lowp_gram(x)
         return
+    k = x.shape[1]
     if k < GRAM_BLOCK_MIN_K:
         out += _mirror_lower((x.T @ x).to(out.dtype))
         return
-    bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
-    for j0, j1 in itertools.pairwise(bounds):
+    for j0, j1 in _column_blocks(k):
         blk = (x[:, j0:].T @ x[:, j0:j1]).to(out.dtype)
         blk[: j1 - j0] = _mirror_lower(blk[: j1 - j0])
         out[j0:, j0:j1] += blk
         out[j0:j1, j1:] += blk[j1 - j0 :].T
 
 
-def _chunks(rows: int):
-    """Row ranges of at most :data:`PRODUCT_CHUNK_ROWS` rows covering ``range(rows)``."""
-    return ((i, min(i + PRODUCT_CHUNK_ROWS, rows)) for i in range(0, rows, PRODUCT_CHUNK_ROWS))
+def _column_blocks(k: int) -> list[tuple[int, int]]:
+    """The :data:`GRAM_BLOCKS` column ranges of the block-triangular Gram of ``k`` columns."""
+    return list(itertools.pairwise([round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]))
 
 
-#: Largest ``chunks · m · n`` for which every chunk's product is formed in one batched call
-#: (a float32 buffer of at most 16 MiB); larger products loop over the chunks (fewer bytes, more calls).
-CHUNK_BATCH_MAX_ELEMENTS = 1 << 22
-
-
-def _chunk_sum(a: Tensor, b: Tensor) -> Tensor | None:
-    """``Σ_chunks fl(a_cᵀ b_c)`` in float64 for rows ``a`` ``(N, m)``, ``b`` ``(N, n)`` in a lower precision.
-
-    Every chunk of :data:`PRODUCT_CHUNK_ROWS` rows is multiplied in ``a``'s dtype (one batched call) and the
-    chunk products are summed in float64 (the conversion is exact).  ``None`` when the batched call would
-    hold more than :data:`CHUNK_BATCH_MAX_ELEMENTS` entries (the caller loops instead).
-    """
-    rows, c = a.shape[0], PRODUCT_CHUNK_ROWS
-    full = (rows // c) * c
-    if (full // c) * a.shape[1] * b.shape[1] > CHUNK_BATCH_MAX_ELEMENTS:
-        return None
-    out = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
-    if full:
-        nc = full // c
-        prod = torch.bmm(a[:full].reshape(nc, c, -1).transpose(1, 2), b[:full].reshape(nc, c, -1))
-        out += prod.sum(0, dtype=torch.float64)
-    if full < rows:
-        out += a[full:].T @ b[full:]
-    return out
-
-
-def _add_gram_chunked(out: Tensor, x: Tensor) -> None:
-    """``out += xᵀ x`` with ``x`` in a lower precision than ``out``: one product per chunk of rows.
-
-    Each chunk of at most :data:`PRODUCT_CHUNK_ROWS` rows is multiplied in ``x``'s dtype (the block
-    lower triangle only, as :func:`_add_gram`) and added to the float64 ``out`` (the conversion is exact);
-    the strict upper triangle is then copied from the lower one, so ``out`` is exactly symmetric and every
-    kept entry is a float64 sum of float32 chunk sums of length ``≤ PRODUCT_CHUNK_ROWS``.
-    """
+def _lowp_gram(x: Tensor) -> Tensor:
+    """``xᵀ x`` ``(k̃, k̃)`` in ``x``'s (lower) precision, exactly symmetric (block lower triangle, :func:`_lowp_sum`)."""
     k = x.shape[1]
-    small = _chunk_sum(x, x)  # few columns: one batched call (full squares; call overhead dominates there)
-    if small is not None:
-        out += _mirror_lower(small)
-        return
-    bounds = [round(i * k / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)] if k >= GRAM_BLOCK_MIN_K else [0, k]
-    for r0, r1 in _chunks(x.shape[0]):
-        xc = x[r0:r1]
-        for j0, j1 in itertools.pairwise(bounds):
-            out[j0:, j0:j1].add_(xc[:, j0:].T @ xc[:, j0:j1])
-    for j0, j1 in itertools.pairwise(bounds):  # the upper triangle from the lower one
-        out[j0:j1, j0:j1] = _mirror_lower(out[j0:j1, j0:j1])
-        out[j0:j1, j1:] = out[j1:, j0:j1].T
+    if k < GRAM_BLOCK_MIN_K:
+        return _mirror_lower(_lowp_sum(x, x))
+    buf = x.new_empty(k, k)  # only the lower blocks are written and read
+    for j0, j1 in _column_blocks(k):
+        buf[j0:, j0:j1] = _lowp_sum(x[:, j0:], x[:, j0:j1])
+    return _mirror_lower(buf)
 
 
-def _add_cross_chunked(out: Tensor, rows_g: Tensor, phi: Tensor) -> None:
-    """``out += rows_gᵀ phi`` (``(d, k̃)`` float64) from lower-precision rows, one product per chunk of rows."""
-    small = _chunk_sum(rows_g, phi)
-    if small is not None:
-        out += small
-        return
-    for r0, r1 in _chunks(phi.shape[0]):
-        out.add_(rows_g[r0:r1].T @ phi[r0:r1])
+def _lowp_sum(a: Tensor, b: Tensor) -> Tensor:
+    """``Σ_chunks a_cᵀ b_c`` for rows ``a`` ``(N, m)``, ``b`` ``(N, n)``, accumulated in their own (lower) precision.
+
+    Chunks of :data:`PRODUCT_CHUNK_ROWS` rows; each chunk's product is formed on its own (a sum of at most that
+    many products, from zero) and then added to the running sum, so each entry is a float32 sum of length
+    :func:`product_sum_length` ``(N)``.  ``addmm_`` would not do: a BLAS may accumulate the products straight
+    into the running sum, one long float32 sum (seen with ``k̃ = 2``: 1.8e-4 relative over 2¹⁴ rows).
+    Returns ``(m, n)`` in ``a``'s dtype; the caller adds it to the float64 sums once.
+    """
+    c = PRODUCT_CHUNK_ROWS
+    acc = a[:c].T @ b[:c]
+    if a.shape[0] > c:
+        tmp = torch.empty_like(acc)
+        for r0 in range(c, a.shape[0], c):
+            acc += torch.mm(a[r0 : r0 + c].T, b[r0 : r0 + c], out=tmp)
+    return acc
 
 
 def _mirror_lower(square: Tensor) -> Tensor:
@@ -331,12 +317,14 @@ class FeatureStatistics(TangentStatistics):
             (memory grows with the number of distinct units).
         device: where features are computed (default: the device of the first batch).
         products: dtype of the per-batch products ``Φ̃ᵀΦ̃``, ``gᵀΦ̃`` (always summed across
-            batches in float64): ``"float64"`` (default), or ``"float32"`` (about half the
-            cost on CPU, more on GPUs; the features and ``g`` are rounded to float32, and the
-            rounding bound grows by ``C_acc · B · u32`` with ``B`` the largest batch in units,
-            theory/numerics.md ``thm-score-error``, which on realistic batches widens it by
-            orders of magnitude: an opt-in for well-conditioned sites).  Only the block lower
-            triangle of ``Σ`` is multiplied either way.
+            batches in float64): ``"float64"`` (default), or ``"float32"`` (the features and ``g``
+            rounded to float32, each batch multiplied over chunks of :data:`PRODUCT_CHUNK_ROWS` rows
+            accumulated in float32 and added to the float64 sums once; the rounding bound gains
+            ``C_acc · L_32 · u32`` with ``L_32`` = :func:`product_sum_length` of the largest batch,
+            ``135`` at ``1024`` rows, and the Gram's eigenvalues below ``2η`` are dropped and count as
+            unresolved, theory/numerics.md ``thm-score-error``: an opt-in for well-conditioned sites).
+            Families that copy the site's entries (``copies_input``) compute float32 features directly.
+            Only the block lower triangle of ``Σ`` is multiplied either way.
         gram: ``"features"``: stream the ``k̃ × k̃`` Gram ``Σ`` (and the noise moment) batch by
             batch, ``O(k̃²)`` per row; ``"units"``: keep the scaled feature rows instead (memory
             ``O(N k̃)`` for ``N`` rows) and factor them once in :meth:`result` (a thin SVD,
@@ -397,13 +385,13 @@ class FeatureStatistics(TangentStatistics):
         if unit_path:
             self._defer_grams()
 
-    def _features(self, z: Tensor, mask: Tensor | None = None) -> Tensor:
-        """``φ̃`` rows ``(B, R, k̃)`` of ``z`` (float64), computed with the padding ``mask`` when given.
+    def _features(self, z: Tensor, mask: Tensor | None = None, dtype: torch.dtype = torch.float64) -> Tensor:
+        """``φ̃`` rows ``(B, R, k̃)`` of ``z`` (in ``dtype``, float64 by default), computed with the padding ``mask``.
 
-        The features of the last :meth:`update`'s batch are reused when called again with that
+        The float64 features of the last :meth:`update`'s batch are reused when called again with that
         batch (so subclasses see the features computed with that batch's mask).
         """
-        if mask is None and self._last is not None and self._last[0] is z:
+        if dtype == torch.float64 and mask is None and self._last is not None and self._last[0] is z:
             return self._last[1]
         if self._fmap is None:
             dev = self._device if self._device is not None else z.device
@@ -411,8 +399,11 @@ class FeatureStatistics(TangentStatistics):
             for name in ("sigma", "cross", "q_sum"):
                 self.states[name] = self.states[name].to(dev)
         fmap = self._fmap
+        if dtype != torch.float64:
+            dev = self.states["cross"].device
+            fmap = self.family.frozen_feature_map(self.shape, self.layout, dtype=dtype, device=dev)
         with torch.no_grad():
-            return self.family.augmented_features(fmap, z.detach().to(torch.float64), mask=mask)
+            return self.family.augmented_features(fmap, z.detach().to(dtype), mask=mask)
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
         """Add a batch of site tensors ``z`` and activation gradients ``g``.
@@ -431,6 +422,9 @@ class FeatureStatistics(TangentStatistics):
                 wrong shape/dtype/site, or with ``g ≠ 0`` at a padded position.
         """
         mask = self._row_mask(z, g, mask)
+        if self._product_dtype != torch.float64 and self._kept is None:
+            self._update_lowp(z, g, mask)
+            return
         g64, g_norm2 = self._common(z, g, mask)
         self._last = None
         phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
@@ -445,12 +439,9 @@ class FeatureStatistics(TangentStatistics):
         kept = _KeptBatch(phi_x, g_x, keep, None if mask is not None else g_norm2, False)
         kept.factor = z.dtype == g.dtype == self._product_dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K
         phi2, rows2 = kept.rows()
-        prod = self._product_dtype
-        if prod != torch.float64:
-            phi2, rows2 = phi2.to(prod), rows2.to(prod)
-            chunk = float(min(phi2.shape[0], PRODUCT_CHUNK_ROWS))
-            self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], chunk)
-            _add_cross_chunked(self.states["cross"], rows2, phi2)
+        if self._product_dtype != torch.float64:  # the unit path: G in float32 (the kept rows stay float64)
+            self._note_product_sum(phi2.shape[0])
+            self.states["cross"] += _lowp_sum(rows2.to(self._product_dtype), phi2.to(self._product_dtype))
         else:
             self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
         self._count_units(phi2.shape[0])
@@ -462,8 +453,48 @@ class FeatureStatistics(TangentStatistics):
             return
         self._add_dense(kept)
 
+    def _note_product_sum(self, rows: int) -> None:
+        """Keep the longest float32 sum (:func:`product_sum_length` of a batch of ``rows`` rows)."""
+        length = float(product_sum_length(rows))
+        self.states["product_units_max"] = torch.clamp_min(self.states["product_units_max"], length)
+
+    def _update_lowp(self, z: Tensor, g: Tensor, mask: Tensor | None) -> None:
+        """:meth:`update` on the features path with float32 products: nothing of size ``B k̃`` in float64.
+
+        ``g`` stays in its dtype (rounded to float32 when wider); the features are computed in float64 and
+        rounded to float32, except for families whose features copy the site's entries
+        (:attr:`~depthsat_theory.families.FeatureFamily.copies_input`), computed directly in float32 (exact).
+        """
+        prod = self._product_dtype
+        g_in, g_norm2 = self._common(z, g, mask, to_float64=False)
+        self._last = None
+        if self.family.copies_input and torch.finfo(z.dtype).bits <= torch.finfo(prod).bits:
+            phi = self._features(z, dtype=prod)
+        else:
+            phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
+            self._last = (z, phi)
+            phi = phi.to(prod)
+        b = z.shape[0]
+        phi_x = phi.reshape(b, -1, self.k)
+        g_x = to_rows(g_in, self.layout).to(device=phi.device, dtype=prod).reshape(b, -1, self.d)
+        if mask is not None:
+            weight = mask.to(phi.device).reshape(b, -1, 1).to(prod)
+            phi_x, g_x = phi_x * weight, g_x * weight
+            keep = mask.to(phi.device).reshape(-1)
+            phi2, rows2 = phi_x.reshape(-1, self.k)[keep], g_x.reshape(-1, self.d)[keep]
+        else:
+            phi2, rows2 = phi_x.reshape(-1, self.k), g_x.reshape(-1, self.d)
+        self._note_product_sum(phi2.shape[0])
+        self.states["cross"] += _lowp_sum(rows2, phi2)
+        self._count_units(phi2.shape[0])
+        _add_gram(self.states["sigma"], phi2)
+        _noise_moment(self.states["q_sum"], phi_x, g_x, g_norm2 if mask is None else None)
+
     def _summands(self) -> int:
-        """Length ``L`` of the float64 sums; with float32 products also one term per chunk of rows added."""
+        """Length ``L`` of the float64 sums; with float32 products also one term per chunk of rows.
+
+        (The noise moment of multi-row sites adds its float32 chunks to the float64 sum one by one.)
+        """
         base = super()._summands()
         if self._product_summands():
             base += math.ceil(self.units / PRODUCT_CHUNK_ROWS)

@@ -223,19 +223,23 @@ class TangentStatistics(StreamingStatistic):
             )
         return mask
 
-    def _common(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Validate a batch and add its counts and norms; returns ``g`` in float64 and ``‖g(x)‖_F²`` ``(B,)``.
+    def _common(
+        self, z: Tensor, g: Tensor, mask: Tensor | None = None, *, to_float64: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """Validate a batch and add its counts and norms; returns ``g`` and ``‖g(x)‖_F²`` ``(B,)`` float64.
 
-        The value checks read reductions the statistics need anyway (one fused pass per tensor);
-        the elementwise scans that name the fault run only when a reduction is not finite or tiny.
+        ``g`` is returned detached, in float64 (``to_float64``, default) or in its own dtype; the norms are
+        float64 sums either way.  The value checks read reductions the statistics need anyway (one fused
+        pass per tensor); the elementwise scans that name the fault run only when a reduction is not finite
+        or tiny.
         """
         _check_pair_shapes(z, g)
         if tuple(z.shape[1:]) != self.shape:
             raise StatisticsError(
                 f"site tensors have per-example shape {tuple(z.shape[1:])}, the statistics were set up for {self.shape}"
             )
-        g64 = g.detach().to(torch.float64)
-        per_ex = torch.linalg.vector_norm(g64.flatten(1), dim=1).square()
+        g64 = g.detach().to(torch.float64) if to_float64 else g.detach()
+        per_ex = torch.linalg.vector_norm(g64.flatten(1), dim=1, dtype=torch.float64).square()
         z_kept = z.detach() if mask is None else z.detach()[mask].unsqueeze(1)
         z_sq = float(torch.linalg.vector_norm(z_kept, dtype=torch.float64).square())
         g_sq = float(per_ex.sum())
@@ -261,7 +265,8 @@ class TangentStatistics(StreamingStatistic):
         st["z_sq"] += z_sq
         st["n"] += int(z.shape[0])
         if self.pool_ties:
-            self._pool(z_kept, g64 if mask is None else g64[mask].unsqueeze(1))
+            g_pool = g64.to(torch.float64)
+            self._pool(z_kept, g_pool if mask is None else g_pool[mask].unsqueeze(1))
         return g64, per_ex
 
     def _pool(self, z: Tensor, g64: Tensor) -> None:
@@ -326,7 +331,7 @@ class TangentStatistics(StreamingStatistic):
         return dtype, self._summands(), fast
 
     def _product_summands(self) -> int:
-        """Length of the float32 per-batch products: the largest batch so multiplied, in units (``0``: none)."""
+        """Length ``L_32`` of the longest float32 sum of the per-batch products (``0``: none)."""
         return round(float(self.states["product_units_max"])) if "product_units_max" in self.states else 0
 
     def _unresolved(self, spec: Spectrum, grad_rows, noise_moment, ag_rms: float, alpha: float) -> int:
