@@ -344,12 +344,21 @@ class ProbeLoss(StreamingStatistic):
         self.add_state("examples", torch.zeros((), dtype=torch.float64), Reduction.SUM)
 
     def update(self, total: float, examples: int) -> None:
-        """Add a batch's summed per-example loss (float64) and its size."""
+        """Add a batch's summed per-example loss (float64) and its size.
+
+        Args:
+            total: the batch's summed per-example loss (loss units).
+            examples: the batch's number of examples.
+        """
         self.states["total"] += total
         self.states["examples"] += float(examples)
 
     def result(self) -> float:
-        """The mean loss ``J`` (loss units per example); ``nan`` when empty."""
+        """The mean loss ``J`` (loss units per example); ``nan`` when empty.
+
+        Returns:
+            ``J`` as a float.
+        """
         n = float(self.states["examples"])
         return float(self.states["total"]) / n if n else float("nan")
 
