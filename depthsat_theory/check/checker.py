@@ -175,7 +175,13 @@ class CheckConfig:
     device: str = "cpu"
 
     def validate(self) -> None:
-        """Raise ``ValueError`` with a specific message on bad settings."""
+        """Raise ``ValueError`` with a specific message on bad settings.
+
+        Raises:
+            ValueError: an unknown or unavailable device, ``instances < 1``, ``seed < 0``, a
+                ``construction_fraction`` outside ``[0, 1]``, ``steps < 3``, no or an unknown optimizer,
+                or no or an unknown model kind.
+        """
         from depthsat_theory.tasks.custom import resolve_device
 
         resolve_device(self.device)  # a ModelSpecError (a ValueError) naming device

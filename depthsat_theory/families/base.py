@@ -192,6 +192,10 @@ class ResidualFamily(abc.ABC):
         Args:
             shape: per-example site shape (without the batch dimension).
             layout: the site's layout.
+
+        Raises:
+            FamilyError: an unknown layout, a layout the family does not fit, or a shape with the wrong
+                number of dimensions for the layout.
         """
         if layout not in tuple(Layout):
             raise FamilyError(f"unknown site layout {str(layout)!r}: use one of {', '.join(Layout)}")

@@ -255,6 +255,9 @@ def token_loss_masked(output: Any, labels: Tensor) -> Tensor:
     Returns:
         ``(B,)``: for each example the mean over its own predicted tokens of the token
         cross-entropy, in nats per token.
+
+    Raises:
+        ValueError: if an example has no predicted token (every label ``-100``).
     """
     logits = getattr(output, "logits", output)
     B, T, V = logits.shape
