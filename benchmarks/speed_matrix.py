@@ -19,8 +19,9 @@ The **flop floor** printed next to each ratio counts multiply-adds per batch:
 plain ``3F`` (``F`` the forward's, the backward twice that); statistics per site (features
 ``B d K``, ``Σ`` symmetric ``B k̃²/2``, ``G`` ``B d k̃``): ``floor32 = 1 + stats/plain``, the issue's
 float32 floor; ``floor32q`` (printed ``+q``) adds the noise moment ``E[XᵀX]`` (a second symmetric
-``B k̃²/2``), which the noise test needs and GroMo does not compute.  ``impl64`` is what the float64 path computes (``Σ`` and the noise moment
-``E[XᵀX]`` each ``5/8 B k̃²``, block triangular), weighted ×2 for float64's half rate.
+``B k̃²/2``), which the noise test needs and GroMo does not compute.  ``impl64`` is what the float64
+path computes (``Σ`` and the noise moment ``E[XᵀX]`` each ``5/8 B k̃²``, block triangular), weighted ×2
+for float64's half rate.
 
 Run:  PYTHONPATH=. python benchmarks/speed_matrix.py [--tiny | --quick | --full] [--reps 3] [--json out.json]
       [--no-gromo] [--device cuda] [--memory] [--one-chunk]

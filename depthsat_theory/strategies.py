@@ -143,6 +143,12 @@ class PolynomialFamily(GeneralFamily):
         """The family as text: elementwise in ``u`` (``d = None``) or a sympy vector in ``u1..ud``.
 
         With ``d`` the text is accepted by the symbolic engine's ``SymbolicFamily.parse``.
+
+        Args:
+            d: the unit dimension, or ``None`` for the elementwise form.
+
+        Returns:
+            The expression text in parameters ``t1..tp``.
         """
 
         def comp(u: str) -> str:
@@ -158,7 +164,14 @@ class PolynomialFamily(GeneralFamily):
         return "[" + ", ".join(comp(f"u{i}") for i in range(1, d + 1)) + "]"
 
     def tangent_columns(self, z: np.ndarray) -> np.ndarray:
-        """The tangent Jacobian from the closed form: ``(z.size, p)`` float64 (rows = entries of ``z``)."""
+        """The tangent Jacobian from the closed form: ``(z.size, p)`` float64 (rows = entries of ``z``).
+
+        Args:
+            z: the units (any shape; flattened).
+
+        Returns:
+            ``(z.size, p)`` float64: column ``a`` is ``Σ c u^β`` over the terms of ``θ_a`` with ``α = 1``.
+        """
         flat = np.asarray(z, dtype=np.float64).reshape(-1)
         cols = np.zeros((flat.size, self.p))
         for c, a, al, be in self.terms:
@@ -249,16 +262,31 @@ class FinitePointSet:
         return self.counts / self.counts.sum()
 
     def units(self) -> np.ndarray:
-        """The atoms repeated by multiplicity: ``(Σ c, d)`` float64 (a probe's rows)."""
+        """The atoms repeated by multiplicity: ``(Σ c, d)`` float64 (a probe's rows).
+
+        Returns:
+            ``(Σ c, d)`` float64.
+        """
         return np.repeat(self.points, self.counts, axis=0)
 
     def expect(self, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """``E_μ f = Σ_i w_i f(x_i)`` for ``f`` mapping ``(m, d)`` rows to ``(m, …)``."""
+        """``E_μ f = Σ_i w_i f(x_i)`` for ``f`` mapping ``(m, d)`` rows to ``(m, …)``.
+
+        Args:
+            f: a function of the ``(m, d)`` atoms, returning ``(m, …)``.
+
+        Returns:
+            ``Σ_i w_i f(x_i)`` as float64, shape ``(…)``.
+        """
         vals = np.asarray(f(self.points), dtype=np.float64)
         return np.tensordot(self.weights, vals, axes=(0, 0))
 
     def to_symbolic(self):
-        """The symbolic engine's exact ``FiniteMeasure`` (requires ``depthsat_theory.engines.symbolic``)."""
+        """The symbolic engine's exact ``FiniteMeasure`` (requires ``depthsat_theory.engines.symbolic``).
+
+        Returns:
+            A ``FiniteMeasure`` on the atoms with the integer counts as masses.
+        """
         from depthsat_theory.engines.symbolic.measures import FiniteMeasure
 
         return FiniteMeasure([list(p) for p in self.points.tolist()], [int(c) for c in self.counts])
@@ -293,6 +321,9 @@ def measures(d: int | st.SearchStrategy[int] | None = None, *, symbolic: bool = 
             ``FiniteMeasure`` objects, and ``ProductMeasure`` objects of independent
             ``Normal(μ, σ)`` / ``Uniform(a, b)`` coordinates with small integer
             parameters.
+
+    Returns:
+        A hypothesis strategy of measures.
 
     Raises:
         ImportError: if ``symbolic`` and the symbolic engine is missing.
@@ -330,7 +361,16 @@ class Probe(NamedTuple):
 
 
 def tangent_jacobian(family: ResidualFamily, z: np.ndarray, layout: str = "vector") -> np.ndarray:
-    """The family's tangent Jacobian on ``z`` by forward-mode ``torch.func``: ``(z.size, p)`` float64."""
+    """The family's tangent Jacobian on ``z`` by forward-mode ``torch.func``: ``(z.size, p)`` float64.
+
+    Args:
+        family: the family.
+        z: site tensors ``(B, *shape)`` (converted to float64).
+        layout: the site's layout.
+
+    Returns:
+        ``∂ vec h(θ, z)/∂θ`` at ``θ = 0``, ``(z.size, p)`` float64.
+    """
     zt = torch.from_numpy(np.ascontiguousarray(z, dtype=np.float64))
     p = family.param_dim(tuple(zt.shape[1:]))
     theta0 = torch.zeros(p, dtype=torch.float64)

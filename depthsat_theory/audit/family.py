@@ -95,6 +95,12 @@ _POOLING_NOTE = (
 def probe_layout(ndim: int) -> Layout:
     """The layout of probe tensors with ``ndim`` dimensions (batch first).
 
+    Args:
+        ndim: number of dimensions of the probe tensors, batch included.
+
+    Returns:
+        ``Layout.VECTOR``, ``Layout.SEQUENCE`` or ``Layout.IMAGE``.
+
     Raises:
         AuditError: unless ``ndim`` is 2 (``n × d``), 3 (``n × T × d``) or 4 (``n × C × H × W``).
     """

@@ -163,6 +163,9 @@ def symbolic_engine() -> Any:
 
     Imported on first use (sympy is slow to import).
 
+    Returns:
+        The imported module.
+
     Raises:
         AuditError: if the engine cannot be imported or lacks a name the audit uses.
     """

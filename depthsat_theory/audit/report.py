@@ -96,7 +96,11 @@ class AuditReport:
     notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (``nan`` and ``inf`` become ``None``/strings)."""
+        """JSON-ready dictionary (``nan`` and ``inf`` become ``None``/strings).
+
+        Returns:
+            The fields as nested plain Python values: ``nan`` as ``None``, ``±inf`` as ``"inf"``/``"-inf"``.
+        """
         return _jsonable(asdict(self))
 
 

@@ -54,6 +54,9 @@ def argument(name: str, value: object = None) -> str:
     Args:
         name: the Python argument, e.g. ``"leverage_max"``.
         value: the value to quote with it (``None``: none).
+
+    Returns:
+        The marker ``⟦name⟧``, or ``⟦name=value⟧`` when ``value`` is given.
     """
     return f"⟦{name}⟧" if value is None else f"⟦{name}={value}⟧"
 
@@ -135,6 +138,12 @@ def check_number(key: str, value: Any, *, positive: bool = False, allow_none: bo
 def check_delta(delta: Any) -> float:
     """Validate a confidence level ``δ ∈ (0, 1)``.
 
+    Args:
+        delta: the confidence level to check (any number-like value).
+
+    Returns:
+        ``δ`` as a ``float``.
+
     Raises:
         BoundError: if ``δ`` is missing, not a number, NaN, or outside ``(0, 1)``.
     """
@@ -155,6 +164,9 @@ def check_n(n: Any, key: str = "n") -> int:
     Args:
         n: the value.
         key: the Python argument name (used in the error message).
+
+    Returns:
+        ``n`` as an ``int``.
 
     Raises:
         BoundError: if ``n`` is not an integer ``≥ 1``.
@@ -188,7 +200,11 @@ class Constant:
     note: str
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            The dataclass fields as a plain ``dict`` (:func:`dataclasses.asdict`).
+        """
         return asdict(self)
 
 

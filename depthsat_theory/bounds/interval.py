@@ -65,6 +65,9 @@ def ag_rms_upper(n: int, ag_rms: float, grad_max: float, delta: float) -> float:
         grad_max: ``γ``, an almost-sure bound on ``‖g(x)‖_F``.
         delta: ``δ ∈ (0, 1)``.
 
+    Returns:
+        The upper confidence bound on ``AG_rms`` (loss units per unit step), at most ``γ``.
+
     Raises:
         BoundError: on ``δ ∉ (0, 1)``, ``n ≤ 0`` or a negative/NaN constant.
     """
@@ -164,7 +167,11 @@ class ScoreInterval:
     notes: list[str]
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (``nan`` becomes ``None``)."""
+        """JSON-ready dictionary (``nan`` becomes ``None``).
+
+        Returns:
+            The fields as a ``dict`` (constants as their :meth:`Constant.to_dict`), non-finite floats as ``None``.
+        """
         d = asdict(self)
         d["constants"] = {k: c.to_dict() for k, c in self.constants.items()}
         return _clean(d)
@@ -579,6 +586,9 @@ def unbiased_score_squared(m: ProbeMoments, *, ridge: float = 0.0, whitening: np
         ridge: ``λ ≥ 0``.
         whitening: a fixed ``(k, k)`` PSD matrix ``W`` (e.g. the population ``Σ⁺``).
 
+    Returns:
+        The U-statistic as a ``float`` (squared loss units per unit step; may be negative).
+
     Raises:
         BoundError: if ``n < 2``.
     """
@@ -612,6 +622,18 @@ def bootstrap_interval(
     distribution of ``ŝ*`` lies above ``ŝ``: the ``"basic"`` and ``"percentile"``
     intervals then miss ``0`` far more often than ``δ`` (see the T7 coverage table).
     Needs the probe in memory (:class:`ProbeMoments` with rows).
+
+    Args:
+        m: the probe's moments, with the rows kept (``m.phi`` not ``None``).
+        delta: ``δ ∈ (0, 1)``: the interval has nominal level ``1 − δ``.
+        resamples: number of bootstrap resamples (``≥ 1``).
+        ridge: ``λ ≥ 0``.
+        seed: seed of the :func:`numpy.random.default_rng` drawing the resamples.
+        method: ``"ustat"``, ``"basic"`` or ``"percentile"``.
+
+    Returns:
+        A ``dict`` with ``lower`` and ``upper`` (floats, loss units per unit step), ``method``
+        (a description), ``resamples`` and ``label``.
 
     Raises:
         BoundError: on bad ``δ``, ``resamples < 1``, an unknown method, ``n < 2`` for

@@ -74,6 +74,9 @@ class ProbeMoments:
             rtol: eigenvalue cutoff (default: float64 :func:`default_rtol`).
             keep: keep the rows (for the bootstrap and the exact probe leverage).
 
+        Returns:
+            The probe's :class:`ProbeMoments` (float64), with ``n`` the rounded total weight.
+
         Raises:
             BoundError: on mismatched shapes, non-finite values or an empty probe.
         """
@@ -121,7 +124,17 @@ class ProbeMoments:
         )
 
     def reweighted(self, weights: np.ndarray) -> ProbeMoments:
-        """The moments of the same distinct examples with new multiplicities (bootstrap)."""
+        """The moments of the same distinct examples with new multiplicities (bootstrap).
+
+        Args:
+            weights: nonnegative integer multiplicities ``(N,)``, one per kept example.
+
+        Returns:
+            A new :class:`ProbeMoments` built by :meth:`from_arrays` with these weights.
+
+        Raises:
+            BoundError: if the rows were not kept, or as :meth:`from_arrays`.
+        """
         if self.phi is None or self.g is None:
             raise BoundError("the probe's rows were not kept (keep_probe=False): no bootstrap")
         return ProbeMoments.from_arrays(self.phi, self.g, weights, rtol=self.rtol, keep=True)

@@ -66,7 +66,11 @@ class BoundPlan:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (``inf`` becomes ``None``)."""
+        """JSON-ready dictionary (``inf`` becomes ``None``).
+
+        Returns:
+            The fields as a ``dict`` (constants as their :meth:`Constant.to_dict`), non-finite floats as ``None``.
+        """
         d = asdict(self)
         d["constants"] = {k: c.to_dict() for k, c in self.constants.items()}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
@@ -125,6 +129,10 @@ def plan_bound(
         dim: ``D ≥ rank Σ``; when not given, ``⌊L⌋`` for ``λ = 0`` (required when ``λ > 0``).
         score_max: ``S ≥ 0``: the half-width holds for every ``s_λ ≤ S``.
         candidates: union-bound count ``m ≥ 1``.
+
+    Returns:
+        The :class:`BoundPlan`: with ``n`` given, its half-width; with ``epsilon`` given, also the
+        required probe size ``n_required`` (and ``n`` set to it).
 
     Raises:
         BoundError: on ``δ ∉ (0, 1)``, ``n ≤ 0``, ``epsilon ≤ 0``, both or neither of
@@ -212,6 +220,14 @@ def plan_bound(
 def halfwidth(n: int, delta: float, **constants: Any) -> float:
     """``h_n`` for ``(n, δ, constants)``: see :func:`plan_bound` (``inf`` when vacuous).
 
+    Args:
+        n: probe size ``≥ 1``.
+        delta: ``δ ∈ (0, 1)``.
+        **constants: the other keyword arguments of :func:`plan_bound` (``grad_max``, ``leverage_max``, …).
+
+    Returns:
+        The half-width ``h_n`` (loss units per unit step), ``inf`` when vacuous.
+
     Raises:
         BoundError: as :func:`plan_bound`.
     """
@@ -220,6 +236,14 @@ def halfwidth(n: int, delta: float, **constants: Any) -> float:
 
 def required_n(epsilon: float, delta: float, **constants: Any) -> int:
     """Smallest probe size with ``h_n ≤ epsilon``: see :func:`plan_bound`.
+
+    Args:
+        epsilon: target half-width ``> 0`` (loss units per unit step).
+        delta: ``δ ∈ (0, 1)``.
+        **constants: the other keyword arguments of :func:`plan_bound` (``grad_max``, ``leverage_max``, …).
+
+    Returns:
+        The smallest probe size ``n ≥ 1`` with ``h_n ≤ epsilon``.
 
     Raises:
         BoundError: as :func:`plan_bound`.

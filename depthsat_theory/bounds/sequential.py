@@ -24,7 +24,15 @@ _DECISIONS = (Certificate.IMPROVABLE, Certificate.SATURATED)
 
 
 def spending(j: int, delta: float) -> float:
-    """Level ``δ_j = δ / (j (j + 1))`` of checkpoint ``j = 1, 2, …`` (``Σ_j δ_j = δ``)."""
+    """Level ``δ_j = δ / (j (j + 1))`` of checkpoint ``j = 1, 2, …`` (``Σ_j δ_j = δ``).
+
+    Args:
+        j: checkpoint index ``≥ 1``.
+        delta: total level ``δ ∈ (0, 1)``.
+
+    Returns:
+        ``δ_j = δ / (j (j + 1))``.
+    """
     return delta / (j * (j + 1))
 
 
@@ -91,6 +99,12 @@ class SequentialCertifier:
     def add_moments(self, m: ProbeMoments) -> ScoreInterval:
         """Record checkpoint ``j`` with the cumulative probe's moments ``m``.
 
+        Args:
+            m: the moments of the cumulative probe up to this checkpoint.
+
+        Returns:
+            The checkpoint's :class:`ScoreInterval` at level ``δ_j`` (also appended to ``history``).
+
         Raises:
             BoundError: as :func:`interval_from_moments`.
         """
@@ -102,6 +116,13 @@ class SequentialCertifier:
 
     def update(self, z: Tensor, g: Tensor) -> ScoreInterval:
         """Add a batch (site tensors ``z`` and activation gradients ``g``, ``(B, *shape)``) and report.
+
+        Args:
+            z: site tensors, ``(B, *shape)``.
+            g: activation gradients ``∂loss/∂z``, same shape as ``z``.
+
+        Returns:
+            The :class:`ScoreInterval` of the cumulative probe (see :meth:`add_moments`).
 
         Raises:
             BoundError: if the certifier was built without a family.

@@ -69,6 +69,15 @@ class BoundStatistics(FeatureStatistics):
         """Add a batch ``z``, ``g`` of shape ``(B, *shape)``, optionally with a padding ``mask``.
 
         The mask has shape ``(B, T)`` (see :meth:`FeatureStatistics.update`): padded rows enter no moment.
+
+        Args:
+            z: site tensors, ``(B, *shape)``.
+            g: gradients of the per-example losses w.r.t. ``z``, same shape as ``z``.
+            mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens (as in
+                :meth:`FeatureStatistics.update`).
+
+        Raises:
+            StatisticsError: as :meth:`FeatureStatistics.update`.
         """
         super().update(z, g, mask)
         with torch.no_grad():
@@ -82,7 +91,14 @@ class BoundStatistics(FeatureStatistics):
             self._rows.append((phi, rows_g.cpu().numpy()))
 
     def merge(self, other: BoundStatistics) -> BoundStatistics:
-        """Add another shard's sums (and kept rows); returns self."""
+        """Add another shard's sums (and kept rows); returns self.
+
+        Args:
+            other: another shard's statistics for the same site and family.
+
+        Returns:
+            ``self``, with the sums added and ``keep_probe`` true only if both kept the rows.
+        """
         super().merge(other)
         self._rows.extend(other._rows)
         self.keep_probe = self.keep_probe and other.keep_probe
@@ -90,6 +106,12 @@ class BoundStatistics(FeatureStatistics):
 
     def moments(self, *, rtol: float | None = None) -> ProbeMoments:
         """The probe's :class:`ProbeMoments` (rows included when kept).
+
+        Args:
+            rtol: eigenvalue cutoff (default: :func:`default_rtol` for the accumulation dtype and ``k``).
+
+        Returns:
+            The float64 :class:`ProbeMoments`; ``phi`` ``(n, units, k)`` and ``g`` ``(n, units, d)`` when kept.
 
         Raises:
             StatisticsError: if no examples were accumulated.
@@ -115,5 +137,17 @@ class BoundStatistics(FeatureStatistics):
         )
 
     def interval(self, delta: float, **kwargs) -> ScoreInterval:
-        """:func:`interval_from_moments` on this probe (keyword arguments passed on)."""
+        """:func:`interval_from_moments` on this probe (keyword arguments passed on).
+
+        Args:
+            delta: ``δ ∈ (0, 1)``.
+            **kwargs: keyword arguments of :func:`interval_from_moments` (the constants, ``ridge``, …).
+
+        Returns:
+            The probe's :class:`ScoreInterval`.
+
+        Raises:
+            StatisticsError: if the probe is empty.
+            BoundError: as :func:`interval_from_moments`.
+        """
         return interval_from_moments(self.moments(), delta, **kwargs)

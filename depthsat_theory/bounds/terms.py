@@ -32,19 +32,41 @@ def split_delta(delta: float, candidates: int, empirical_variance: bool) -> tupl
         delta: ``δ ∈ (0, 1)``.
         candidates: the union-bound count ``m ≥ 1`` (each candidate gets ``δ/m``).
         empirical_variance: ``V`` is bounded from the probe (a third event, ``δ_3 > 0``).
+
+    Returns:
+        ``(δ/(3m), δ/(3m), δ/(3m))`` with ``empirical_variance``, else ``(δ/(2m), δ/(2m), 0)``.
     """
     per = delta / candidates
     return (per / 3, per / 3, per / 3) if empirical_variance else (per / 2, per / 2, 0.0)
 
 
 def relative_deviation(n: int, big_l: float, u2: float) -> float:
-    """``Δ_n = √(2 L_1 u_2 / n) + 2 L_1 u_2 / (3n)`` with ``L_1 = max(L, 1)`` (dimensionless)."""
+    """``Δ_n = √(2 L_1 u_2 / n) + 2 L_1 u_2 / (3n)`` with ``L_1 = max(L, 1)`` (dimensionless).
+
+    Args:
+        n: probe size.
+        big_l: ``L``, the leverage bound (``L_1 = max(L, 1)`` is used).
+        u2: ``u_2 = ln(2D/δ_2)``.
+
+    Returns:
+        ``Δ_n`` (dimensionless).
+    """
     l1 = max(big_l, 1.0)
     return math.sqrt(2 * l1 * u2 / n) + 2 * l1 * u2 / (3 * n)
 
 
 def epsilon_n(n: int, var: float, r: float, u1: float) -> float:
-    """``ε_n = √(2 V u_1 / n) + 2 R u_1 / n`` (loss units per unit step)."""
+    """``ε_n = √(2 V u_1 / n) + 2 R u_1 / n`` (loss units per unit step).
+
+    Args:
+        n: probe size.
+        var: ``V``, a bound on ``E‖G_x Σ_λ^{+1/2}‖_F²``.
+        r: ``R = γ √L``.
+        u1: ``u_1 = ln(2/δ_1)``.
+
+    Returns:
+        ``ε_n`` (loss units per unit step).
+    """
     return math.sqrt(2 * var * u1 / n) + 2 * r * u1 / n
 
 
@@ -59,6 +81,9 @@ def deviation_halfwidth(n: int, var: float, r: float, u1: float, l1: float, u2: 
         l1: ``L_1 = max(L, 1)`` of ``Δ_n``.
         u2: ``u_2 = ln(2D/δ_2)`` of ``Δ_n``.
         smax: ``S``.
+
+    Returns:
+        ``h_n`` (loss units per unit step), ``inf`` when ``Δ_n ≥ 1``.
     """
     dev = relative_deviation(n, l1, u2)
     if dev >= 1:
@@ -78,6 +103,9 @@ def bernstein_mean_upper(mean: float, bound_sq: float, n: int, u: float) -> floa
         bound_sq: the almost-sure bound on ``Y``.
         n: sample size.
         u: ``ln(1/δ)``.
+
+    Returns:
+        The upper bound on ``E Y``, at most ``bound_sq``.
     """
     c = math.sqrt(2 * bound_sq * u / n)
     e = max(mean, 0.0) + 2 * bound_sq * u / (3 * n)
@@ -98,6 +126,9 @@ def matrix_deviations(n: int, sigma2: float, big_l: float, u2: float) -> tuple[f
         sigma2: ``σ² ≥ λ_max(E Ψ_x²)`` (dimensionless).
         big_l: ``L``.
         u2: ``ln(2D/δ_2)``.
+
+    Returns:
+        The pair ``(Δ_n^−, Δ_n^+)`` (dimensionless).
     """
     root = math.sqrt(2 * sigma2 * u2 / n)
     return root + 2 * u2 / (3 * n), root + 2 * big_l * u2 / (3 * n)
@@ -118,6 +149,9 @@ def matrix_variance_upper(sig_hat2: float, big_l: float, n: int, u2: float, u4: 
         n: probe size.
         u2: ``ln(2D/δ_2)``.
         u4: ``ln(1/δ_4)``.
+
+    Returns:
+        ``σ̄² ∈ [0, L]``.
     """
     a = math.sqrt(2 * u2 / n)
     b = 2 * big_l * u2 / (3 * n)

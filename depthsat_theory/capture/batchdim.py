@@ -134,6 +134,14 @@ class BatchDims:
     def undecided(self, key: str, shape: tuple[int, ...], batch: int) -> bool:
         """Decide site ``key`` from its declaration, shape and module if not yet done; ``True`` if that cannot.
 
+        Args:
+            key: the site key.
+            shape: the site tensor's shape.
+            batch: the number of examples ``B``.
+
+        Returns:
+            ``True`` if the batch dimension is still open (it must be measured), ``False`` once recorded.
+
         Raises:
             SiteError: no dimension among the first two has size ``batch``.
         """
@@ -148,6 +156,11 @@ class BatchDims:
 
     def measure(self, key: str, g0: Tensor | None, batch: int) -> None:
         """Decide an undecided site from ``g0 = ∂ℓ_0/∂z`` (:func:`support_batch_dim`; ``None``: no per-example loss).
+
+        Args:
+            key: the site key.
+            g0: the gradient of the first example's loss w.r.t. the site tensor, or ``None``.
+            batch: the number of examples ``B``.
 
         Raises:
             SiteError: the measurement cannot decide (a declaration is needed).
@@ -165,6 +178,14 @@ class BatchDims:
 
     def dim(self, key: str, shape: tuple[int, ...], batch: int) -> int:
         """The batch dimension of site ``key`` whose tensor has ``shape`` on a batch of ``batch`` examples.
+
+        Args:
+            key: the site key.
+            shape: the site tensor's shape.
+            batch: the number of examples ``B`` (per-example losses).
+
+        Returns:
+            The batch dimension, ``0`` (batch-first) or ``1`` (sequence-first).
 
         Raises:
             SiteError: the declared dimension does not have size ``batch``, no dimension has

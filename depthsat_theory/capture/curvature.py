@@ -50,6 +50,9 @@ def steepest_field_coefficients(cross: np.ndarray, sigma: np.ndarray, *, rtol: f
         cross: ``G`` ``(d, k̃)`` float64 (constant column last when the block has an output bias).
         sigma: ``Σ`` ``(k̃, k̃)`` float64.
         rtol: relative eigenvalue cutoff of ``Σ⁺``.
+
+    Returns:
+        ``θ*`` ``(d k̃,)`` float64: the rows of ``G Σ⁺`` concatenated.
     """
     w, v = np.linalg.eigh((sigma + sigma.T) / 2)
     keep = w > rtol * max(float(w.max()), 0.0)

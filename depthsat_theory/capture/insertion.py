@@ -67,11 +67,19 @@ class ResidualInsertion(nn.Module):
         self.calls = 0
 
     def reset_calls(self, *args) -> None:
-        """Reset the occurrence counter (a forward pre-hook of the root model)."""
+        """Reset the occurrence counter (a forward pre-hook of the root model).
+
+        Args:
+            *args: the hook's ``(module, inputs)``, ignored.
+        """
         self.calls = 0
 
     def forward(self, *args, **kwargs):
         """Run the site module, then add the block's output to the site tensor (on the selected call only).
+
+        Args:
+            *args: the site module's positional arguments.
+            **kwargs: its keyword arguments.
 
         Returns:
             The site module's output, with the site tensor ``t`` replaced by ``t + block(t)`` (same
@@ -244,7 +252,15 @@ def output_deviation(model: nn.Module | Tensor, new_model: nn.Module, inputs) ->
 
 
 def first_output(out):
-    """The primary tensor of a model output (tuple: first item; mapping/``ModelOutput``: ``logits``)."""
+    """The primary tensor of a model output (tuple: first item; mapping/``ModelOutput``: ``logits``).
+
+    Args:
+        out: a model output: a tensor, tuple/list, mapping or ``ModelOutput``.
+
+    Returns:
+        The first item of a tuple/list; a mapping's ``logits`` (else its first value); an object's
+        ``logits`` attribute; otherwise ``out`` itself.
+    """
     if isinstance(out, (tuple, list)):
         return out[0]
     if isinstance(out, Mapping):
@@ -492,7 +508,15 @@ class Insertion:
         return j, direction
 
     def first_step_eta(self, update: ZeroStateUpdate, step_scale: float) -> float:
-        """The largest step ``η_0``: it moves the block output by about ``step_scale · z_rms``."""
+        """The largest step ``η_0``: it moves the block output by about ``step_scale · z_rms``.
+
+        Args:
+            update: the optimizer's zero-state update (its first step from the thresholded gradient).
+            step_scale: the target output move, as a fraction of ``z_rms``.
+
+        Returns:
+            ``η_0 > 0``; ``1.0`` when there is no gradient, the first step is zero, or the value is not finite.
+        """
         if not self.b.numel():
             return 1.0
         pn = float(update.first_step(threshold(self.b, self.tau)).norm())

@@ -542,7 +542,15 @@ class KinkCounter:
         self._constant: dict[int, tuple] = {}  # id(relu output) → (weakref, locally constant mask)
 
     def taint_of(self, tensors: Sequence[Tensor]) -> frozenset[str]:
-        """The sites the given tensors depend on (see the class docstring for unseen tensors)."""
+        """The sites the given tensors depend on (see the class docstring for unseen tensors).
+
+        Args:
+            tensors: the operands.
+
+        Returns:
+            The union of their site keys; an unseen tensor with a ``grad_fn`` counts as depending on every
+            site fired so far.
+        """
         out: frozenset[str] = frozenset()
         for t in tensors:
             known = self._taint.get(id(t))
@@ -553,7 +561,12 @@ class KinkCounter:
         return out
 
     def mark(self, t: Tensor, sites: frozenset[str]) -> None:
-        """Record that ``t`` depends on ``sites`` (in addition to what it already depends on)."""
+        """Record that ``t`` depends on ``sites`` (in addition to what it already depends on).
+
+        Args:
+            t: a tensor (not weak-referenceable tensors are skipped).
+            sites: site keys ``t`` depends on.
+        """
         key = id(t)
         known = self._taint.get(key)
         if known is not None and known[0]() is t:
@@ -564,7 +577,15 @@ class KinkCounter:
             self._taint[key] = (weakref.ref(t), sites)
 
     def count(self, func: Callable, args: tuple, kwargs: dict, x: Tensor | None, taint: frozenset[str]) -> None:
-        """Add this call's kink ties to every site in ``taint``."""
+        """Add this call's kink ties to every site in ``taint``.
+
+        Args:
+            func: the torch function called.
+            args: its positional arguments.
+            kwargs: its keyword arguments.
+            x: its first tensor operand (``None``: none).
+            taint: the sites the operands depend on.
+        """
         known = self._constant.get(id(x)) if x is not None else None
         constant = known[1] if known is not None and known[0]() is x else None
         n = kink_ties(func, args, kwargs, constant=constant)
@@ -574,7 +595,15 @@ class KinkCounter:
                 self.ties[key] += n
 
     def propagate(self, func: Callable, x: Tensor | None, kwargs: dict, out, taint: frozenset[str]) -> None:
-        """Mark the call's outputs (and an in-place target and its base) with the operands' sites."""
+        """Mark the call's outputs (and an in-place target and its base) with the operands' sites.
+
+        Args:
+            func: the torch function called.
+            x: its first tensor operand (written to when ``func`` is in-place).
+            kwargs: its keyword arguments (an ``out=`` target is marked too).
+            out: the call's result (every tensor in it is marked).
+            taint: the operands' sites.
+        """
         written = [x] if x is not None and _inplace(func) else []
         if kwargs and "out" in kwargs:
             written += _tensors(kwargs["out"])
@@ -606,7 +635,14 @@ class KinkCounter:
         self.active = False
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
-        """``loss_fn`` whose kinks count too, closing the forward pass when it returns."""
+        """``loss_fn`` whose kinks count too, closing the forward pass when it returns.
+
+        Args:
+            loss_fn: the per-example loss function.
+
+        Returns:
+            A function with the same signature and result that closes the forward pass after each call.
+        """
 
         def wrapped(*args, **kwargs):
             try:

@@ -49,6 +49,12 @@ REDUCTIONS = ("none", "sum", "mean", "token_mean")
 def batch_size(x) -> int:
     """The batch size ``B`` of model inputs: a tensor, a mapping of tensors or a sequence of them.
 
+    Args:
+        x: a tensor, a mapping whose first value is an input, or a sequence whose first item is one.
+
+    Returns:
+        ``B``: the size of dimension 0 of the first tensor found.
+
     Raises:
         TypeError, IndexError: for inputs holding no tensor first.
     """
@@ -60,7 +66,15 @@ def batch_size(x) -> int:
 
 
 def call_model(model: nn.Module, x):
-    """``model(**x)`` for keyword inputs (a mapping, e.g. Hugging Face), else ``model(x)``."""
+    """``model(**x)`` for keyword inputs (a mapping, e.g. Hugging Face), else ``model(x)``.
+
+    Args:
+        model: the model.
+        x: its inputs: a mapping (passed as keyword arguments) or anything else (passed as is).
+
+    Returns:
+        The model's output.
+    """
     return model(**x) if isinstance(x, Mapping) else model(x)
 
 

@@ -115,6 +115,13 @@ def parse_site(site: str) -> tuple[str, int | None]:
 def resolve_module(model: nn.Module, name: str) -> nn.Module:
     """The submodule of ``model`` called ``name`` (a name of ``model.named_modules()``).
 
+    Args:
+        model: the model.
+        name: a module name (``""``: the model itself).
+
+    Returns:
+        The submodule.
+
     Raises:
         SiteError: if ``model`` has no module of that name (the message lists up to five similar names).
     """
@@ -140,6 +147,10 @@ def split_output(output, key, where: str):
         key: which part of the output is the site tensor: a mapping key, a sequence index or an
             attribute name; ``None`` takes the tensor itself, the first key or index 0.
         where: how error messages name the module.
+
+    Returns:
+        ``(site_tensor, rebuild)``; ``rebuild`` writes a mapping in place and copies tuples, lists and
+        attribute containers.
 
     Raises:
         SiteError: if ``key`` does not select a part of ``output``, or the output is of none of

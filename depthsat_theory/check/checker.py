@@ -126,6 +126,12 @@ def pool_family(spec: str) -> ResidualFamily:
     ``spec`` is a built-in spec (:func:`~depthsat_theory.families.parse_family`) or ``diag-general``,
     the general family ``h(θ, u) = θ₁ ⊙ tanh(u) + θ₂ ⊙ u²`` (``p = 2d``).
 
+    Args:
+        spec: a built-in family spec or ``"diag-general"``.
+
+    Returns:
+        The family.
+
     Raises:
         FamilyError: on a spec that is neither.
     """
@@ -169,7 +175,13 @@ class CheckConfig:
     device: str = "cpu"
 
     def validate(self) -> None:
-        """Raise ``ValueError`` with a specific message on bad settings."""
+        """Raise ``ValueError`` with a specific message on bad settings.
+
+        Raises:
+            ValueError: an unknown or unavailable device, ``instances < 1``, ``seed < 0``, a
+                ``construction_fraction`` outside ``[0, 1]``, ``steps < 3``, no or an unknown optimizer,
+                or no or an unknown model kind.
+        """
         from depthsat_theory.tasks.custom import resolve_device
 
         resolve_device(self.device)  # a ModelSpecError (a ValueError) naming device
@@ -601,7 +613,15 @@ def site_shapes(task: Task, sites: list[str]) -> dict[str, tuple[int, ...]]:
 
 
 def task_batches(task: Task, size: int = 256) -> Iterator[tuple[Tensor, Tensor]]:
-    """The probe as consecutive ``(inputs, targets)`` batches of ``size`` examples."""
+    """The probe as consecutive ``(inputs, targets)`` batches of ``size`` examples.
+
+    Args:
+        task: the task whose probe (``inputs``, ``targets``) is split.
+        size: examples per batch (the last batch may be smaller).
+
+    Yields:
+        ``(inputs, targets)`` slices (views) of the probe.
+    """
     n = task.inputs.shape[0]
     for i in range(0, n, size):
         yield task.inputs[i : i + size], task.targets[i : i + size]
@@ -615,6 +635,14 @@ def summarize(records: list[dict]) -> dict:
     reasons of undecided and counterexample instances are counted by category, split
     into those of planted non-descent-compatible updates (expected: T2 assumes descent
     compatibility) and the others.
+
+    Args:
+        records: the per-instance records of the check.
+
+    Returns:
+        ``{"model" | "data" | "construction" | "family" | "optimizer": {value: counts}}`` plus
+        ``reasons``, ``planted_reasons`` (``{"agreement: reason": count}``, most common first) and
+        ``planted_counterexamples`` (an ``int``).
     """
     out: dict[str, Any] = {}
     for key in ("model", "data", "construction", "family", "optimizer"):
@@ -640,6 +668,10 @@ def summarize(records: list[dict]) -> dict:
 
 def write_report_atomic(report: dict, path: str | os.PathLike) -> None:
     """Write JSON to ``path`` atomically (temp file in the same folder, fsync, rename).
+
+    Args:
+        report: the report (non-finite floats are written as ``null``).
+        path: the JSON file.
 
     Raises:
         OSError: if the folder is not writable (no partial file is left behind).

@@ -78,6 +78,9 @@ def user_message(exc: Exception) -> str:
         exc: the error (a :class:`~depthsat_theory.bounds.BoundError` is respelled with
             :data:`FLAGS`, a :class:`~depthsat_theory.diagnose.DiagnoseError` with
             :data:`DIAGNOSE_FLAGS`; any other error keeps its message).
+
+    Returns:
+        The error's message with its Python argument names respelled as CLI flags.
     """
     if isinstance(exc, BoundError):
         return exc.render(FLAGS)

@@ -40,6 +40,9 @@ class UserError(Exception):
 def check_writable(path: Path) -> None:
     """Refuse a ``--report`` path that cannot be written (a folder, or a missing/read-only folder).
 
+    Args:
+        path: the ``--report`` file path.
+
     Raises:
         OSError: naming ``--report``.
     """
@@ -55,6 +58,10 @@ def check_writable(path: Path) -> None:
 
 def check_output_path(flag: str, path: Path | None) -> None:
     """Refuse an output ``path`` that is not a file path in an existing folder.
+
+    Args:
+        flag: the option's name, e.g. ``"--json"``.
+        path: the output path (``None``: nothing to check).
 
     Raises:
         UserError: naming ``flag``.
@@ -93,6 +100,9 @@ def _native_float(name: str, arr: np.ndarray) -> np.ndarray:
 
 def load_probe(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Read a probe: an ``.npz`` archive with float arrays ``z`` and ``g``, each ``(n, d)``.
+
+    Args:
+        path: the ``.npz`` file.
 
     Returns:
         ``(z, g)`` in native byte order, float16, float32 or float64 as stored (the rounding bound uses that dtype).
@@ -151,6 +161,9 @@ def diagnose_target(
         device: ``--device``: ``cpu``, ``cuda`` or ``auto``.
         text: ``--text``: the text file of an ``hf:`` model's probe.
 
+    Returns:
+        The :class:`~depthsat_theory.tasks.custom.ResolvedModel` (model, loss, batches, sites, description).
+
     Raises:
         UserError: whatever :func:`~depthsat_theory.tasks.custom.resolve_model` refuses, with its flags.
     """
@@ -167,6 +180,12 @@ def audit_target(model: str, seed: int, device: str, site: str) -> tuple:
 
     The audit inserts float64 blocks and compares float64 outputs, so a float32 model is audited
     as a float64 copy (floating inputs and targets converted too).
+
+    Args:
+        model: the ``--model`` spec (see :func:`diagnose_target`).
+        seed: ``--seed``.
+        device: ``--device``.
+        site: ``--site`` (named in the probe description only).
 
     Returns:
         ``(model, inputs, targets, loss_fn, layout, sites, probe description)``.
@@ -189,7 +208,15 @@ def audit_target(model: str, seed: int, device: str, site: str) -> tuple:
 
 
 def model_sites(net: Any, x: torch.Tensor) -> list[str] | None:
-    """The model's valid sites for the audit: its ``site_names()``, else discovered, else ``None`` (any module)."""
+    """The model's valid sites for the audit: its ``site_names()``, else discovered, else ``None`` (any module).
+
+    Args:
+        net: the model.
+        x: an input batch for the site discovery.
+
+    Returns:
+        The site names, or ``None`` when discovery fails (every module is then allowed).
+    """
     from depthsat_theory.diagnose import DiagnoseError, discover_sites
 
     if callable(getattr(net, "site_names", None)):
@@ -202,6 +229,12 @@ def model_sites(net: Any, x: torch.Tensor) -> list[str] | None:
 
 def parse_device(device: str) -> torch.device:
     """``--device`` as a ``torch.device`` (:func:`~depthsat_theory.tasks.custom.resolve_device`).
+
+    Args:
+        device: ``cpu``, ``cuda`` or ``auto``.
+
+    Returns:
+        The resolved ``torch.device``.
 
     Raises:
         UserError: an unknown device, or CUDA where there is none.

@@ -43,14 +43,28 @@ SCORE_NOTE = (
 
 
 def fail(exc: Exception | str) -> NoReturn:
-    """Print ``error: …`` (one line, arguments spelled as flags) on stderr and exit with status 2."""
+    """Print ``error: …`` (one line, arguments spelled as flags) on stderr and exit with status 2.
+
+    Args:
+        exc: the error, or the message itself.
+
+    Raises:
+        typer.Exit: always, with code 2.
+    """
     msg = exc if isinstance(exc, str) else user_message(exc)
     err_console.print(f"error: {msg}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
 def progress(*, disable: bool) -> Progress:
-    """The progress bar on stderr (description, bar, count, elapsed time)."""
+    """The progress bar on stderr (description, bar, count, elapsed time).
+
+    Args:
+        disable: hide the bar (``--quiet``, or on ranks other than 0).
+
+    Returns:
+        A ``rich.progress.Progress`` (not yet started).
+    """
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -63,7 +77,11 @@ def progress(*, disable: bool) -> Progress:
 
 
 def print_json(obj: Any) -> None:
-    """Write ``obj`` as indented JSON (UTF-8 symbols kept) on stdout."""
+    """Write ``obj`` as indented JSON (UTF-8 symbols kept) on stdout.
+
+    Args:
+        obj: a JSON-serialisable object.
+    """
     sys.stdout.write(json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
 
 
@@ -143,6 +161,13 @@ def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> di
 
     The interval's ``label``, ``notes`` and ``tangent_rank`` become ``bound_label``,
     ``bound_notes`` and ``bound_tangent_rank`` (its ``score`` is the result's).
+
+    Args:
+        result: the probe's :class:`SaturationResult`.
+        interval: its :class:`ScoreInterval`, or ``None`` without ``--delta``.
+
+    Returns:
+        The ``dict`` printed by :func:`print_score`.
     """
     out = result.to_dict()
     out["note"] = SCORE_NOTE
@@ -156,7 +181,13 @@ def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> di
 
 
 def print_score(out: dict, probe: Path, *, as_json: bool) -> None:
-    """``depthsat score`` output: JSON, or a table of the quantities followed by the note."""
+    """``depthsat score`` output: JSON, or a table of the quantities followed by the note.
+
+    Args:
+        out: the fields of :func:`score_fields`.
+        probe: the probe file (its name is the table's title).
+        as_json: print ``out`` as JSON instead.
+    """
     if as_json:
         print_json(out)
         return
@@ -167,7 +198,13 @@ def print_score(out: dict, probe: Path, *, as_json: bool) -> None:
 
 
 def print_bound(out: dict, delta: float, *, as_json: bool) -> None:
-    """``depthsat bound`` output: JSON, or a table of the plan."""
+    """``depthsat bound`` output: JSON, or a table of the plan.
+
+    Args:
+        out: the plan's dictionary (:meth:`BoundPlan.to_dict`).
+        delta: ``δ`` (in the table's title).
+        as_json: print ``out`` as JSON instead.
+    """
     if as_json:
         print_json(out)
         return
@@ -176,7 +213,13 @@ def print_bound(out: dict, delta: float, *, as_json: bool) -> None:
 
 # ----------------------------------------------------------------------------- audit, diagnose
 def print_audit(rep: Any, table: Table, *, as_json: bool) -> None:
-    """``depthsat audit`` output: JSON, or the probe, the report table and its notes."""
+    """``depthsat audit`` output: JSON, or the probe, the report table and its notes.
+
+    Args:
+        rep: the :class:`~depthsat_theory.audit.AuditReport`.
+        table: its rich table.
+        as_json: print :meth:`AuditReport.to_dict` as JSON instead.
+    """
     if as_json:
         print_json(rep.to_dict())
         return
@@ -187,7 +230,12 @@ def print_audit(rep: Any, table: Table, *, as_json: bool) -> None:
 
 
 def print_diagnosis(res: Any, written: list[Path]) -> None:
-    """``depthsat diagnose`` output: the table, notes, resume line and files written."""
+    """``depthsat diagnose`` output: the table, notes, resume line and files written.
+
+    Args:
+        res: the :class:`~depthsat_theory.diagnose.Diagnosis`.
+        written: the files written (reports, plots), one line each.
+    """
     out = console if sys.stdout.isatty() else Console(width=160)
     out.print(res.table())
     for note in res.notes:
@@ -199,7 +247,12 @@ def print_diagnosis(res: Any, written: list[Path]) -> None:
 
 
 def print_grow(rep: dict, written: list[Path]) -> None:
-    """The sites chosen, the first step's predicted and observed change, the loss before/after, the files."""
+    """The sites chosen, the first step's predicted and observed change, the loss before/after, the files.
+
+    Args:
+        rep: the grow report's dictionary (:meth:`GrowReport.to_dict`).
+        written: the files written, one line each.
+    """
     t = Table(title=f"depthsat grow: {rep['description']}, {rep['method']} ({rep['family']})")
     for c in ("site", "depth", "s/AG_rms", "verdict", "why"):
         t.add_column(c, justify="left" if c in ("site", "verdict", "why") else "right")

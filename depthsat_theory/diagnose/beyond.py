@@ -43,6 +43,13 @@ SECOND_ORDER_MAX_BYTES = 8 * 2**30
 def site_betas(beta: float | Mapping[str, float] | None, sites: list[str]) -> dict[str, float]:
     """``{site: β}`` from one ``β`` for every site or a mapping (sites without one are left out).
 
+    Args:
+        beta: ``None``, one ``β > 0`` for every site, or ``{site: β}``.
+        sites: the diagnosed sites.
+
+    Returns:
+        ``{site: β}`` as floats (empty for ``None``).
+
     Raises:
         DiagnoseError: a ``β`` that is not a positive finite number, or one for an unknown site.
     """
@@ -76,15 +83,36 @@ class Beyond:
         self.batches = 0
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
-        """The loss function, closing each forward pass of the kink counter."""
+        """The loss function, closing each forward pass of the kink counter.
+
+        Args:
+            loss_fn: the per-example loss function.
+
+        Returns:
+            ``loss_fn`` itself without a kink counter, else :meth:`KinkCounter.wrap_loss` of it.
+        """
         return loss_fn if self.counter is None else self.counter.wrap_loss(loss_fn)
 
     def context(self):
-        """The kink counter's context (a no-op without one)."""
+        """The kink counter's context (a no-op without one).
+
+        Returns:
+            The :class:`KinkCounter` (a context manager), or ``contextlib.nullcontext()``.
+        """
         return self.counter if self.counter is not None else contextlib.nullcontext()
 
     def add(self, pb, layouts: Mapping[str, str]) -> None:
-        """Feed one probe batch's ``(z, g)`` to the cross blocks (with ``second_order``)."""
+        """Feed one probe batch's ``(z, g)`` to the cross blocks (with ``second_order``).
+
+        Args:
+            pb: the :class:`~depthsat_theory.capture.probe.ProbeBatch` (site tensors ``z``, gradients ``g``
+                and padding ``mask``).
+            layouts: the layout of each site.
+
+        Raises:
+            DiagnoseError: if a site's cross block cannot be built (family or size) or all cross blocks
+                together exceed :data:`SECOND_ORDER_MAX_BYTES`.
+        """
         self.batches += 1
         if not self.second_order:
             return
@@ -118,7 +146,14 @@ class Beyond:
             self.counter.ties = {s: sum(int(t[s]) for t in every) for s in self.sites}
 
     def finish(self, site_results: list, betas: Mapping[str, float], counted: bool) -> None:
-        """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list."""
+        """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list.
+
+        Args:
+            site_results: the :class:`SiteDiagnosis` of each site, changed in place.
+            betas: ``{site: β}`` (sites without one get ``beta = None``).
+            counted: whether the whole probe was seen (not a resumed run): kink ties and saddle results
+                are attached only then.
+        """
         for sd in site_results:
             if self.counter is not None and counted:
                 sd.result.kink_ties = self.counter.ties[sd.site]
@@ -155,6 +190,15 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
     Sites where the step cannot be run (a streamed probe, a family without fixed features,
     batch-reduced losses) keep ``beta_check = None`` (status ``unchecked``),
     and a note says so: their ``s²/(2β)`` holds only if the given ``β`` is a smoothness constant there.
+
+    Args:
+        diagnosis: the :class:`Diagnosis`; its sites' ``beta_check`` and its ``notes`` are set in place.
+        model: the diagnosed model.
+        loss_fn: the loss function.
+        batches: the probe (the step is run only for a list or tuple of batches).
+        family: the family (the step is run only for a :class:`FeatureFamily`).
+        stats: ``{site: statistics}`` with the probe's ``G`` and ``Σ``.
+        reduction: the loss reduction (the step is run only for ``"none"``).
     """
     runnable = isinstance(batches, (list, tuple)) and isinstance(family, FeatureFamily) and reduction == "none"
     unchecked = []

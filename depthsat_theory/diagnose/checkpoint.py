@@ -61,7 +61,14 @@ LOSS_KEY = "@loss"
 
 
 def model_fingerprint(model: nn.Module) -> dict:
-    """Class name, parameter count and ``Σ|θ|`` (12 digits) of a model, to refuse resuming another one."""
+    """Class name, parameter count and ``Σ|θ|`` (12 digits) of a model, to refuse resuming another one.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``{"class", "parameters", "abs_sum"}`` (``abs_sum`` a string, float64 sum in ``%.12e``).
+    """
     with torch.no_grad():
         params = list(model.parameters())
         total = sum(float(p.detach().to(torch.float64).abs().sum()) for p in params)
@@ -79,6 +86,12 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor]]:
     ``batches`` (global batch index of the next batch to process: batches ``< batches``
     are in the sums), ``examples`` (this rank's examples in the sums), ``shapes`` and
     ``complete``.
+
+    Args:
+        path: the safetensors file.
+
+    Returns:
+        ``(header, tensors)``: the parsed header and ``{"<site>/<field>": tensor}``.
 
     Raises:
         CheckpointError: if the file is not a readable diagnose checkpoint.
@@ -120,7 +133,15 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor]]:
 
 
 def check_version(path: str | os.PathLike, header: dict) -> None:
-    """Refuse a checkpoint of another format version with a one-line :class:`CheckpointError`."""
+    """Refuse a checkpoint of another format version with a one-line :class:`CheckpointError`.
+
+    Args:
+        path: the checkpoint path (for the message).
+        header: the header read by :func:`read_checkpoint`.
+
+    Raises:
+        CheckpointError: if ``header["config"]["version"]`` is not :data:`CHECKPOINT_VERSION`.
+    """
     version = header.get("config", {}).get("version")
     if version != CHECKPOINT_VERSION:
         raise CheckpointError(
@@ -130,7 +151,13 @@ def check_version(path: str | os.PathLike, header: dict) -> None:
 
 
 def write_checkpoint(path: Path, header: dict, stats: Mapping[str, StreamingStatistic]) -> None:
-    """Write ``stats`` (key → statistic) and ``header`` atomically to ``path``."""
+    """Write ``stats`` (key → statistic) and ``header`` atomically to ``path``.
+
+    Args:
+        path: the file to write (replaced atomically).
+        header: the JSON header (stored as safetensors metadata).
+        stats: the statistics; each state tensor is stored as ``"<key>/<field>"``.
+    """
     from safetensors.torch import save
 
     tensors = {f"{key}/{name}": v.contiguous() for key, st in stats.items() for name, v in st.state_dict().items()}
@@ -315,6 +342,12 @@ def batch_digest(batch: Any) -> str:
     """A cheap digest of a probe batch: shapes, dtypes and ≤ 1024 evenly strided values per tensor.
 
     Deterministic across processes (no floating-point reductions); hex, 16 characters.
+
+    Args:
+        batch: a tensor, or a mapping/sequence nesting tensors and plain values.
+
+    Returns:
+        The 16-character hex digest.
     """
     h = hashlib.sha256()
     _digest_parts(batch, h)
@@ -335,7 +368,13 @@ class ProbeStream:
         self.chain = ""
 
     def add(self, index: int, size: int, batch: Any) -> None:
-        """Add batch ``index`` of ``size`` examples."""
+        """Add batch ``index`` of ``size`` examples.
+
+        Args:
+            index: the global batch index.
+            size: the number of examples in the batch.
+            batch: the batch (inputs and targets, see :func:`batch_digest`).
+        """
         digest = batch_digest(batch)
         entry = [int(index), int(size), digest]
         self.first = self.first or entry
@@ -344,12 +383,24 @@ class ProbeStream:
         self.chain = hashlib.sha256(f"{self.chain}|{index}|{size}|{digest}".encode()).hexdigest()[:16]
 
     def to_header(self) -> dict:
-        """The JSON-serialisable fingerprint."""
+        """The JSON-serialisable fingerprint.
+
+        Returns:
+            ``{"batches", "first", "last", "chain"}``; ``first``/``last`` are ``[index, size, digest]`` or ``None``.
+        """
         return {"batches": self.batches, "first": self.first, "last": self.last, "chain": self.chain}
 
     @staticmethod
     def check_header(path, stored: Any) -> None:
-        """Raise a :class:`CheckpointError` if a stored fingerprint is not of the form of :meth:`to_header`."""
+        """Raise a :class:`CheckpointError` if a stored fingerprint is not of the form of :meth:`to_header`.
+
+        Args:
+            path: the checkpoint path (for the message).
+            stored: the header's ``probe`` field.
+
+        Raises:
+            CheckpointError: if ``stored`` is malformed.
+        """
         ok = (
             isinstance(stored, dict)
             and _is_int(stored.get("batches"))
@@ -369,7 +420,14 @@ class ProbeStream:
             raise _damaged(path, "header field 'probe'", "is not a probe fingerprint {batches, first, last, chain}")
 
     def mismatch(self, stored: dict) -> str | None:
-        """What differs between this stream and a stored fingerprint (``None``: the same batches)."""
+        """What differs between this stream and a stored fingerprint (``None``: the same batches).
+
+        Args:
+            stored: a fingerprint written by :meth:`to_header` (checked by :meth:`check_header`).
+
+        Returns:
+            A one-line reason, or ``None`` when the batch counts, first/last batches and chain hash agree.
+        """
         for which in ("first", "last"):
             mine, theirs = getattr(self, which), stored.get(which)
             if mine is None or theirs is None:
@@ -386,7 +444,15 @@ class ProbeStream:
 
 
 def config_diff(a: dict, b: dict) -> list[str]:
-    """The keys on which two configurations differ, sorted; nested objects as ``key.subkey``."""
+    """The keys on which two configurations differ, sorted; nested objects as ``key.subkey``.
+
+    Args:
+        a: a configuration.
+        b: another configuration.
+
+    Returns:
+        The sorted keys whose values differ (missing counts as ``None``).
+    """
     out = []
     for k in sorted(set(a) | set(b)):
         va, vb = a.get(k), b.get(k)

@@ -53,6 +53,12 @@ def rows_or_channels(module: nn.Module) -> Layout | None:
     linear/normalization/attention/embedding layer acting on the last dimension (rows);
     activations, dropout and other layers are skipped.  Hugging Face ``transformers`` and
     ``depthsat_theory`` modules are sequences.
+
+    Args:
+        module: the site module.
+
+    Returns:
+        ``Layout.SEQUENCE``, ``Layout.IMAGE`` or ``None``.
     """
     if type(module).__module__.startswith(("transformers.", "depthsat_theory.")):
         return Layout.SEQUENCE

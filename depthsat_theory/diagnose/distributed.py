@@ -38,14 +38,22 @@ __all__ = ["all_gather_objects", "allreduce", "allreduce_statistics", "barrier",
 
 
 def world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, ``(0, 1)`` when there is none."""
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` when there is none.
+
+    Returns:
+        ``(rank, world_size)``.
+    """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def is_main() -> bool:
-    """``True`` on rank 0 (and in a single process): the rank that prints and writes."""
+    """``True`` on rank 0 (and in a single process): the rank that prints and writes.
+
+    Returns:
+        Whether this process is rank 0.
+    """
     return world()[0] == 0
 
 
@@ -110,7 +118,14 @@ def allreduce(sums: Tensor, maxima: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def all_gather_objects(obj) -> Sequence:
-    """Every rank's ``obj`` in rank order (``[obj]`` in a single process)."""
+    """Every rank's ``obj`` in rank order (``[obj]`` in a single process).
+
+    Args:
+        obj: a picklable object.
+
+    Returns:
+        A list of ``world_size`` objects, index = rank.
+    """
     if world()[1] == 1:
         return [obj]
     out: list = [None] * world()[1]

@@ -116,7 +116,12 @@ class SiteDiagnosis:
         return _CERTIFICATES.get(self.interval.certificate, Verdict.UNDETERMINED)
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            The site's fields merged with :meth:`SaturationResult.to_dict`, ``verdict`` as its kind, and
+            ``interval``/``saddle``/``curvature`` as dictionaries or ``None``.
+        """
         return {
             "site": self.site,
             "depth": self.depth,
@@ -180,7 +185,12 @@ class Diagnosis:
         raise KeyError(site)
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (``nan`` becomes ``None``)."""
+        """JSON-ready dictionary (``nan`` becomes ``None``).
+
+        Returns:
+            The run's fields and ``sites`` (each :meth:`SiteDiagnosis.to_dict`), non-finite loss and joint
+            score as ``None``.
+        """
         return {
             "description": self.description,
             "family": self.family,
@@ -202,6 +212,9 @@ class Diagnosis:
     def write_json(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_dict` as JSON atomically (temp file, fsync, rename).
 
+        Args:
+            path: the JSON file to write.
+
         Raises:
             OSError: if the folder is not writable (no partial file is left).
         """
@@ -209,7 +222,11 @@ class Diagnosis:
         atomic_write(Path(path), lambda fh: fh.write(data), binary=True)
 
     def table(self):
-        """A :class:`rich.table.Table` of the per-site quantities."""
+        """A :class:`rich.table.Table` of the per-site quantities.
+
+        Returns:
+            The ``rich.table.Table``, one row per site.
+        """
         from rich.table import Table
 
         t = Table(
@@ -270,6 +287,9 @@ class Diagnosis:
 
         Writes ``<path>.png`` and ``<path>.svg`` (a ``.png``/``.svg`` suffix of
         ``path`` is replaced) with matplotlib's Agg canvas (no display needed).
+
+        Args:
+            path: the output path, without suffix (or with ``.png``/``.svg``).
 
         Returns:
             The two paths written.

@@ -344,12 +344,21 @@ class ProbeLoss(StreamingStatistic):
         self.add_state("examples", torch.zeros((), dtype=torch.float64), Reduction.SUM)
 
     def update(self, total: float, examples: int) -> None:
-        """Add a batch's summed per-example loss (float64) and its size."""
+        """Add a batch's summed per-example loss (float64) and its size.
+
+        Args:
+            total: the batch's summed per-example loss (loss units).
+            examples: the batch's number of examples.
+        """
         self.states["total"] += total
         self.states["examples"] += float(examples)
 
     def result(self) -> float:
-        """The mean loss ``J`` (loss units per example); ``nan`` when empty."""
+        """The mean loss ``J`` (loss units per example); ``nan`` when empty.
+
+        Returns:
+            ``J`` as a float.
+        """
         n = float(self.states["examples"])
         return float(self.states["total"]) / n if n else float("nan")
 
@@ -672,7 +681,8 @@ class _Run:
         """The float32 products' error model, stated with the table (nothing for float64 products)."""
         if self.products == "float64":
             return []
-        l32 = max((acc._product_summands() for acc in self.stats.values() if isinstance(acc, FeatureStatistics)), default=0)
+        feats = [acc for acc in self.stats.values() if isinstance(acc, FeatureStatistics)]
+        l32 = max((acc._product_summands() for acc in feats), default=0)
         return [
             f"{self.products} batch products (opt-in): '± rounding' includes their float32 sums of length "
             f"L_32 = {l32}; Gram eigenvalues below 2η are dropped and count as unresolved, so verdicts move "

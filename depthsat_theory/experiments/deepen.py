@@ -51,6 +51,13 @@ def interleaved_positions(depth: int, new: int) -> list[int]:
     ``⌈(j + 1) depth / new⌉ − 1`` for ``j = 0..new-1`` (LLaMA-Pro's even spacing when
     ``new ≤ depth``; with more new blocks than old ones, several follow one old block).
 
+    Args:
+        depth: number of old blocks.
+        new: number of new blocks.
+
+    Returns:
+        ``new`` non-decreasing positions in ``0..depth-1``, the last ``depth − 1``.
+
     Raises:
         GrowError: ``depth < 1`` or ``new < 1``.
     """

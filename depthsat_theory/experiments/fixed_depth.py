@@ -109,7 +109,14 @@ class FixedDepthBlock(MLPBlock):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        """``residual(x)`` only: ``(B, width)`` in, ``(B, width)`` out."""
+        """``residual(x)`` only: ``(B, width)`` in, ``(B, width)`` out.
+
+        Args:
+            x: the stream ``(B, width)``.
+
+        Returns:
+            ``residual(x)``, ``(B, width)``.
+        """
         return self.residual(x)
 
 

@@ -123,6 +123,9 @@ class Recipe:
 
         ``"optimizer": "Adam"`` is added; ``depth_reg`` appears only when it is on, so that the
         keys of results recorded before the option existed (sweep ``--resume`` files) stay valid.
+
+        Returns:
+            The recipe's fields plus ``"optimizer"``.
         """
         d = {"optimizer": "Adam", **dataclasses.asdict(self)}
         if not self.depth_reg:
@@ -196,7 +199,11 @@ class Splits:
     source: str
 
     def sizes(self) -> dict[str, int]:
-        """Examples per split."""
+        """Examples per split.
+
+        Returns:
+            ``{"train", "val", "probe", "test"}`` → number of examples.
+        """
         return {k: len(getattr(self, k)) for k in ("train", "val", "probe", "test")}
 
 
@@ -497,7 +504,14 @@ def build_model(
 
 
 def loss_function(splits: Splits) -> Callable[[Tensor, Tensor], Tensor]:
-    """The per-example loss of the data set: ``(output, targets) -> (B,)`` in nats (per character for text)."""
+    """The per-example loss of the data set: ``(output, targets) -> (B,)`` in nats (per character for text).
+
+    Args:
+        splits: the data set's splits (``kind`` ``"text"`` or otherwise classification).
+
+    Returns:
+        ``token_loss`` for text, else ``classification_loss``.
+    """
     return token_loss if splits.kind == "text" else classification_loss
 
 

@@ -149,7 +149,11 @@ class SweepConfig:
     probe_batch: int = 256
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            The configuration (curves, seeds, sizes, recipe, δ, …) with the plateau rule spelled out.
+        """
         return {
             "name": self.name,
             "curves": [dataclasses.asdict(c) for c in self.curves],

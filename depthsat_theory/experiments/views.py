@@ -91,7 +91,11 @@ class ViewsConfig:
     reg_lambdas: tuple[float, ...] = (0.0, 0.1, 1.0)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            The configuration's fields, with ``sizes`` and ``recipe`` as dictionaries and the ``rules`` added.
+        """
         d = dataclasses.asdict(self)
         d["sizes"] = {k: dataclasses.asdict(v) for k, v in self.sizes.items()}
         d["recipe"] = self.recipe.to_dict()
@@ -194,6 +198,13 @@ def read_sweep_plateaus(folder: str | Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the rules
 def snap_depth(value: float, grid: Sequence[int]) -> int:
     """The smallest depth of ``grid`` that is ``>= value`` (the largest if none; the smallest for ``value <= 0``).
+
+    Args:
+        value: the depth to round up (e.g. an interpolated plateau).
+        grid: the trained depths.
+
+    Returns:
+        A depth of ``grid`` (``value`` is compared with a ``1e-9`` slack).
 
     Raises:
         ValueError: an empty grid or a NaN value.

@@ -87,7 +87,16 @@ def to_rows(t: Tensor, layout: str) -> Tensor:
 
 
 def from_rows(rows: Tensor, layout: str, shape: Sequence[int]) -> Tensor:
-    """Inverse of :func:`to_rows`: ``(B, R, d)`` rows back to site tensors of ``shape``."""
+    """Inverse of :func:`to_rows`: ``(B, R, d)`` rows back to site tensors of ``shape``.
+
+    Args:
+        rows: ``(B, R, d)`` rows.
+        layout: a :class:`~depthsat_theory.vocabulary.Layout` (or its string value).
+        shape: the batched site tensor's shape (``z.shape``; only used for image sites, ``(B, C, H, W)``).
+
+    Returns:
+        ``(B, d)``, ``(B, T, d)`` or ``(B, C, H, W)`` by ``layout`` (a view where possible).
+    """
     if layout == Layout.VECTOR:
         return rows.squeeze(1)
     if layout == Layout.SEQUENCE:
@@ -147,7 +156,14 @@ def place_block(block: nn.Module, dtype=None, device=None) -> nn.Module:
 
 
 def follows_site(block: nn.Module) -> tuple[bool, bool]:
-    """Whether a block follows its site's ``(dtype, device)`` (built with ``None`` for them)."""
+    """Whether a block follows its site's ``(dtype, device)`` (built with ``None`` for them).
+
+    Args:
+        block: a block (from :func:`place_block`).
+
+    Returns:
+        ``(follows_dtype, follows_device)``.
+    """
     return bool(getattr(block, "_depthsat_follow_dtype", False)), bool(getattr(block, "_depthsat_follow_device", False))
 
 
@@ -176,6 +192,10 @@ class ResidualFamily(abc.ABC):
         Args:
             shape: per-example site shape (without the batch dimension).
             layout: the site's layout.
+
+        Raises:
+            FamilyError: an unknown layout, a layout the family does not fit, or a shape with the wrong
+                number of dimensions for the layout.
         """
         if layout not in tuple(Layout):
             raise FamilyError(f"unknown site layout {str(layout)!r}: use one of {', '.join(Layout)}")
@@ -190,7 +210,14 @@ class ResidualFamily(abc.ABC):
 
     @abc.abstractmethod
     def param_dim(self, shape: Sequence[int]) -> int:
-        """Dimension ``p`` of the tangent coordinates ``θ`` at a site of this shape."""
+        """Dimension ``p`` of the tangent coordinates ``θ`` at a site of this shape.
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+
+        Returns:
+            ``p``.
+        """
 
     @abc.abstractmethod
     def functional(self, theta: Tensor, z: Tensor, layout: str) -> Tensor:
@@ -221,12 +248,22 @@ class ResidualFamily(abc.ABC):
                 receives (:func:`place_block`), so it runs inside a float32 model.
             device: the block's device; ``None`` (default): the site tensor's.
 
+        Returns:
+            The block module, mapping ``(B, *shape)`` site tensors to ``(B, *shape)``.
+
         Raises:
             FamilyError: if the family does not fit the site.
         """
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
-        """The block's parameters that form ``θ`` (in the order of :meth:`functional`)."""
+        """The block's parameters that form ``θ`` (in the order of :meth:`functional`).
+
+        Args:
+            block: a block built by :meth:`block`.
+
+        Returns:
+            The parameters forming ``θ``; here all of ``block.parameters()``.
+        """
         return list(block.parameters())
 
     def __repr__(self) -> str:
@@ -298,7 +335,15 @@ class FeatureFamily(ResidualFamily):
     # -- to implement
     @abc.abstractmethod
     def feature_dim(self, shape: Sequence[int], layout: str) -> int:
-        """Number ``k`` of features per row, without the constant."""
+        """Number ``k`` of features per row, without the constant.
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+
+        Returns:
+            ``k``.
+        """
 
     @abc.abstractmethod
     def _make_feature_map(self, shape: Sequence[int], layout: str) -> nn.Module:
@@ -308,9 +353,18 @@ class FeatureFamily(ResidualFamily):
     def feature_map(self, shape: Sequence[int], layout: str, *, dtype=None, device=None) -> nn.Module:
         """The feature module ``φ_ψ`` at a site (deterministic in the family's seed).
 
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+            dtype: the module's dtype (default float64).
+            device: the module's device (default CPU).
+
         Returns:
             A module mapping ``(B, *shape)`` site tensors to ``(B, R, k)`` rows, in
             ``dtype`` (default float64) on ``device``, with ``requires_grad`` on.
+
+        Raises:
+            FamilyError: if the family does not fit the site (:meth:`check_site`).
         """
         key = (tuple(shape), layout)
         if key not in self._cache:  # the float64 CPU master copy
@@ -322,15 +376,38 @@ class FeatureFamily(ResidualFamily):
         return mod.to(dtype=dtype or torch.float64, device=device)
 
     def site_dim(self, shape: Sequence[int], layout: str) -> int:
-        """Row dimension ``d`` (``C`` for image sites)."""
+        """Row dimension ``d`` (``C`` for image sites).
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+
+        Returns:
+            ``d``: ``shape[0]`` for image sites, else ``shape[-1]``.
+        """
         return int(shape[0] if layout == Layout.IMAGE else shape[-1])
 
     def augmented_dim(self, shape: Sequence[int], layout: str) -> int:
-        """``k̃ = k + bias``: the length of ``φ̃``."""
+        """``k̃ = k + bias``: the length of ``φ̃``.
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+
+        Returns:
+            ``k̃ = k + bias``.
+        """
         return self.feature_dim(shape, layout) + int(self.bias)
 
     def param_dim(self, shape: Sequence[int]) -> int:
-        """``p = d (k + bias)``: the number of entries of ``θ = (vec_row(W), c)`` at a site of this shape."""
+        """``p = d (k + bias)``: the number of entries of ``θ = (vec_row(W), c)`` at a site of this shape.
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+
+        Returns:
+            ``p = d (k + bias)``.
+        """
         layout = _layout_of(shape)
         return self.site_dim(shape, layout) * self.augmented_dim(shape, layout)
 
@@ -343,6 +420,9 @@ class FeatureFamily(ResidualFamily):
             mask: optional padding mask ``(B, T)`` bool (``True`` at real tokens), passed to
                 ``fmap`` for families with ``masks_padding``; ignored by the others (their
                 padded rows are dropped by the statistics).
+
+        Returns:
+            ``φ̃`` rows ``(B, R, k̃)`` in ``fmap``'s dtype, with a column of ones last when ``bias``.
         """
         phi = fmap(z, mask=mask) if mask is not None and self.masks_padding else fmap(z)
         if self.bias:
@@ -350,7 +430,21 @@ class FeatureFamily(ResidualFamily):
         return phi
 
     def frozen_feature_map(self, shape: Sequence[int], layout: str, *, dtype=None, device=None) -> nn.Module:
-        """A cached copy of :meth:`feature_map` with gradients off (statistics, ``functional``)."""
+        """A cached copy of :meth:`feature_map` with gradients off (statistics, ``functional``).
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+            dtype: the module's dtype (default float64).
+            device: the module's device (default CPU).
+
+        Returns:
+            The feature module (``(B, *shape)`` → ``(B, R, k)``), shared between calls with the same
+            arguments: do not modify it.
+
+        Raises:
+            FamilyError: if the family does not fit the site (:meth:`check_site`).
+        """
         key = ("frozen", tuple(shape), layout, dtype or torch.float64, str(device))
         if key not in self._cache:
             fmap = self.feature_map(shape, layout, dtype=dtype, device=device)
@@ -360,7 +454,17 @@ class FeatureFamily(ResidualFamily):
         return self._cache[key]
 
     def split_theta(self, theta: Tensor, d: int, k: int) -> tuple[Tensor, Tensor | None]:
-        """``θ = (vec_row(W), c)`` ↦ ``(W (d, k), c (d,) or None)``."""
+        """``θ = (vec_row(W), c)`` ↦ ``(W (d, k), c (d,) or None)``.
+
+        Args:
+            theta: the flat tangent coordinates ``(d (k + bias),)``.
+            d: row dimension.
+            k: number of features (without the constant).
+
+        Returns:
+            ``(W, c)``: views of ``theta``, ``W`` of shape ``(d, k)`` and ``c`` of shape ``(d,)``
+            (``None`` without ``bias``).
+        """
         w = theta[: d * k].reshape(d, k)
         return w, (theta[d * k :] if self.bias else None)
 
@@ -399,6 +503,15 @@ class FeatureFamily(ResidualFamily):
         ``bias``) are the tangent coordinates; the feature weights ``ψ`` follow.  The block is in
         ``dtype`` on ``device``; ``None`` for either follows the site tensor (:func:`place_block`).
 
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+            dtype: the block's dtype; ``None``: the site tensor's.
+            device: the block's device; ``None``: the site tensor's.
+
+        Returns:
+            The block module, mapping ``(B, *shape)`` site tensors to ``(B, *shape)``; zero at insertion.
+
         Raises:
             FamilyError: if the family does not fit the site (:meth:`check_site`).
         """
@@ -409,7 +522,14 @@ class FeatureFamily(ResidualFamily):
         return place_block(_FeatureBlock(fmap, k, d, self.bias, layout, self.masks_padding), dtype, device)
 
     def tangent_parameters(self, block: nn.Module) -> list[nn.Parameter]:
-        """The weight ``W`` and (when ``bias``) the bias ``c`` of the block's final linear map ``out``."""
+        """The weight ``W`` and (when ``bias``) the bias ``c`` of the block's final linear map ``out``.
+
+        Args:
+            block: a block built by :meth:`block`.
+
+        Returns:
+            ``[W]`` or ``[W, c]``: the parameters of the submodule ``out``.
+        """
         out = block.get_submodule("out")
         return [out.get_parameter("weight")] + ([out.get_parameter("bias")] if self.bias else [])
 
@@ -467,6 +587,12 @@ class GeneralFamily(ResidualFamily):
     def param_dim(self, shape: Sequence[int]) -> int:
         """Dimension ``p`` of ``θ`` at a site of this shape (``param_dim`` of the row dimension ``d``).
 
+        Args:
+            shape: per-example site shape (without the batch dimension).
+
+        Returns:
+            ``p`` (the fixed count, or ``param_dim(d)`` when it was given as a function).
+
         Raises:
             FamilyError: if ``p < 1``.
         """
@@ -510,6 +636,15 @@ class GeneralFamily(ResidualFamily):
         """Build the insertable block: one parameter ``θ`` of shape ``(p,)``, zero.
 
         In ``dtype`` on ``device``; ``None`` for either follows the site tensor (:func:`place_block`).
+
+        Args:
+            shape: per-example site shape (without the batch dimension).
+            layout: the site's layout.
+            dtype: the block's dtype; ``None``: the site tensor's.
+            device: the block's device; ``None``: the site tensor's.
+
+        Returns:
+            The block module, mapping ``(B, *shape)`` site tensors to ``(B, *shape)``; zero at insertion.
 
         Raises:
             FamilyError: if the family does not fit the site (:meth:`check_site`) or ``p < 1``.

@@ -99,6 +99,13 @@ def monomial_exponents(d: int, degree: int) -> list[tuple[int, ...]]:
 
     By degree, then lexicographically (``itertools.combinations_with_replacement``): for
     ``d = 2, D = 2`` that is ``u1, u2, u1², u1 u2, u2²``.  There are ``C(d + D, D) − 1``.
+
+    Args:
+        d: number of variables.
+        degree: the largest total degree ``D``.
+
+    Returns:
+        Sorted tuples of 0-based variable indices, one per monomial (``(0, 1)`` is ``u1 u2``).
     """
     return [c for q in range(1, degree + 1) for c in itertools.combinations_with_replacement(range(d), q)]
 
@@ -260,7 +267,14 @@ class _Conv3x3Family(_SimpleFeatureFamily):
 
 # -- constructors (public)
 def linear(*, bias: bool = True) -> FeatureFamily:
-    """Linear family ``h(u) = W u (+ c)`` on rows: ``φ(u) = u``, ``k = d``."""
+    """Linear family ``h(u) = W u (+ c)`` on rows: ``φ(u) = u``, ``k = d``.
+
+    Args:
+        bias: include the output bias ``c``.
+
+    Returns:
+        The family ``"linear"`` (``"linear-nobias"``).
+    """
     return _SimpleFeatureFamily(
         "linear" if bias else "linear-nobias", lambda d, lay: _Rows(lay), lambda d: d, bias=bias, copies_input=True
     )
@@ -277,6 +291,13 @@ def polynomial(degree: int, *, bias: bool = True) -> FeatureFamily:
     ``φ(u) = (u_{i1} ⋯ u_{iq})`` over ``1 ≤ q ≤ D``, ``i1 ≤ … ≤ iq`` (order of
     :func:`monomial_exponents`), ``k = C(d + D, D) − 1`` (the constant is the output bias
     ``c``), so ``T`` is every polynomial map of degree ``≤ D`` (without ``c``: vanishing at 0).
+
+    Args:
+        degree: the largest total degree ``D``.
+        bias: include the output bias ``c``.
+
+    Returns:
+        The family ``"poly:<degree>"``.
 
     Raises:
         FamilyError: if ``degree`` is not in ``1..MAX_DEGREE``; at a site, if ``k`` exceeds
@@ -296,6 +317,13 @@ def powers(degree: int, *, bias: bool = True) -> FeatureFamily:
 
     Feature ``(q − 1) d + j`` is ``u_j^q``; no cross terms (compare :func:`polynomial`).
 
+    Args:
+        degree: the largest power ``D``.
+        bias: include the output bias ``c``.
+
+    Returns:
+        The family ``"powers:<degree>"``.
+
     Raises:
         FamilyError: if ``degree`` is not in ``1..MAX_DEGREE``.
     """
@@ -310,6 +338,14 @@ def random_features(width: int, activation: str = "relu", seed: int = 0) -> Feat
 
     The feature seed ``ψ_0`` is part of the family (``T`` is random through it,
     theory label thm-reparameterization).  ``activation`` is ``relu``, ``gelu`` or ``tanh``.
+
+    Args:
+        width: number of features ``k`` (``1..MAX_WIDTH``).
+        activation: ``"relu"``, ``"gelu"`` or ``"tanh"``.
+        seed: the feature seed ``ψ_0``.
+
+    Returns:
+        The family ``"<activation>:<width>:<seed>"``.
 
     Raises:
         FamilyError: on an unknown activation or ``width < 1``.
@@ -329,14 +365,35 @@ EVEN_KINDS = ("abs", "square")
 
 
 def even_features(kind: str = "abs") -> FeatureFamily:
-    """Even elementwise features ``|u|`` or ``u²`` (used by the odd construction, theory label ex-saturated)."""
+    """Even elementwise features ``|u|`` or ``u²`` (used by the odd construction, theory label ex-saturated).
+
+    Args:
+        kind: ``"abs"`` or ``"square"``.
+
+    Returns:
+        The family ``"even:<kind>"``, ``k = d``.
+
+    Raises:
+        FamilyError: on another ``kind``.
+    """
     if kind not in EVEN_KINDS:
         raise FamilyError(f"even features are 'abs' or 'square', got {kind!r}")
     return _SimpleFeatureFamily(f"even:{kind}", lambda d, lay: _Even(lay, kind), lambda d: d)
 
 
 def preln_mlp(width: int, seed: int = 0) -> FeatureFamily:
-    """Pre-LN MLP block: LayerNorm → Linear(d, k) → GELU → zero Linear(k, d) (with bias)."""
+    """Pre-LN MLP block: LayerNorm → Linear(d, k) → GELU → zero Linear(k, d) (with bias).
+
+    Args:
+        width: hidden width ``k`` (``1..MAX_WIDTH``).
+        seed: the feature weights' seed.
+
+    Returns:
+        The family ``"preln:<width>:<seed>"``.
+
+    Raises:
+        FamilyError: on a width outside ``1..MAX_WIDTH``.
+    """
     _check_width(width)
     return _SimpleFeatureFamily(
         f"preln:{width}:{seed}",
@@ -346,14 +403,32 @@ def preln_mlp(width: int, seed: int = 0) -> FeatureFamily:
 
 
 def conv1x1(*, bias: bool = True) -> FeatureFamily:
-    """A zero ``1×1`` convolution on image sites (the linear family on pixel rows)."""
+    """A zero ``1×1`` convolution on image sites (the linear family on pixel rows).
+
+    Args:
+        bias: include the output bias ``c``.
+
+    Returns:
+        The family ``"conv1x1"`` (image sites only), ``k = C``.
+    """
     return _Conv1x1Family(
         "conv1x1", lambda d, lay: _Rows(lay), lambda d: d, bias=bias, layouts=(Layout.IMAGE,), copies_input=True
     )
 
 
 def conv3x3(width: int, seed: int = 0) -> FeatureFamily:
-    """Conv3×3(C, k) → ReLU → zero Conv1×1(k, C): unit is the whole image."""
+    """Conv3×3(C, k) → ReLU → zero Conv1×1(k, C): unit is the whole image.
+
+    Args:
+        width: number of hidden channels ``k`` (``1..MAX_WIDTH``).
+        seed: the feature weights' seed.
+
+    Returns:
+        The family ``"conv3x3:<width>:<seed>"`` (image sites only).
+
+    Raises:
+        FamilyError: on a width outside ``1..MAX_WIDTH``.
+    """
     _check_width(width)
     return _Conv3x3Family(
         f"conv3x3:{width}:{seed}",
@@ -374,6 +449,17 @@ def causal_attention(width: int, heads: int = 4, seed: int = 0) -> FeatureFamily
     the model (:func:`~depthsat_theory.capture.insert_block`), so its real rows are those of the
     unpadded sequences under left or right padding.  Implemented explicitly (``nn.MultiheadAttention`` would bypass
     ``out_proj``'s hooks, theory/definitions.md).
+
+    Args:
+        width: feature width ``k`` (``1..MAX_WIDTH``).
+        heads: number of attention heads (``≥ 1``).
+        seed: the feature weights' seed.
+
+    Returns:
+        The family ``"attention:<width>:<seed>"`` (sequence sites only).
+
+    Raises:
+        FamilyError: on a width outside ``1..MAX_WIDTH`` or ``heads < 1``.
     """
     _check_width(width)
     if heads < 1:
@@ -394,6 +480,15 @@ def product(rank: int) -> GeneralFamily:
 
     Its tangent map vanishes at the origin (``A ≡ 0``), so ``T = {0}``: the family is
     *degenerate* and must never be reported as saturated (theory label thm-reparameterization).
+
+    Args:
+        rank: inner dimension ``R ≥ 1``.
+
+    Returns:
+        The :class:`GeneralFamily` ``"product:<rank>"`` with ``p = 2 d R``, ``θ = (vec_row(U), vec_row(V))``.
+
+    Raises:
+        FamilyError: if ``rank < 1``.
     """
     if rank < 1:
         raise FamilyError(f"product rank must be >= 1, got {rank}")

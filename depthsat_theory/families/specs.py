@@ -79,6 +79,9 @@ class FamilySpec:
         Args:
             args: the colon-separated arguments (lower case, stripped).
 
+        Returns:
+            The family built by ``build`` (missing optional integers as 0).
+
         Raises:
             FamilyError: on a wrong number of arguments, a word not in ``words`` or a
                 non-integer argument (the reason only; :func:`parse_family` adds the spec).
@@ -149,17 +152,32 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
 
 
 def family_specs() -> str:
-    """A one-line description of the built-in family spec grammar (every form, comma-separated)."""
+    """A one-line description of the built-in family spec grammar (every form, comma-separated).
+
+    Returns:
+        Every form of :data:`FAMILY_SPECS`, comma-separated.
+    """
     return ", ".join(form for spec in FAMILY_SPECS.values() for form in spec.forms)
 
 
 def family_help() -> str:
-    """One line per built-in family: its forms and its help line."""
+    """One line per built-in family: its forms and its help line.
+
+    Returns:
+        One line ``"<form> | <form>: <help>"`` per family (forms joined by ``" | "``), newline-separated.
+    """
     return "\n".join(f"{' | '.join(s.forms)}: {s.help}" for s in FAMILY_SPECS.values())
 
 
 def is_family_name(name: str) -> bool:
-    """Whether ``name`` (case-insensitive) is the head of a built-in spec (``relu``, ``poly``, …)."""
+    """Whether ``name`` (case-insensitive) is the head of a built-in spec (``relu``, ``poly``, …).
+
+    Args:
+        name: a spec head (surrounding whitespace ignored).
+
+    Returns:
+        ``True`` if it names a built-in family.
+    """
     return name.strip().lower() in FAMILY_SPECS
 
 

@@ -57,7 +57,11 @@ class Growth:
         return list(self.blocks)
 
     def tangent_params(self) -> dict[str, list[nn.Parameter]]:
-        """The blocks' tangent-coordinate parameters ``θ`` by site (zero at insertion)."""
+        """The blocks' tangent-coordinate parameters ``θ`` by site (zero at insertion).
+
+        Returns:
+            ``{site: [parameters]}``: each block's :meth:`ResidualFamily.tangent_parameters`.
+        """
         return {s: self.families[s].tangent_parameters(b) for s, b in self.blocks.items()}
 
 

@@ -113,6 +113,14 @@ class Expansion:
 def find_architecture(model: nn.Module) -> tuple[Architecture, str]:
     """The supported architecture of ``model`` and the name of its layer list.
 
+    Args:
+        model: the model to match against :data:`ARCHITECTURES`.
+
+    Returns:
+        ``(architecture, path)``: the first :class:`Architecture` whose layer list at ``path``
+        (e.g. ``"model.layers"``) is a non-empty ``nn.ModuleList`` whose first layer has all the
+        modules it zeroes.
+
     Raises:
         GrowError: for any other model (the message names the supported ones and the fallback).
     """
@@ -303,6 +311,10 @@ def drop_gguf_marker(model: nn.Module) -> None:
 
     transformers keeps a GGUF "quantizer" on such a model and refuses ``save_pretrained``; the
     parameters are ordinary float tensors, so the model is saved as an unquantized one.
+
+    Args:
+        model: a transformers model, changed in place (nothing happens unless its
+            ``hf_quantizer`` is a GGUF one).
     """
     quantizer = getattr(model, "hf_quantizer", None)
     method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)

@@ -25,7 +25,14 @@ __all__ = ["FirstStepPreview", "flat_params", "preview_first_step", "zero_state_
 
 
 def flat_params(new_params: Mapping[str, Iterable[nn.Parameter]] | Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The parameters of ``{site: [params]}`` (or a plain iterable) as one list without repeats."""
+    """The parameters of ``{site: [params]}`` (or a plain iterable) as one list without repeats.
+
+    Args:
+        new_params: ``{site: [parameters]}`` (e.g. :attr:`Growth.new_params`) or an iterable of parameters.
+
+    Returns:
+        The parameters in first-seen order, each once (by identity).
+    """
     items = new_params.values() if isinstance(new_params, Mapping) else [new_params]
     out: list[nn.Parameter] = []
     seen: set[int] = set()
@@ -111,7 +118,11 @@ class FirstStepPreview:
     ratio: float
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            The fields as a ``dict``, ``nan`` floats as ``None``.
+        """
         return {k: (None if isinstance(v, float) and v != v else v) for k, v in asdict(self).items()}
 
 

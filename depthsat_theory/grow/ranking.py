@@ -43,7 +43,12 @@ class RankedSite:
     verdict: str
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (non-finite numbers become ``None``)."""
+        """JSON-ready dictionary (non-finite numbers become ``None``).
+
+        Returns:
+            A ``dict`` with ``site``, ``depth``, ``key``, ``relative_score``, ``relative_lower`` and ``verdict``
+            (non-finite ``key``/``relative_score`` as ``None``).
+        """
         return {
             "site": self.site,
             "depth": self.depth,
@@ -71,6 +76,12 @@ class SiteRanking:
     def top(self, k: int) -> list[str]:
         """The ``k`` best site names.
 
+        Args:
+            k: how many sites, ``1 ≤ k ≤ len(sites)``.
+
+        Returns:
+            The names of the first ``k`` sites of the ranking.
+
         Raises:
             GrowError: ``k`` outside ``1..len(sites)``.
         """
@@ -79,7 +90,11 @@ class SiteRanking:
         return [r.site for r in self.sites[:k]]
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            A ``dict`` with ``by``, ``reason`` and ``sites`` (each :meth:`RankedSite.to_dict`, best first).
+        """
         return {"by": self.by, "reason": self.reason, "sites": [r.to_dict() for r in self.sites]}
 
 
@@ -143,6 +158,13 @@ def even_positions(n: int, k: int) -> list[int]:
     """``k`` evenly spaced indices in ``0..n−1`` (LLaMA-Pro's placement: after every ``n/k``-th layer).
 
     Index ``j`` is ``⌈(j + 1) n / k⌉ − 1``, so the last one is ``n − 1``.
+
+    Args:
+        n: number of sites (layers).
+        k: number of positions, ``1 ≤ k ≤ n``.
+
+    Returns:
+        ``k`` increasing indices, the last ``n − 1``.
 
     Raises:
         GrowError: ``k`` outside ``1..n``.

@@ -86,7 +86,11 @@ class GrowReport:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (``nan`` becomes ``None``)."""
+        """JSON-ready dictionary (``nan`` becomes ``None``).
+
+        Returns:
+            The fields except ``model`` as a ``dict`` (nested; non-finite floats as ``None``).
+        """
         keys = [k for k in self.__dataclass_fields__ if k != "model"]
         return {k: _clean(getattr(self, k)) for k in keys}
 

@@ -82,6 +82,9 @@ class TrainerSaturationCallback(TrainerCallback):
     def attach(self, trainer: Any) -> TrainerSaturationCallback:
         """Register this callback with ``trainer`` (``trainer.add_callback``) and log through it.
 
+        Args:
+            trainer: a ``transformers.Trainer``.
+
         Returns:
             ``self``.
         """
@@ -90,7 +93,20 @@ class TrainerSaturationCallback(TrainerCallback):
         return self
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Refuse to run unattached: the values would have nowhere to go."""
+        """Refuse to run unattached: the values would have nowhere to go.
+
+        Args:
+            args: the ``TrainingArguments`` (unused).
+            state: the ``TrainerState`` (unused).
+            control: the ``TrainerControl``.
+            **kwargs: the Trainer's other callback arguments (unused).
+
+        Returns:
+            ``control``, unchanged.
+
+        Raises:
+            RuntimeError: if :meth:`attach` was not called.
+        """
         if self._trainer is None:
             raise RuntimeError(
                 "TrainerSaturationCallback is not attached: call callback.attach(trainer) instead of "
@@ -104,6 +120,16 @@ class TrainerSaturationCallback(TrainerCallback):
         ``trainer.log`` clears ``control.should_log``; it is restored, so that the Trainer still logs its
         own training loss at this step when it was due (otherwise that row would be dropped and the
         next one averaged over the longer window).
+
+        Args:
+            args: the ``TrainingArguments`` (unused).
+            state: the ``TrainerState`` (its ``global_step``).
+            control: the ``TrainerControl``.
+            model: the model being trained (``None``: nothing is measured).
+            **kwargs: the Trainer's other callback arguments (unused).
+
+        Returns:
+            ``control``, with ``should_log`` as before the measurement.
         """
         if model is not None and self.monitor.due(state.global_step):
             should_log = control.should_log

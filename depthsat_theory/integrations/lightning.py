@@ -70,7 +70,15 @@ class LightningSaturationCallback(Callback):
         )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        """After a training batch: when optimizer step ``trainer.global_step`` is due, measure and log."""
+        """After a training batch: when optimizer step ``trainer.global_step`` is due, measure and log.
+
+        Args:
+            trainer: the Lightning ``Trainer`` (its ``global_step`` and ``loggers``).
+            pl_module: the ``LightningModule`` being trained (measured).
+            outputs: the training step's outputs (unused).
+            batch: the batch (unused).
+            batch_idx: the batch index (unused).
+        """
         step = int(trainer.global_step)
         if not self.monitor.due(step):
             return

@@ -91,7 +91,14 @@ class SaturationMonitor:
         self._placed: tuple[torch.device | None, list] = (None, self.batches)
 
     def due(self, step: int) -> bool:
-        """Whether optimizer step ``step`` is one to measure at (and was not measured yet)."""
+        """Whether optimizer step ``step`` is one to measure at (and was not measured yet).
+
+        Args:
+            step: the optimizer step count.
+
+        Returns:
+            ``True`` for a positive multiple of ``every`` other than the last step measured.
+        """
         return step > 0 and step % self.every == 0 and step != self.step
 
     def _batches_on(self, device: torch.device) -> list:

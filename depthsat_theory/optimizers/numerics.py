@@ -34,6 +34,13 @@ _F64_TINY = float(np.finfo(np.float64).tiny)  # smallest normal float64
 def check_vector(b: Any, argname: str = "b") -> torch.Tensor:
     """Validate a flat, finite, floating-point vector; return it unchanged.
 
+    Args:
+        b: the vector.
+        argname: its name in the error message.
+
+    Returns:
+        ``b`` itself.
+
     Raises:
         ValueError: naming ``argname`` if ``b`` is not a finite 1-D floating tensor.
     """
@@ -49,7 +56,17 @@ def check_vector(b: Any, argname: str = "b") -> torch.Tensor:
 
 
 def check_tau(tau: Any) -> float:
-    """Validate a rounding bound ``tau >= 0`` (finite or ``inf``)."""
+    """Validate a rounding bound ``tau >= 0`` (finite or ``inf``).
+
+    Args:
+        tau: the rounding bound (an ``int`` or ``float``, not a ``bool``).
+
+    Returns:
+        ``tau`` as a float.
+
+    Raises:
+        ValueError: if ``tau`` is not a real number, or is negative or NaN.
+    """
     if isinstance(tau, bool) or not isinstance(tau, (int, float)):
         raise ValueError(f"tau must be a real number, got {type(tau).__name__}")
     tau = float(tau)
@@ -59,7 +76,17 @@ def check_tau(tau: Any) -> float:
 
 
 def check_lr(lr: Any) -> float:
-    """Validate a learning rate: a finite real number ``>= 0``."""
+    """Validate a learning rate: a finite real number ``>= 0``.
+
+    Args:
+        lr: the learning rate (an ``int`` or ``float``, not a ``bool``).
+
+    Returns:
+        ``lr`` as a float.
+
+    Raises:
+        ValueError: if ``lr`` is not a real number, or is negative, NaN or infinite.
+    """
     if isinstance(lr, bool) or not isinstance(lr, (int, float)):
         raise ValueError(f"lr must be a real number, got {type(lr).__name__}")
     lr = float(lr)
@@ -70,6 +97,13 @@ def check_lr(lr: Any) -> float:
 
 def check_beta(beta: Any, argname: str) -> float:
     """Validate a decay rate in ``[0, 1)``; return it as a float.
+
+    Args:
+        beta: the decay rate.
+        argname: its name in the error message.
+
+    Returns:
+        ``beta`` as a float.
 
     Raises:
         ValueError: naming ``argname`` if ``beta`` is outside ``[0, 1)``.
@@ -82,6 +116,13 @@ def check_beta(beta: Any, argname: str) -> float:
 
 def check_nonneg(x: Any, argname: str) -> float:
     """Validate a finite number ``>= 0``; return it as a float.
+
+    Args:
+        x: the value.
+        argname: its name in the error message.
+
+    Returns:
+        ``x`` as a float.
 
     Raises:
         ValueError: naming ``argname`` if ``x`` is negative, NaN or infinite.
@@ -99,6 +140,13 @@ def exact_dot(b: torch.Tensor, p: torch.Tensor) -> float:
     :func:`math.fsum`, so cancellations (e.g. the rotation map, where the
     products come in exact :math:`\pm` pairs) give exactly ``0.0`` regardless
     of summation order.
+
+    Args:
+        b: a tensor (any floating dtype and device).
+        p: a tensor with as many elements.
+
+    Returns:
+        The inner product as a Python float (float64).
     """
     prods = b.detach().to(torch.float64) * p.detach().to(torch.float64)
     prods = prods.cpu()
@@ -115,6 +163,13 @@ def inner_sign(b: torch.Tensor, p: torch.Tensor) -> int:
     is certified when :math:`|s| > 4u \sum_i |b_i p_i|`. Otherwise (under- or
     overflow, near or exact cancellation) the inner product is evaluated
     exactly in rational arithmetic (:class:`fractions.Fraction`).
+
+    Args:
+        b: a tensor (converted to float64 on the CPU).
+        p: a tensor of the same shape.
+
+    Returns:
+        ``1``, ``0`` or ``-1``.
     """
     x = b.detach().to("cpu", torch.float64).numpy()
     y = p.detach().to("cpu", torch.float64).numpy()
@@ -137,7 +192,14 @@ def inner_sign(b: torch.Tensor, p: torch.Tensor) -> int:
 
 
 def rotate(b: torch.Tensor) -> torch.Tensor:
-    """Pairwise quarter turn ``(x, y) -> (-y, x)``; odd trailing entry -> 0."""
+    """Pairwise quarter turn ``(x, y) -> (-y, x)``; odd trailing entry -> 0.
+
+    Args:
+        b: a flat tensor ``(n,)``.
+
+    Returns:
+        A new tensor like ``b``: entries ``2i, 2i+1`` are ``(-b[2i+1], b[2i])``; the last is ``0`` for odd ``n``.
+    """
     out = torch.zeros_like(b)
     m = (b.numel() // 2) * 2
     out[0:m:2] = -b[1:m:2]

@@ -48,7 +48,17 @@ class SignSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one step; ``closure`` re-evaluates and returns the loss."""
+        """Perform one step; ``closure`` re-evaluates and returns the loss.
+
+        Args:
+            closure: optional function that recomputes the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+
+        Raises:
+            RuntimeError: for a sparse gradient.
+        """
         loss = _closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
@@ -100,7 +110,17 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one step; ``closure`` re-evaluates and returns the loss."""
+        """Perform one step; ``closure`` re-evaluates and returns the loss.
+
+        Args:
+            closure: optional function that recomputes the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+
+        Raises:
+            RuntimeError: for a sparse gradient.
+        """
         loss = _closure_loss(closure)
         for group in self.param_groups:
             lr = group["lr"]
@@ -155,7 +175,18 @@ class RotationOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one step; ``closure`` re-evaluates and returns the loss."""
+        """Perform one step; ``closure`` re-evaluates and returns the loss.
+
+        Args:
+            closure: optional function that recomputes the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+
+        Raises:
+            RuntimeError: for a sparse gradient.
+            ValueError: if the gradients are on more than one device.
+        """
         loss = _closure_loss(closure)
         entries = []  # (param, lr)
         for group in self.param_groups:

@@ -73,6 +73,14 @@ def guaranteed_decrease(score: float, beta: float) -> float:
 def decrease_upper_bound(score: float, radius: float, beta: float) -> float:
     """``s r + β r²/2``: no block of function-space size ``r`` removes more (``prop-decrease-upper``).
 
+    Args:
+        score: ``s ≥ 0`` (loss units per unit step).
+        radius: ``r ≥ 0``, the block's function-space size.
+        beta: ``β ≥ 0``, the smoothness constant of the loss.
+
+    Returns:
+        ``s r + β r²/2`` (loss units).
+
     Raises:
         ValueError: a negative or non-finite argument (``beta = 0`` is allowed).
     """
@@ -83,6 +91,13 @@ def decrease_upper_bound(score: float, radius: float, beta: float) -> float:
 def best_decrease_bound(score: float, mu: float) -> float:
     """``s² / (2μ)``: the best decrease of a ``μ``-strongly convex loss on ``T`` (``prop-decrease-upper``).
 
+    Args:
+        score: ``s ≥ 0`` (loss units per unit step).
+        mu: ``μ > 0``, the strong-convexity constant of the loss on ``T``.
+
+    Returns:
+        ``s² / (2μ)`` (loss units, e.g. nats).
+
     Raises:
         ValueError: ``mu ≤ 0`` or a non-finite argument.
     """
@@ -91,7 +106,17 @@ def best_decrease_bound(score: float, mu: float) -> float:
 
 
 def squared_error_decrease(score: float) -> float:
-    """``s² / 2``: the exact best decrease at an output site under ``ℓ = ½‖ŷ − y‖²`` (``prop-squared-error-exact``)."""
+    """``s² / 2``: the exact best decrease at an output site under ``ℓ = ½‖ŷ − y‖²`` (``prop-squared-error-exact``).
+
+    Args:
+        score: ``s ≥ 0`` at the output site.
+
+    Returns:
+        ``s² / 2`` (loss units).
+
+    Raises:
+        ValueError: a negative or non-finite ``score``.
+    """
     s = _check("score", score, positive=False)
     return s * s / 2
 
@@ -128,6 +153,13 @@ def epsilon_from_nats(nats: float, beta: float) -> float:
     A site certified ``ε``-saturated with this ``ε`` has ``s²/(2β) ≤ ε_J``: even the step
     ``−Πg/β`` is promised no more than ``ε_J`` (and, when ``μ = β``, as for squared error at the
     output, no block removes more).
+
+    Args:
+        nats: ``ε_J > 0``, the decrease in loss units (nats for cross-entropy).
+        beta: ``β > 0``, the smoothness constant of the loss.
+
+    Returns:
+        ``ε = sqrt(2 β ε_J)`` (loss units per unit step).
 
     Raises:
         ValueError: ``nats ≤ 0`` or ``beta ≤ 0``.

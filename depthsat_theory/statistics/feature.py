@@ -65,13 +65,27 @@ class TriangularFactor(StreamingStatistic):
         self._r = value
 
     def update(self, rows: Tensor) -> None:
-        """Add feature rows ``(N, k̃)`` float64."""
+        """Add feature rows ``(N, k̃)`` float64.
+
+        Args:
+            rows: feature rows ``(N, k̃)`` (converted to float64).
+        """
         stacked = torch.cat([self.r.to(rows.device), rows.to(torch.float64)])
         self.r = torch.linalg.qr(stacked, mode="r").R[: self.k].cpu()
         self.rows += int(rows.shape[0])
 
     def merge(self, other: TriangularFactor) -> TriangularFactor:
-        """Combine with another shard's factor; returns ``self``."""
+        """Combine with another shard's factor; returns ``self``.
+
+        Args:
+            other: another :class:`TriangularFactor` of the same width ``k``.
+
+        Returns:
+            ``self``, with ``R`` the triangular factor of both shards' rows.
+
+        Raises:
+            ValueError: for another type or width.
+        """
         if not isinstance(other, TriangularFactor) or other.k != self.k:
             raise ValueError(f"cannot merge a {type(other).__name__} into a TriangularFactor of width {self.k}")
         self.r = torch.linalg.qr(torch.cat([self.r, other.r]), mode="r").R[: self.k]
@@ -84,11 +98,20 @@ class TriangularFactor(StreamingStatistic):
         self.rows = 0
 
     def state_dict(self) -> dict[str, Tensor]:
-        """``{"r", "rows"}``."""
+        """``{"r", "rows"}``.
+
+        Returns:
+            ``{"r": R (k, k) float64, "rows": int64 scalar}`` (copies).
+        """
         return {"r": self.r.clone(), "rows": torch.tensor(self.rows, dtype=torch.int64)}
 
     def load_state_dict(self, state, *, strict: bool = True) -> None:
-        """Replace the factor (missing keys: an empty factor)."""
+        """Replace the factor (missing keys: an empty factor).
+
+        Args:
+            state: ``{"r", "rows"}`` as written by :meth:`state_dict` (or without ``"r"``: empty).
+            strict: unused (accepted for the :class:`StreamingStatistic` interface).
+        """
         self.reset()
         if "r" in state:
             self.r = state["r"].detach().to(torch.float64).reshape(self.k, self.k).clone()
@@ -529,19 +552,41 @@ class FeatureStatistics(TangentStatistics):
             self._add_dense(kb)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The state (kept unit-path batches are first replayed into ``Σ``: see ``gram``)."""
+        """The state (kept unit-path batches are first replayed into ``Σ``: see ``gram``).
+
+        Returns:
+            The state as in :meth:`StreamingStatistic.state_dict` (detached CPU tensors by field name).
+        """
         self._flush()
         return super().state_dict()
 
     def merge(self, other):
-        """Add another shard's state (both sides' kept batches are first replayed into ``Σ``); returns ``self``."""
+        """Add another shard's state (both sides' kept batches are first replayed into ``Σ``); returns ``self``.
+
+        Args:
+            other: a statistic of the same type and configuration.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            TypeError, ValueError, StatisticsError: from :meth:`check_compatible`.
+        """
         self._flush()
         if isinstance(other, FeatureStatistics):
             other._flush()
         return super().merge(other)
 
     def load_state_dict(self, state, *, strict: bool = True) -> None:
-        """Replace the state (the loaded ``Σ`` is a features-path state: nothing stays kept)."""
+        """Replace the state (the loaded ``Σ`` is a features-path state: nothing stays kept).
+
+        Args:
+            state: name → tensor, as written by :meth:`state_dict`.
+            strict: see :meth:`StreamingStatistic.load_state_dict`.
+
+        Raises:
+            KeyError, ValueError: as :meth:`StreamingStatistic.load_state_dict`.
+        """
         self._flush()
         super().load_state_dict(state, strict=strict)
 
@@ -635,6 +680,9 @@ class FeatureStatistics(TangentStatistics):
         ``v̂ = tr(Σ⁻ E[XᵀX])`` is the plug-in bias ``n E[ŝ²] − n s²`` of the score and the
         scale of the noise test (theory/numerics.md, ``thm-noise-test``; MATH T7's ``v``).
 
+        Returns:
+            ``E[XᵀX]``, ``(k̃, k̃)`` float64.
+
         Raises:
             StatisticsError: if no examples were accumulated.
         """
@@ -650,6 +698,13 @@ class FeatureStatistics(TangentStatistics):
         Gram carries the error ``η`` of :func:`~depthsat_theory.statistics.linalg.gram_error` (``L_32`` =
         the chunk length), and eigenvalues ``λ̃ ≤ 2η`` are dropped as unresolvable (``thm-score-error``).
         ``eig``: the eigendecomposition of :meth:`eigh_input` when already computed (ignored with the factor).
+
+        Args:
+            rtol: an explicit relative eigenvalue cutoff (default: the resolution cutoffs, ``def-resolution``).
+            eig: ``(λ̃, Q)`` of :meth:`eigh_input` when already computed (ignored with the factor).
+
+        Returns:
+            The :class:`~depthsat_theory.statistics.linalg.Spectrum` of ``Σ`` (``k̃ × k̃``).
         """
         self._flush()
         factor = self.factor.r.numpy() / np.sqrt(self.n) if self._factored() else None
@@ -674,6 +729,9 @@ class FeatureStatistics(TangentStatistics):
 
         ``None`` when :meth:`result` needs no Gram eigensolve (the triangular factor or the unit path is
         used), before any example, or when the sums overflowed (``result`` then names the fault).
+
+        Returns:
+            ``Σ̃`` ``(k̃, k̃)`` float64 (:func:`scaled_gram` of :meth:`feature_gram`), or ``None``.
         """
         if self.n == 0 or self._kept:
             return None
@@ -701,6 +759,9 @@ class FeatureStatistics(TangentStatistics):
             alpha: level of the noise test (``thm-noise-test``), in ``(0, 0.215]``.
             eig: ``(λ̃, Q)`` of :meth:`eigh_input` when already computed (e.g. by
                 :func:`~depthsat_theory.statistics.linalg.eigh_batched` over the sites of a diagnosis).
+
+        Returns:
+            The site's :class:`SaturationResult`.
 
         Raises:
             StatisticsError: if no examples were accumulated or the sums overflowed.
@@ -781,13 +842,28 @@ class FeatureStatistics(TangentStatistics):
         return from_rows(phi @ coef.T, self.layout, site.shape).reshape(units.shape[0], -1)
 
     def theta_vector(self, mat: np.ndarray) -> np.ndarray:
-        """Flatten a ``(d, k̃)`` matrix in the tangent-coordinate order ``(vec_row(W), c)``."""
+        """Flatten a ``(d, k̃)`` matrix in the tangent-coordinate order ``(vec_row(W), c)``.
+
+        Args:
+            mat: a ``(d, k̃)`` matrix (e.g. ``G``), the constant column last when ``bias``.
+
+        Returns:
+            A new ``(d k̃,)`` array: the rows of ``mat[:, :k]``, then the constant column when ``bias``.
+        """
         if self.family.bias:
             return np.concatenate([mat[:, :-1].reshape(-1), mat[:, -1]])
         return mat.reshape(-1).copy()
 
     def projector(self, *, rtol: float | None = None) -> TangentProjector:
-        """The orthogonal projector onto ``T`` on this probe's units (see :class:`TangentProjector`)."""
+        """The orthogonal projector onto ``T`` on this probe's units (see :class:`TangentProjector`).
+
+        Args:
+            rtol: relative eigenvalue cutoff (see :meth:`spectrum`).
+
+        Returns:
+            A :class:`TangentProjector` with ``Σ⁺`` and the rank of :meth:`spectrum`; call :meth:`TangentProjector.on`
+            before applying it.
+        """
         spec = self.spectrum(rtol=rtol)
         return TangentProjector(self, spec.pinv(), spec.rank)
 
@@ -816,7 +892,14 @@ class TangentProjector:
         self.phi: np.ndarray | None = None
 
     def on(self, z: Tensor) -> TangentProjector:
-        """Fix the probe's rows: ``z`` are the probe's site tensors ``(n, *shape)``."""
+        """Fix the probe's rows: ``z`` are the probe's site tensors ``(n, *shape)``.
+
+        Args:
+            z: the probe's site tensors ``(n, *shape)``.
+
+        Returns:
+            ``self``, with ``phi`` the ``(N, k̃)`` float64 feature rows (``N = n R``) and ``n`` set.
+        """
         phi = self.stats._features(z)
         self.phi = phi.reshape(-1, phi.shape[-1]).cpu().numpy()
         self.n = int(z.shape[0])
@@ -833,7 +916,14 @@ class TangentProjector:
         return self.phi @ (big_m @ self.sigma_pinv).T
 
     def to_scipy(self) -> spla.LinearOperator:
-        """The projector as a :class:`scipy.sparse.linalg.LinearOperator` on ``R^{N d}``."""
+        """The projector as a :class:`scipy.sparse.linalg.LinearOperator` on ``R^{N d}``.
+
+        Returns:
+            A symmetric float64 ``LinearOperator`` of size ``(N d, N d)`` acting on flattened ``(N, d)`` arrays.
+
+        Raises:
+            StatisticsError: if :meth:`on` was not called.
+        """
         if self.phi is None:
             raise StatisticsError("call .on(z) with the probe's site tensors first")
         size = self.phi.shape[0] * self.stats.d

@@ -50,7 +50,16 @@ class GeneralStatistics(TangentStatistics):
         return self.states["b"]
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
-        """Add a batch (see :meth:`FeatureStatistics.update`, including ``mask``)."""
+        """Add a batch (see :meth:`FeatureStatistics.update`, including ``mask``).
+
+        Args:
+            z: ``(B, *shape)`` activations.
+            g: ``(B, *shape)`` gradients of the per-example losses w.r.t. ``z``.
+            mask: optional padding mask, bool ``(B, T)``, ``True`` at real tokens.
+
+        Raises:
+            StatisticsError: as :meth:`FeatureStatistics.update`, or if the tangent map is NaN/Inf on this batch.
+        """
         mask = self._row_mask(z, g, mask)
         self._common(z, g, mask)
         z64 = z.detach().to(torch.float64)
@@ -109,6 +118,9 @@ class GeneralStatistics(TangentStatistics):
     def noise_moment(self) -> np.ndarray:
         """``E[b_x b_xᵀ]`` over examples ``(p, p)`` float64 (the noise test's ``v̂ = tr(K⁻ E[b_x b_xᵀ])``).
 
+        Returns:
+            ``E[b_x b_xᵀ]``, ``(p, p)`` float64.
+
         Raises:
             StatisticsError: if no examples were accumulated.
         """
@@ -142,7 +154,19 @@ class GeneralStatistics(TangentStatistics):
     def result(
         self, *, rtol: float | None = None, tol: float | None = None, alpha: float = NOISE_ALPHA
     ) -> SaturationResult:
-        """Compute ``s² = bᵀ K⁺ b``, its rounding bound and the noise test (see :meth:`FeatureStatistics.result`)."""
+        """Compute ``s² = bᵀ K⁺ b``, its rounding bound and the noise test (see :meth:`FeatureStatistics.result`).
+
+        Args:
+            rtol: an explicit relative eigenvalue cutoff for the unit-diagonal ``K̃``.
+            tol: an explicit saturation threshold (default: the rounding bound).
+            alpha: level of the noise test (``thm-noise-test``), in ``(0, 0.215]``.
+
+        Returns:
+            The site's :class:`SaturationResult`.
+
+        Raises:
+            StatisticsError: if no examples were accumulated or the sums overflowed.
+        """
         self._require_examples()
         kmat, b = self.tangent_gram(), self.gradient()
         self._check_finite(kmat, b)

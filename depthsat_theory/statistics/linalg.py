@@ -68,6 +68,12 @@ NOISE_ALPHA = 0.05
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Unit roundoff ``u = eps / 2`` of a floating dtype (float16 and bfloat16 included).
 
+    Args:
+        dtype: a torch dtype.
+
+    Returns:
+        ``u`` (``2⁻²⁴`` for float32, ``2⁻⁵³`` for float64).
+
     Raises:
         TypeError: for a non-floating dtype.
     """
@@ -97,6 +103,13 @@ def default_rtol(dtype: torch.dtype, k: int) -> float:
     (theory/numerics.md, ``def-resolution``): about ``1.5e-11`` for float32 at ``k = 65``
     (amplitudes ``≈ 3.8e-6`` of the largest), ``5.8e-14`` for float64.  Eigenvalues
     ``λ ≤ rtol · λ_max`` of the unit-diagonal Gram are dropped.
+
+    Args:
+        dtype: the forward pass's dtype (float16, bfloat16, float32 or float64).
+        k: number of features.
+
+    Returns:
+        The relative cutoff ``rtol`` (dimensionless).
     """
     return max(_data_rtol(dtype, k), _gram_rtol(k))
 
@@ -143,7 +156,11 @@ class Spectrum:
         return float(self.values.min()) if self.values.size else math.inf
 
     def pinv(self) -> np.ndarray:
-        """``Σ⁻ = D^{-1/2} Q Λ⁻¹ Qᵀ D^{-1/2}`` over the kept directions ``(k, k)``."""
+        """``Σ⁻ = D^{-1/2} Q Λ⁻¹ Qᵀ D^{-1/2}`` over the kept directions ``(k, k)``.
+
+        Returns:
+            ``Σ⁻``, ``(k, k)`` float64.
+        """
         qk = self.vectors * self.scale[:, None]
         return (qk / self.values) @ qk.T
 
@@ -153,13 +170,27 @@ class Spectrum:
         return torch.from_numpy(np.ascontiguousarray(vecs, dtype=np.float64)) @ qk
 
     def quadratic(self, vecs: np.ndarray) -> float:
-        """``tr(vecs Σ⁻ vecsᵀ)`` for rows ``vecs`` ``(m, k)``, without forming ``Σ⁻``."""
+        """``tr(vecs Σ⁻ vecsᵀ)`` for rows ``vecs`` ``(m, k)``, without forming ``Σ⁻``.
+
+        Args:
+            vecs: rows ``(m, k)`` (converted to float64).
+
+        Returns:
+            ``tr(vecs Σ⁻ vecsᵀ)`` (``0.0`` when no direction is kept).
+        """
         if not self.values.size:
             return 0.0
         return float(self._whitened(vecs).pow(2).sum())
 
     def trace_product(self, mat: np.ndarray) -> float:
-        """``tr(Σ⁻ M)`` for a symmetric ``M`` ``(k, k)``, without forming ``Σ⁻`` (``O(k² r)``)."""
+        """``tr(Σ⁻ M)`` for a symmetric ``M`` ``(k, k)``, without forming ``Σ⁻`` (``O(k² r)``).
+
+        Args:
+            mat: a symmetric ``(k, k)`` matrix (converted to float64).
+
+        Returns:
+            ``tr(Σ⁻ M)`` (``0.0`` when no direction is kept).
+        """
         if not self.values.size:
             return 0.0
         qk = self.vectors * (self.scale[:, None] / np.sqrt(self.values))
@@ -274,7 +305,16 @@ def resolve_spectrum(
 
 
 def scaled_gram(mat: np.ndarray, diag: np.ndarray | None = None) -> np.ndarray:
-    """``Σ̃ = D^{-1/2} ½(Σ + Σᵀ) D^{-1/2}``, exactly the matrix :func:`resolve_spectrum` eigendecomposes."""
+    """``Σ̃ = D^{-1/2} ½(Σ + Σᵀ) D^{-1/2}``, exactly the matrix :func:`resolve_spectrum` eigendecomposes.
+
+    Args:
+        mat: a ``(k, k)`` Gram matrix.
+        diag: the diagonal ``D`` to scale by (default: the diagonal of ``½(Σ + Σᵀ)``); nonpositive entries
+            give zero rows and columns.
+
+    Returns:
+        ``Σ̃``, ``(k, k)``.
+    """
     mat = 0.5 * (mat + mat.T)
     scale = _scaling(np.diag(mat).copy() if diag is None else np.asarray(diag, dtype=np.float64).copy())
     return mat * np.outer(scale, scale)
@@ -323,6 +363,15 @@ def pinv_quadratic(mat: np.ndarray, vecs: np.ndarray, rtol: float) -> tuple[floa
     ``mat`` (PSD) is scaled to unit diagonal, eigendecomposed, and eigenvalues
     ``≤ rtol · λ_max`` are dropped (:func:`resolve_spectrum` with an explicit ``rtol``).
     Returns the value, the rank, the absolute cutoff (on the scaled matrix) and ``mat⁻``.
+
+    Args:
+        mat: a PSD ``(k, k)`` matrix.
+        vecs: rows ``(m, k)``.
+        rtol: the relative eigenvalue cutoff.
+
+    Returns:
+        ``(value, rank, cutoff, pinv)``: ``tr(vecs mat⁻ vecsᵀ)``, the number of kept directions, the absolute
+        cutoff on the scaled matrix, and ``mat⁻`` ``(k, k)`` float64.
     """
     spec = resolve_spectrum(mat, rtol=rtol)
     return spec.quadratic(vecs), spec.rank, spec.cutoff, spec.pinv()
@@ -339,6 +388,14 @@ def gram_error(*, k: int, summands: int, product_summands: int) -> float:
 
     ``summands`` is the length ``L`` of the float64 sums, ``product_summands`` the length ``L_32`` of the
     float32 per-batch products (``0``: float64 products).
+
+    Args:
+        k: ``k̃``, number of features (with the constant).
+        summands: ``L``.
+        product_summands: ``L_32`` (``0``: float64 products).
+
+    Returns:
+        ``η`` (dimensionless: the Gram has unit diagonal).
     """
     return int(k) * (_gamma_acc(summands, product_summands) + RESOLUTION_FACTOR * unit_roundoff(torch.float64))
 
@@ -350,6 +407,19 @@ def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: in
 
     A dropped direction whose computed ``‖G̃ v‖`` exceeds this carries activation gradient the
     arithmetic cannot account for: ``ŝ`` may then miss it, and the verdict cannot be "saturated".
+
+    Args:
+        ag_rms: ``A = AG_rms`` (loss units per unit step).
+        dtype: the dtype of the features.
+        summands: the length ``L`` of the float64 sums.
+        k: ``k̃``, number of features (with the constant).
+        product_summands: ``L_32``.
+
+    Returns:
+        The rounding level, in the units of ``ag_rms``.
+
+    Raises:
+        TypeError: for a non-floating ``dtype``.
     """
     eps_m = FEATURE_ROUNDING_FACTOR * unit_roundoff(dtype) * math.sqrt(k)
     return ag_rms * (eps_m + _gamma_acc(summands, product_summands) * math.sqrt(k))
@@ -429,6 +499,16 @@ def default_tol(dtype: torch.dtype, ag_rms: float) -> float:
     perturbation ``δg`` moves ``s`` by at most ``‖δg‖`` (``Π`` is a contraction).  Used where the
     projection is computed without a streamed Gram (the dense reference engine) and as the
     rounding level of ``b`` (:class:`~depthsat_theory.capture.Insertion`).
+
+    Args:
+        dtype: the dtype of the activation gradients.
+        ag_rms: ``AG_rms`` (loss units per unit step).
+
+    Returns:
+        The threshold, in the units of ``ag_rms``.
+
+    Raises:
+        TypeError: for a non-floating ``dtype``.
     """
     return GRADIENT_ROUNDING_FACTOR * unit_roundoff(dtype) * float(ag_rms)
 
@@ -439,6 +519,12 @@ def noise_threshold(alpha: float) -> float:
     By Székely and Bakirov (2003), a Gaussian quadratic form ``Σ λ_j Z_j²`` exceeds
     ``χ²_{1,1−α} · Σ λ_j`` with probability at most ``α`` for every ``α ≤ 0.215``
     (theory/numerics.md, ``thm-noise-test``).
+
+    Args:
+        alpha: the test's level ``α ∈ (0, 0.215]``.
+
+    Returns:
+        ``χ²_{1,1−α}``.
 
     Raises:
         ValueError: for ``α`` outside ``(0, 0.215]``.

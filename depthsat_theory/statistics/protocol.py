@@ -95,24 +95,50 @@ class StreamingStatistic:
         self.states[name] = base.clone()
 
     def add_child(self, name: str, child: StreamingStatistic) -> None:
-        """Declare a nested statistic whose state is saved and merged under ``"<name>."``."""
+        """Declare a nested statistic whose state is saved and merged under ``"<name>."``.
+
+        Args:
+            name: the child's name (no dot, not already a field or child).
+            child: the nested statistic.
+
+        Raises:
+            ValueError: for a dotted or repeated name.
+        """
         if "." in name or name in self._reductions or name in self._children:
             raise ValueError(f"child name {name!r} is dotted or declared twice")
         self._children[name] = child
 
     def child(self, name: str) -> StreamingStatistic:
-        """The nested statistic declared as ``name`` by :meth:`add_child`."""
+        """The nested statistic declared as ``name`` by :meth:`add_child`.
+
+        Args:
+            name: the name given to :meth:`add_child`.
+
+        Returns:
+            The nested statistic.
+
+        Raises:
+            KeyError: for an undeclared name.
+        """
         return self._children[name]
 
     def reductions(self) -> dict[str, Reduction]:
-        """The fixed-size state fields and their reductions, children's as ``"child.name"``."""
+        """The fixed-size state fields and their reductions, children's as ``"child.name"``.
+
+        Returns:
+            ``{field: Reduction}`` (empty of own fields when ``fixed_size`` is false).
+        """
         out = dict(self._reductions) if self.fixed_size else {}
         for cname, child in self._children.items():
             out.update({f"{cname}.{k}": v for k, v in child.reductions().items()})
         return out
 
     def variable_size_children(self) -> dict[str, StreamingStatistic]:
-        """Nested statistics (at any depth, dotted paths) whose state has no fixed size."""
+        """Nested statistics (at any depth, dotted paths) whose state has no fixed size.
+
+        Returns:
+            ``{dotted path: statistic}``.
+        """
         out: dict[str, StreamingStatistic] = {}
         for cname, child in self._children.items():
             if not child.fixed_size:
@@ -125,6 +151,9 @@ class StreamingStatistic:
         """Raise if ``other`` cannot be merged into ``self`` (default: its type or a subclass, same shapes).
 
         A subclass instance may be merged into its base: only the base's state is added.
+
+        Args:
+            other: the statistic to merge.
 
         Raises:
             TypeError: for another statistic type.
@@ -166,7 +195,11 @@ class StreamingStatistic:
             child.reset()
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The state as detached float64/int64 CPU tensors, children's under ``"child.name"``."""
+        """The state as detached float64/int64 CPU tensors, children's under ``"child.name"``.
+
+        Returns:
+            ``{field: tensor}`` (copies), children's fields as ``"child.field"``.
+        """
         out = {name: self.states[name].detach().cpu().clone() for name in self._reductions}
         for cname, child in self._children.items():
             out.update({f"{cname}.{k}": v for k, v in child.state_dict().items()})
@@ -235,7 +268,12 @@ class TiePool(StreamingStatistic):
             slot[1] += count
 
     def update(self, units: Tensor, values: Tensor) -> None:
-        """Pool rows: ``units`` ``(N, a)`` (the keys) and ``values`` ``(N, b)`` float64."""
+        """Pool rows: ``units`` ``(N, a)`` (the keys) and ``values`` ``(N, b)`` float64.
+
+        Args:
+            units: the keys, ``(N, a)``; rows are compared bit for bit.
+            values: the values, ``(N, b)`` float64.
+        """
         zc = units.detach().cpu().contiguous()
         uniq, inv = torch.unique(zc, dim=0, return_inverse=True)
         sums = torch.zeros(uniq.shape[0], values.shape[1], dtype=torch.float64).index_add_(0, inv, values.cpu())
@@ -244,7 +282,18 @@ class TiePool(StreamingStatistic):
             self._add(uniq[j], sums[j], counts[j])
 
     def merge(self, other: Any) -> Any:
-        """Add another pool's units (equal units pool); returns ``self``."""
+        """Add another pool's units (equal units pool); returns ``self``.
+
+        Args:
+            other: another :class:`TiePool`.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            TypeError: for another type.
+            ValueError: if the pools' ``(unit, value)`` widths differ.
+        """
         if not isinstance(other, TiePool):
             raise TypeError(f"cannot merge {type(other).__name__} into TiePool")
         mine, theirs = self._widths(), other._widths()
@@ -268,6 +317,9 @@ class TiePool(StreamingStatistic):
         """``(units (M, a), means (M, b), counts (M,))`` float64 (``M = 0``: empty tensors).
 
         ``means[j]`` is ``m̂(units[j])``, the mean value over the rows equal to ``units[j]``.
+
+        Returns:
+            The triple ``(units, means, counts)``.
         """
         sd = self.state_dict()
         if not sd:
@@ -277,7 +329,11 @@ class TiePool(StreamingStatistic):
         return sd["units"].to(torch.float64), sd["sums"] / counts[:, None], counts
 
     def state_dict(self) -> dict[str, Tensor]:
-        """``{"units", "sums", "counts"}`` (an empty dict when nothing was pooled)."""
+        """``{"units", "sums", "counts"}`` (an empty dict when nothing was pooled).
+
+        Returns:
+            ``units`` ``(M, a)``, ``sums`` ``(M, b)`` float64 and ``counts`` ``(M,)`` int64, in insertion order.
+        """
         if not self._table:
             return {}
         vals = list(self._table.values())
@@ -288,7 +344,12 @@ class TiePool(StreamingStatistic):
         }
 
     def load_state_dict(self, state: Mapping[str, Tensor], *, strict: bool = True) -> None:
-        """Replace the pool by ``state`` (missing keys: an empty pool)."""
+        """Replace the pool by ``state`` (missing keys: an empty pool).
+
+        Args:
+            state: ``{"units", "sums", "counts"}`` as written by :meth:`state_dict`.
+            strict: unused (accepted for the :class:`StreamingStatistic` interface).
+        """
         self._table = {}
         if "units" not in state:
             return

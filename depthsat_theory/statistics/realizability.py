@@ -66,7 +66,11 @@ class CrossFitRealizability:
     alpha: float = 0.05
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary (``nan`` as ``None``), keys suffixed ``_crossfit``."""
+        """JSON-ready dictionary (``nan`` as ``None``), keys suffixed ``_crossfit``.
+
+        Returns:
+            ``{"<field>_crossfit": value}`` (tuples as lists) plus ``note_crossfit``.
+        """
         out: dict = {}
         for k, v in self.__dict__.items():
             if isinstance(v, tuple):

@@ -213,7 +213,15 @@ class SaturationResult:
         )
 
     def to_dict(self, *, with_gradient: bool = False) -> dict:
-        """JSON-ready dictionary (``nan`` becomes ``None``), with the ``verdict`` as its string."""
+        """JSON-ready dictionary (``nan`` becomes ``None``), with the ``verdict`` as its string.
+
+        Args:
+            with_gradient: also include ``gradient`` (``b`` as a list of floats).
+
+        Returns:
+            The fields as a ``dict`` with ``verdict``/``probe_verdict`` as strings, ``verdict_reason`` and
+            ``examples_needed`` added; non-finite floats as ``None``.
+        """
         d = asdict(self)
         d["verdict"] = self.verdict.value
         d["probe_verdict"] = self.probe_verdict.value

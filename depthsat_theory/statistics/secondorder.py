@@ -68,7 +68,11 @@ class SaddleResult:
     n: int
 
     def to_dict(self) -> dict:
-        """JSON-ready dictionary."""
+        """JSON-ready dictionary.
+
+        Returns:
+            A ``dict`` with ``saddle_score``, ``cross_block_norm``, ``feature_parameters`` and ``feature_ties``.
+        """
         return {
             "saddle_score": self.saddle_score,
             "cross_block_norm": self.cross_block_norm,
@@ -195,15 +199,26 @@ class CrossBlockStatistics:
         self.n += int(z.shape[0])
 
     def cross_block(self) -> np.ndarray:
-        """``(K, d, d+1)`` float64: ``C_j`` of the probe measure (sums divided by ``n``)."""
+        """``(K, d, d+1)`` float64: ``C_j`` of the probe measure (sums divided by ``n``).
+
+        Returns:
+            ``C_j`` for the ``K`` features, ``(K, d, d+1)`` float64 (zeros before any example).
+        """
         return (self.blocks / max(self.n, 1)).numpy()
 
     def feature_gram(self) -> np.ndarray:
-        """``Σ = E Σ_t φ̃ φ̃ᵀ`` of the probe measure, float64."""
+        """``Σ = E Σ_t φ̃ φ̃ᵀ`` of the probe measure, float64.
+
+        Returns:
+            ``Σ``, ``(k̃, k̃)`` float64 (``k̃ = K + bias``; zeros before any example).
+        """
         return (self.sigma / max(self.n, 1)).numpy()
 
     def result(self) -> SaddleResult:
         """The :class:`SaddleResult` of the probe.
+
+        Returns:
+            The probe's :class:`SaddleResult`.
 
         Raises:
             StatisticsError: on an empty probe.

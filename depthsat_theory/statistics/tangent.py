@@ -63,6 +63,10 @@ def _check_pair_shapes(z: Tensor, g: Tensor) -> None:
 def check_pair(z: Tensor, g: Tensor) -> None:
     """Validate a batch of activations ``z`` and activation gradients ``g`` before it is streamed.
 
+    Args:
+        z: activations ``(B, *shape)``, floating.
+        g: activation gradients, same shape and floating.
+
     Raises:
         StatisticsError: if ``z`` and ``g`` differ in shape, the batch is empty, or either is not
             a floating tensor or contains NaN or Inf.
@@ -159,6 +163,9 @@ class TangentStatistics(StreamingStatistic):
 
     def check_compatible(self, other: StreamingStatistic) -> None:
         """Raise unless ``other`` has the same family, site shape, layout and tie pooling.
+
+        Args:
+            other: the statistic to merge.
 
         Raises:
             StatisticsError: naming what differs (merging shards of different configurations

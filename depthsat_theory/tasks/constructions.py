@@ -44,7 +44,15 @@ ODD_FAMILIES = ("even:abs", "even:square")
 
 
 def squared_error(out: Tensor, y: Tensor) -> Tensor:
-    """Per-example squared error ``½ ‖out − y‖²`` (``(B,)``; squared-error units, not nats)."""
+    """Per-example squared error ``½ ‖out − y‖²`` (``(B,)``; squared-error units, not nats).
+
+    Args:
+        out: model outputs ``(B, *)``.
+        y: targets of the same shape.
+
+    Returns:
+        The per-example losses ``(B,)``, in ``out``'s dtype.
+    """
     return 0.5 * (out - y).pow(2).flatten(1).sum(1)
 
 
@@ -122,11 +130,22 @@ class OddMLP(nn.Module):
         self.head = nn.Linear(width, out_dim, bias=False)
 
     def site_names(self) -> list[str]:
-        """``["embed", "blocks.0", ...]``."""
+        """``["embed", "blocks.0", ...]``.
+
+        Returns:
+            The residual-stream site names in depth order.
+        """
         return ["embed"] + [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, x: Tensor) -> Tensor:
-        """Outputs ``(B, out_dim)`` of inputs ``(B, in_dim)``; ``f(−x) = −f(x)``."""
+        """Outputs ``(B, out_dim)`` of inputs ``(B, in_dim)``; ``f(−x) = −f(x)``.
+
+        Args:
+            x: inputs ``(B, in_dim)``.
+
+        Returns:
+            Outputs ``(B, out_dim)`` in ``x``'s dtype.
+        """
         h = self.embed(x)
         for blk in self.blocks:
             h = blk(h)
@@ -140,6 +159,11 @@ def odd_network(seed: int = 0, n_half: int = 128, steps: int = 150) -> tuple[Tas
     targets ``y = sin(x M)`` (odd), loss ``½‖f(x) − y‖²``.  Training (Adam, float32,
     ``steps`` full-batch steps on a separate symmetrized sample) keeps the network
     odd, so every site is exactly saturated for :data:`ODD_FAMILIES`.
+
+    Args:
+        seed: seed of the weights, the mixing matrix and the samples.
+        n_half: number of Gaussian inputs before symmetrization (the probe has ``2·n_half``).
+        steps: number of Adam steps.
 
     Returns:
         ``(task, sites)`` with ``task.data == "synthetic"``.

@@ -113,7 +113,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it (nested tuples, lists, mappings) moved to ``device``."""
+    """``obj`` with every tensor in it (nested tuples, lists, mappings) moved to ``device``.
+
+    Args:
+        obj: a tensor, or tuples/lists (named tuples included)/mappings nesting them; other values pass.
+        device: the target device.
+
+    Returns:
+        A copy of the structure with the tensors on ``device`` (mappings become plain dicts).
+    """
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, Mapping):

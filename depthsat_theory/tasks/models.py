@@ -88,11 +88,25 @@ class MLPBlock(nn.Module):
         self.W2 = nn.Linear(hidden, width)
 
     def residual(self, x: Tensor) -> Tensor:
-        """The residual branch ``W2(act(W1(LayerNorm(x))))``, shape ``(B, width)``."""
+        """The residual branch ``W2(act(W1(LayerNorm(x))))``, shape ``(B, width)``.
+
+        Args:
+            x: the stream ``(B, width)``.
+
+        Returns:
+            The branch output ``(B, width)``.
+        """
         return self.W2(self.act(self.W1(self.ln(x))))
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x + residual(x)``: ``(B, width)`` in, ``(B, width)`` out."""
+        """``x + residual(x)``: ``(B, width)`` in, ``(B, width)`` out.
+
+        Args:
+            x: the stream ``(B, width)``.
+
+        Returns:
+            ``x + residual(x)``, ``(B, width)``.
+        """
         return x + self.residual(x)
 
 
@@ -131,11 +145,22 @@ class ResidualMLP(nn.Module):
         self.head = nn.Linear(width, n_classes)
 
     def site_names(self) -> list[str]:
-        """Residual-stream sites in depth order: ``["embed", "blocks.0", ...]``."""
+        """Residual-stream sites in depth order: ``["embed", "blocks.0", ...]``.
+
+        Returns:
+            ``["embed", "blocks.0", …]``.
+        """
         return ["embed"] + [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, x: Tensor) -> Tensor:
-        """Logits ``(B, n_classes)`` of inputs ``(B, in_dim)``."""
+        """Logits ``(B, n_classes)`` of inputs ``(B, in_dim)``.
+
+        Args:
+            x: inputs ``(B, in_dim)``.
+
+        Returns:
+            Logits ``(B, n_classes)``.
+        """
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
@@ -182,7 +207,14 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: Tensor) -> Tensor:
-        """``relu(shortcut(x) + F(x))``: ``(B, c_in, H, W)`` in, ``(B, c_out, ceil(H/stride), ceil(W/stride))`` out."""
+        """``relu(shortcut(x) + F(x))``: ``(B, c_in, H, W)`` in, ``(B, c_out, ceil(H/stride), ceil(W/stride))`` out.
+
+        Args:
+            x: images ``(B, c_in, H, W)``.
+
+        Returns:
+            ``(B, c_out, ceil(H/stride), ceil(W/stride))``.
+        """
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -242,13 +274,23 @@ class ResNetCNN(nn.Module):
         self.head = nn.Linear(c_prev, n_classes)
 
     def site_names(self) -> list[str]:
-        """Residual-stream sites in depth order: every basic block's name."""
+        """Residual-stream sites in depth order: every basic block's name.
+
+        Returns:
+            ``["blocks.0", …]``.
+        """
         return [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``(B, n_classes)`` of images ``(B, in_channels, H, W)``.
 
         A flat input ``(B, in_channels * side²)`` is first reshaped to square images.
+
+        Args:
+            x: images ``(B, in_channels, H, W)`` or flat ``(B, in_channels * side²)``.
+
+        Returns:
+            Logits ``(B, n_classes)``.
         """
         if x.dim() == 2:
             side = math.isqrt(x.shape[1] // self.in_channels)
@@ -300,6 +342,12 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Causal self-attention of ``x``, ``(B, T, d_model)`` in and out.
 
+        Args:
+            x: the stream ``(B, T, d_model)``.
+
+        Returns:
+            The attention output ``(B, T, d_model)`` (after the output projection).
+
         Raises:
             ValueError: if ``T`` exceeds the ``seq_len`` the module was built for.
         """
@@ -343,7 +391,14 @@ class GPTBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x + Attn(LN1(x))``, then ``+ MLP(LN2(·))``: ``(B, T, d_model)`` in and out."""
+        """``x + Attn(LN1(x))``, then ``+ MLP(LN2(·))``: ``(B, T, d_model)`` in and out.
+
+        Args:
+            x: the stream ``(B, T, d_model)``.
+
+        Returns:
+            The updated stream ``(B, T, d_model)``.
+        """
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -393,11 +448,21 @@ class CharGPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def site_names(self) -> list[str]:
-        """Residual-stream sites in depth order: ``["blocks.0", ...]``."""
+        """Residual-stream sites in depth order: ``["blocks.0", ...]``.
+
+        Returns:
+            ``["blocks.0", …, "blocks.<L−1>"]``.
+        """
         return [f"blocks.{i}" for i in range(len(self.blocks))]
 
     def forward(self, idx: Tensor) -> Tensor:
         """Next-token logits ``(B, T, V)`` of long token ids ``idx`` of shape ``(B, T)``.
+
+        Args:
+            idx: token ids ``(B, T)``, long.
+
+        Returns:
+            Logits ``(B, T, V)``.
 
         Raises:
             ValueError: if ``T`` exceeds ``seq_len``.

@@ -309,12 +309,21 @@ def default_cache_dir() -> Path:
     ``check``, ``audit --model`` and ``diagnose --model`` all cache by default (a trained model
     is retrained only when its cache file is missing or unusable: minutes at 2 threads against
     seconds).
+
+    Returns:
+        The cache folder (not created here).
     """
     return Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "depthsat")
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None) -> Path | None:
     """The weight-cache folder: ``cache_dir``, else ``$DEPTHSAT_CACHE`` when set, else ``None``.
+
+    Args:
+        cache_dir: an explicit folder, or ``None``.
+
+    Returns:
+        The folder (not created here), or ``None`` for no cache.
 
     Raises:
         CacheDirError: if the location exists and is not a folder (the message names it).

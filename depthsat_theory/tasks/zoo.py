@@ -134,18 +134,37 @@ class ZooModel:
         return sum(int(t.shape[0]) for _, t in self.batches)
 
     def forward(self, inputs: Any) -> Any:
-        """Run the model: ``model(**inputs)`` for a dict, else ``model(inputs)``."""
+        """Run the model: ``model(**inputs)`` for a dict, else ``model(inputs)``.
+
+        Args:
+            inputs: a dict of keyword inputs, or the model's positional input.
+
+        Returns:
+            The wrapped model's output.
+        """
         if isinstance(inputs, dict):
             return self.model(**inputs)
         return self.model(inputs)
 
     def losses(self, inputs: Any, targets: Tensor) -> Tensor:
-        """Per-example losses ``(B,)`` of one batch."""
+        """Per-example losses ``(B,)`` of one batch.
+
+        Args:
+            inputs: the batch's inputs (see :meth:`forward`).
+            targets: the batch's targets.
+
+        Returns:
+            Per-example losses ``(B,)``.
+        """
         return self.loss_fn(self.forward(inputs), targets)
 
     @torch.no_grad()
     def mean_loss(self) -> float:
-        """Mean per-example loss over all probe batches."""
+        """Mean per-example loss over all probe batches.
+
+        Returns:
+            The mean over all examples (loss units), without gradients.
+        """
         tot, n = 0.0, 0
         for x, y in self.batches:
             ell = self.losses(x, y)
@@ -236,6 +255,9 @@ def token_loss_masked(output: Any, labels: Tensor) -> Tensor:
     Returns:
         ``(B,)``: for each example the mean over its own predicted tokens of the token
         cross-entropy, in nats per token.
+
+    Raises:
+        ValueError: if an example has no predicted token (every label ``-100``).
     """
     logits = getattr(output, "logits", output)
     B, T, V = logits.shape
@@ -398,6 +420,13 @@ class SentenceEncoder(nn.Module):
 
         The BERT hidden states are averaged over the example's own tokens (``attention_mask == 1``)
         and L2-normalized.
+
+        Args:
+            input_ids: token ids ``(B, T)``.
+            attention_mask: ``(B, T)``, 1 at real tokens.
+
+        Returns:
+            Embeddings ``(B, d)`` in the model's dtype, unit L2 norm.
         """
         h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         m = attention_mask.to(h.dtype).unsqueeze(-1)

@@ -243,11 +243,19 @@ class ExitTable:
         return self.losses.shape[0] - 1
 
     def mean_loss(self) -> np.ndarray:
-        """``(L+1,)`` mean exit loss per depth."""
+        """``(L+1,)`` mean exit loss per depth.
+
+        Returns:
+            ``(L+1,)`` float64, nats.
+        """
         return self.losses.mean(axis=1)
 
     def accuracy(self) -> np.ndarray:
-        """``(L+1,)`` exit accuracy per depth."""
+        """``(L+1,)`` exit accuracy per depth.
+
+        Returns:
+            ``(L+1,)`` float64: the fraction of rows whose exit argmax is the target.
+        """
         return self.correct.mean(axis=1)
 
 

@@ -38,6 +38,12 @@ DEPTH_REG_EPS = 1e-12
 def depth_weights(n_blocks: int) -> Tensor:
     """The weights ``w_l = 2l / (L(L+1))``, ``l = 1 … L`` (float64 ``(L,)``, sum 1).
 
+    Args:
+        n_blocks: ``L ≥ 1``.
+
+    Returns:
+        ``w`` ``(L,)`` float64.
+
     Raises:
         ValueError: ``n_blocks < 1``.
     """

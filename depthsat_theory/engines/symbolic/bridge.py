@@ -350,6 +350,18 @@ def lambdify_units(fam: SymbolicFamily, m, backend: str = "numpy") -> Callable:
     """Compile a function of the unit (e.g. ``m`` or ``Π m``) into ``f(u)``: ``(n, d) → (n, d)``.
 
     ``m`` is coerced with :meth:`SymbolicFamily.coerce` (strings, expressions, Matrices).
+
+    Args:
+        fam: the family whose unit symbols are the inputs.
+        m: the function of the unit (string, expression, list or Matrix; ``d`` components).
+        backend: ``"numpy"`` or ``"torch"``.
+
+    Returns:
+        ``f(u)`` with ``u`` of shape ``(n, d)`` (or ``(d,)``) returning float64 ``(n, d)`` (or ``(d,)``)
+        arrays/tensors, as :func:`lambdify_matrix`.
+
+    Raises:
+        FamilyError: as :meth:`SymbolicFamily.coerce`, or on an unknown backend or an unsupported function.
     """
     return lambdify_matrix(fam.coerce(m), fam.units, backend)
 
@@ -359,6 +371,14 @@ def to_general_family(fam: SymbolicFamily, name: str | None = None) -> GeneralFa
 
     The numeric engine then computes ``A``, ``K``, ``b`` with ``torch.func`` from the
     compiled forward pass; agreement with the symbolic engine cross-checks both.
+
+    Args:
+        fam: the symbolic family (``p ≥ 1``).
+        name: the numeric family's name (default ``"symbolic:<fam.name>"``).
+
+    Returns:
+        A row-unit :class:`~depthsat_theory.families.base.GeneralFamily` with ``fam.p`` parameters whose
+        block is the torch-compiled ``h(θ, u)``.
 
     Raises:
         FamilyError: if ``fam`` has no parameters or an unsupported function.
@@ -433,6 +453,13 @@ def _as_finite(measure) -> FiniteMeasure:
 def finite_support(measure) -> tuple[np.ndarray, np.ndarray]:
     """The support points ``(N, d)`` and masses ``μ({p_i})`` ``(N,)`` as float64 arrays.
 
+    Args:
+        measure: a finite measure (a :class:`FiniteMeasure`, or a product of finite
+            ``sympy.stats`` variables; anything :func:`as_measure` accepts).
+
+    Returns:
+        ``(points, masses)``: float64 arrays ``(N, d)`` and ``(N,)``.
+
     Raises:
         MeasureError: if the measure is not finite.
     """
@@ -448,6 +475,13 @@ def replicated_support(measure, max_rows: int = 100_000) -> np.ndarray:
     probabilities, so the numeric engine's row mean (``1/n Σ``) integrates against
     ``π`` exactly (up to float rounding of the points).  Scale the gradients by
     ``total_mass`` if it is not 1.
+
+    Args:
+        measure: a finite measure (anything :func:`as_measure` accepts with finite support).
+        max_rows: the largest number of rows allowed.
+
+    Returns:
+        A float64 array ``(L, d)``, ``L = Σ_i π_i · lcd`` rows.
 
     Raises:
         MeasureError: if the measure is not finite, a probability is irrational, or more

@@ -94,6 +94,9 @@ def is_function_preserving(fam: SymbolicFamily) -> tuple[bool, sp.Matrix]:
 def tangent_map(fam: SymbolicFamily) -> sp.Matrix:
     """The tangent map ``A(u) = ∂_θ h(θ, u)|_{θ=0}`` (theory/definitions.md).
 
+    Args:
+        fam: the family.
+
     Returns:
         A ``d × p`` Matrix of expressions in the unit symbols; column ``j`` is the
         tangent direction of ``θ_j`` (zero columns for parameters that enter only at
@@ -121,6 +124,9 @@ def tangent_gram(fam: SymbolicFamily, measure, *, tangent: sp.Matrix | None = No
         measure: a :class:`~depthsat_theory.engines.symbolic.measures.Measure` or a list of
             independent ``sympy.stats`` random variables (coordinate ``i`` ↔ ``u_{i+1}``).
         tangent: a precomputed :func:`tangent_map` (optional).
+
+    Returns:
+        ``K`` as an exact symmetric ``p × p`` Matrix.
 
     Raises:
         MeasureError: on a dimension mismatch or a non-closed-form expectation.
@@ -189,6 +195,11 @@ def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
     solution of ``K v = b`` made orthogonal to ``null K``); ``Π m`` does not depend on
     that choice ``μ``-a.e.
 
+    Args:
+        fam: the family.
+        measure: the unit measure (see :func:`tangent_gram`).
+        m: the conditional activation gradient, ``d`` components (see :meth:`SymbolicFamily.coerce`).
+
     Returns:
         ``(v_star, proj)``: ``p × 1`` and ``d × 1`` Matrices (``proj`` in the unit symbols).
 
@@ -205,8 +216,17 @@ def projection(fam: SymbolicFamily, measure, m) -> tuple[sp.Matrix, sp.Matrix]:
 def saturation_score(fam: SymbolicFamily, measure, m) -> tuple[sp.Expr, sp.Expr]:
     """The saturation score ``s = ‖Π m‖ = sqrt(bᵀ K⁺ b)`` (theory/definitions.md, T2 ``thm-iff``).
 
+    Args:
+        fam: the family.
+        measure: the unit measure (see :func:`tangent_gram`).
+        m: the conditional activation gradient, ``d`` components (see :meth:`SymbolicFamily.coerce`).
+
     Returns:
         ``(s, s²)`` as exact sympy values.
+
+    Raises:
+        FamilyError: if ``fam`` is not a :class:`SymbolicFamily`, or ``m`` is malformed.
+        MeasureError: as :func:`tangent_gram` and :func:`gradient`.
     """
     a = tangent_map(fam)
     k = tangent_gram(fam, measure, tangent=a)
@@ -216,7 +236,20 @@ def saturation_score(fam: SymbolicFamily, measure, m) -> tuple[sp.Expr, sp.Expr]
 
 
 def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
-    """``r = ‖m‖ = sqrt(E_μ |m|²)`` (theory/definitions.md)."""
+    """``r = ‖m‖ = sqrt(E_μ |m|²)`` (theory/definitions.md).
+
+    Args:
+        fam: the family.
+        measure: the unit measure (see :func:`tangent_gram`).
+        m: the conditional activation gradient, ``d`` components (see :meth:`SymbolicFamily.coerce`).
+
+    Returns:
+        ``r`` as an exact (simplified) sympy expression.
+
+    Raises:
+        FamilyError: if ``fam`` is not a :class:`SymbolicFamily`, or ``m`` is malformed.
+        MeasureError: on a dimension mismatch or a non-closed-form expectation.
+    """
     _check_family(fam)
     mu = _measure(fam, measure)
     mm = fam.coerce(m)
@@ -224,7 +257,20 @@ def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
 
 
 def realizability_defect(fam: SymbolicFamily, measure, m) -> sp.Expr:
-    """``ρ = ‖m − Π m‖ / ‖m‖`` (theory/definitions.md, T6 ``thm-realizability``); ``nan`` if ``m = 0``."""
+    """``ρ = ‖m − Π m‖ / ‖m‖`` (theory/definitions.md, T6 ``thm-realizability``); ``nan`` if ``m = 0``.
+
+    Args:
+        fam: the family.
+        measure: the unit measure (see :func:`tangent_gram`).
+        m: the conditional activation gradient, ``d`` components (see :meth:`SymbolicFamily.coerce`).
+
+    Returns:
+        ``ρ ∈ [0, 1]`` as an exact sympy expression, ``sympy.nan`` when ``‖m‖ = 0``.
+
+    Raises:
+        FamilyError: if ``fam`` is not a :class:`SymbolicFamily`, or ``m`` is malformed.
+        MeasureError: as :func:`projection`.
+    """
     _check_family(fam)
     mu = _measure(fam, measure)
     mm = fam.coerce(m)
@@ -328,6 +374,17 @@ def tangent_rank(fam: SymbolicFamily, measure=None) -> int:
     Without a measure this is the measure-independent column-space dimension of
     ``u ↦ A(u)`` (exact for polynomial tangent maps, see :func:`_function_rank`);
     with one it is ``rank E_μ[AᵀA]`` (smaller when ``μ`` cannot separate directions).
+
+    Args:
+        fam: the family.
+        measure: optional unit measure (see :func:`tangent_gram`).
+
+    Returns:
+        ``dim T`` (an ``int``).
+
+    Raises:
+        FamilyError: if ``fam`` is not a :class:`SymbolicFamily`.
+        MeasureError: as :func:`tangent_gram` (with a measure).
     """
     _check_family(fam)
     a = tangent_map(fam)
@@ -340,6 +397,15 @@ def is_degenerate(fam: SymbolicFamily) -> bool:
     """``A ≡ 0`` symbolically, so ``T = {0}`` (theory label thm-reparameterization).
 
     Such a family is reported *degenerate*, never saturated.
+
+    Args:
+        fam: the family.
+
+    Returns:
+        ``True`` if every entry of :func:`tangent_map` is identically zero.
+
+    Raises:
+        FamilyError: if ``fam`` is not a :class:`SymbolicFamily`.
     """
     return all(is_zero(e) for e in tangent_map(fam))
 
@@ -369,6 +435,9 @@ def reparameterize(fam: SymbolicFamily, chi, xi) -> SymbolicFamily:
         chi: ``p`` expressions ``χ(ξ)`` with ``χ(0) = 0``.
         xi: the new parameter symbols ``ξ`` (``q`` of them).
 
+    Returns:
+        A new :class:`SymbolicFamily` with parameters ``xi``, named ``"<name>∘χ"``.
+
     Raises:
         FamilyError: on a wrong length, ``χ(0) ≠ 0``, or stray symbols in ``chi``.
     """
@@ -389,6 +458,9 @@ def is_regular_reparameterization(fam: SymbolicFamily, chi, xi_symbols, measure=
         chi: ``p`` expressions in ``xi_symbols`` with ``χ(0) = 0``.
         xi_symbols: the new parameter symbols.
         measure: optional unit measure.
+
+    Returns:
+        ``True`` if the rank is kept (the reparameterization is regular).
 
     Raises:
         FamilyError: as :func:`reparameterize`.
@@ -445,7 +517,14 @@ class SymbolicSaturation:
     _NUMERIC = ("score", "score_squared", "raw_score", "realizability_defect")
 
     def evalf(self, n: int = 15) -> SymbolicSaturation:
-        """A copy with every sympy value evaluated to ``n`` significant digits."""
+        """A copy with every sympy value evaluated to ``n`` significant digits.
+
+        Args:
+            n: significant digits.
+
+        Returns:
+            A new :class:`SymbolicSaturation` with sympy fields as floats; other fields unchanged.
+        """
         vals = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -453,7 +532,15 @@ class SymbolicSaturation:
         return SymbolicSaturation(**vals)
 
     def to_dict(self, *, with_gradient: bool = False) -> dict:
-        """Python floats/ints/bools (``nan`` → ``None``); ``gradient`` as a list when asked."""
+        """Python floats/ints/bools (``nan`` → ``None``); ``gradient`` as a list when asked.
+
+        Args:
+            with_gradient: also include ``gradient`` (``b`` as a list of ``p`` floats).
+
+        Returns:
+            A ``dict`` of the numeric fields as floats (``nan`` → ``None``) plus ``tangent_rank``,
+            ``tangent_dim``, ``degenerate``, ``saturated`` and ``family``.
+        """
         out: dict = {}
         for name in self._NUMERIC:
             v = float(getattr(self, name))
@@ -470,11 +557,19 @@ class SymbolicSaturation:
         return out
 
     def gradient_array(self) -> np.ndarray:
-        """``b`` as a float64 numpy vector ``(p,)``."""
+        """``b`` as a float64 numpy vector ``(p,)``.
+
+        Returns:
+            ``b``, float64 ``(p,)``.
+        """
         return np.array([float(e) for e in self.gradient], dtype=np.float64)
 
     def tangent_gram_array(self) -> np.ndarray:
-        """``K`` as a float64 numpy matrix ``(p, p)``."""
+        """``K`` as a float64 numpy matrix ``(p, p)``.
+
+        Returns:
+            ``K``, float64 ``(p, p)`` (entries evaluated to 17 digits).
+        """
         return np.array(self.tangent_gram.evalf(17).tolist(), dtype=np.float64).reshape(self.tangent_gram.shape)
 
     @property

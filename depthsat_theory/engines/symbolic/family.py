@@ -57,6 +57,12 @@ __all__ = [
 def unit_symbols(d: int) -> tuple[sp.Symbol, ...]:
     """The canonical real unit symbols ``(u1, …, ud)``.
 
+    Args:
+        d: unit dimension.
+
+    Returns:
+        ``d`` real sympy symbols ``u1 … ud``.
+
     Raises:
         FamilyError: if ``d < 1``.
     """
@@ -67,6 +73,13 @@ def unit_symbols(d: int) -> tuple[sp.Symbol, ...]:
 
 def param_symbols(p: int, prefix: str = "t") -> tuple[sp.Symbol, ...]:
     """The canonical real parameter symbols ``(t1, …, tp)`` (or another ``prefix``).
+
+    Args:
+        p: number of parameters.
+        prefix: the symbol names' prefix.
+
+    Returns:
+        ``p`` real sympy symbols ``prefix1 … prefixp``.
 
     Raises:
         FamilyError: if ``p < 0``.
@@ -83,6 +96,12 @@ def exact(x) -> sp.Expr:
     (``Rational(0.1) = 3602879701896397/36028797018963968``), so a symbolic result
     on float inputs is the exact value of the mathematics on the numbers the numeric
     engine sees.  Strings are sympified (``"1/3"`` → ``1/3``); sympy values pass.
+
+    Args:
+        x: a bool, float, numpy/torch scalar, string or sympy value (anything ``sympify`` takes).
+
+    Returns:
+        The exact sympy value.
     """
     if isinstance(x, bool):
         return sp.Integer(int(x))
@@ -99,6 +118,12 @@ def to_matrix(expr) -> sp.Matrix:
     """A column ``Matrix`` from a sympy expression, a list/tuple, or a Matrix.
 
     A row vector or a column is flattened to a column; a scalar becomes ``1 × 1``.
+
+    Args:
+        expr: a sympy expression or number, a list/tuple of them, or a vector Matrix.
+
+    Returns:
+        A column Matrix (numbers converted with :func:`exact`).
 
     Raises:
         FamilyError: on a 2-D (non-vector) matrix.
@@ -220,6 +245,13 @@ class SymbolicFamily:
         the units **by name** (so ``Symbol("u1")`` without assumptions is this family's
         real ``u1``; for ``d = 1`` both ``u`` and ``u1`` name the unit).
 
+        Args:
+            m: a string, a sympy expression (``d = 1``), a list or a Matrix.
+            what: the name of ``m`` in error messages.
+
+        Returns:
+            A ``d × 1`` Matrix in this family's unit symbols.
+
         Raises:
             FamilyError: on a wrong number of components, or if ``m`` contains the
                 family's parameters.
@@ -301,7 +333,16 @@ class SymbolicFamily:
 
     # -- transformations
     def subs_params(self, mapping: dict, new_params: Sequence[sp.Symbol], name: str | None = None) -> SymbolicFamily:
-        """The family with ``θ`` replaced by expressions in ``new_params``."""
+        """The family with ``θ`` replaced by expressions in ``new_params``.
+
+        Args:
+            mapping: ``{θ_j: expression}``, applied with ``xreplace``.
+            new_params: the parameter symbols of the new family.
+            name: the new family's name (default: this family's).
+
+        Returns:
+            A new :class:`SymbolicFamily` with the same units.
+        """
         return SymbolicFamily(self.expr.xreplace(mapping), self.units, new_params, name=name or self.name)
 
     def __repr__(self) -> str:
@@ -485,6 +526,13 @@ def linear(d: int, bias: bool = True) -> SymbolicFamily:
 
     Mirrors :func:`depthsat_theory.families.linear` (same coordinate order).
 
+    Args:
+        d: unit dimension.
+        bias: include the output bias ``c``.
+
+    Returns:
+        The :class:`SymbolicFamily` named ``"linear"`` (``"linear-nobias"``).
+
     Raises:
         FamilyError: if ``d < 1``.
     """
@@ -504,6 +552,14 @@ def polynomial(d: int, degree: int, bias: bool = True) -> SymbolicFamily:
     Mirrors :func:`depthsat_theory.families.polynomial` (spec ``poly:D``), in the order of
     :func:`depthsat_theory.families.builtin.monomial_exponents` (by degree, then lexicographic).
 
+    Args:
+        d: unit dimension.
+        degree: the largest total degree ``D ≥ 1``.
+        bias: include the output bias ``c``.
+
+    Returns:
+        The :class:`SymbolicFamily` named ``"poly:D"`` (``"poly:D-nobias"``).
+
     Raises:
         FamilyError: if ``d < 1`` or ``degree < 1``.
     """
@@ -520,6 +576,14 @@ def powers(d: int, degree: int, bias: bool = True) -> SymbolicFamily:
 
     Mirrors :func:`depthsat_theory.families.powers` (spec ``powers:D``): ``φ_{(q−1)d + j} = u_j^q``.
 
+    Args:
+        d: unit dimension.
+        degree: the largest power ``D ≥ 1``.
+        bias: include the output bias ``c``.
+
+    Returns:
+        The :class:`SymbolicFamily` named ``"powers:D"`` (``"powers:D-nobias"``).
+
     Raises:
         FamilyError: if ``d < 1`` or ``degree < 1``.
     """
@@ -534,6 +598,13 @@ def product(d: int, rank: int) -> SymbolicFamily:
 
     ``θ = (vec_row(U), vec_row(V))``, ``p = 2 d R``, as
     :func:`depthsat_theory.families.product`.  ``A ≡ 0`` (theory label thm-reparameterization): degenerate.
+
+    Args:
+        d: unit dimension.
+        rank: inner dimension ``R ≥ 1``.
+
+    Returns:
+        The :class:`SymbolicFamily` named ``"product:R"``.
 
     Raises:
         FamilyError: if ``d < 1`` or ``rank < 1``.
@@ -553,6 +624,13 @@ def elementwise_square_param(d: int, bias: bool = True) -> SymbolicFamily:
 
     ``h(u) = W(ξ) u (+ c(ξ))`` with ``(vec_row(W), c) = ξ ⊙ ξ``; parameters are named
     ``x1..xp``.  ``Dχ(0) = 0`` so ``A ≡ 0`` and ``T = {0}``.
+
+    Args:
+        d: unit dimension.
+        bias: include the output bias ``c``.
+
+    Returns:
+        The :class:`SymbolicFamily` with parameters ``x1..xp``, ``p = d(d + bias)``.
 
     Raises:
         FamilyError: if ``d < 1``.
@@ -581,6 +659,9 @@ def random_features(d: int, k: int, activation: str, W, a, bias: bool = True) ->
             floats are converted exactly).
         a: ``k`` feature biases.
         bias: include the output bias ``c``.
+
+    Returns:
+        The :class:`SymbolicFamily` named ``"<activation>:<k>:given"``.
 
     Raises:
         FamilyError: on an unknown activation or wrong weight shapes.

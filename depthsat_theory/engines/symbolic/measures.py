@@ -260,6 +260,9 @@ class ProductMeasure(Measure):
     def to_finite(self) -> FiniteMeasure:
         """The product of finite supports as a :class:`FiniteMeasure` (exact).
 
+        Returns:
+            The :class:`FiniteMeasure` on the product of the supports, with the same ``total_mass``.
+
         Raises:
             MeasureError: if a coordinate is not finite.
         """
@@ -273,7 +276,15 @@ class ProductMeasure(Measure):
         return FiniteMeasure(pts, ws, total_mass=self.total_mass)
 
     def moment(self, i: int, k: int) -> sp.Expr:
-        """``E[u_i^k]`` under ``π`` (0-based coordinate ``i``)."""
+        """``E[u_i^k]`` under ``π`` (0-based coordinate ``i``).
+
+        Args:
+            i: 0-based coordinate.
+            k: the power.
+
+        Returns:
+            ``E[u_i^k]`` as an exact sympy expression.
+        """
         return _moment(self.rvs[i], int(k))
 
     def _expect_scalar(self, expr, units):
@@ -313,6 +324,9 @@ def as_measure(obj, d: int | None = None) -> Measure:
         obj: a :class:`Measure`, a single ``sympy.stats`` random variable (``d = 1``)
             or a list of them (independent coordinates).
         d: expected dimension (checked when given).
+
+    Returns:
+        ``obj`` itself, or a :class:`ProductMeasure` of the random variables.
 
     Raises:
         MeasureError: on anything else or a dimension mismatch.
