@@ -69,13 +69,19 @@ def test_chunked_sum_is_within_the_chunk_bound_where_one_float32_sum_is_not():
     assert abs(single - exact) > gamma * exact  # the construction does defeat one long float32 sum
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("family", ["linear", "relu:192:0"])
-def test_float32_sums_entrywise_within_gamma_against_numpy(family):
+def test_float32_sums_entrywise_within_gamma_against_numpy(family, batched, monkeypatch):
     """``Σ``, ``G`` and the noise moment from 1000-row batches (8 chunks each) against numpy float64 sums of the
     family's own features: entrywise within ``γ_acc = L_32 u32 + L u64`` of the sums of absolute products;
     ``Σ`` exactly symmetric; the recorded ``L_32`` is the blocked sum's ``128 + 8 − 1 = 135``, not the batch.
     Seven chunks of 128 rows and a tail of 104 per batch; ``linear`` takes its float32 features straight
-    from ``z`` (``copies_input``), ``relu`` rounds float64 features."""
+    from ``z`` (``copies_input``), ``relu`` rounds float64 features.  Both ways of forming the chunk products:
+    one batched call and a sum, and one product per chunk (wide sites)."""
+    from depthsat_theory.statistics import feature
+
+    if not batched:
+        monkeypatch.setattr(feature, "CHUNK_BATCH_MAX_ELEMENTS", 0)
     fam = parse_family(family)
     gen = torch.Generator().manual_seed(7)
     z = torch.randn(3000, 8, generator=gen)

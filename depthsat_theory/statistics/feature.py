@@ -186,21 +186,36 @@ def _lowp_gram(x: Tensor) -> Tensor:
     return _mirror_lower(buf)
 
 
+#: Largest ``chunks · m · n`` for which the chunk products of :func:`_lowp_sum` are formed in one batched call
+#: and then summed (a float32 buffer of at most 16 MiB: many small products, where per-call overhead dominates);
+#: larger ones are formed chunk by chunk.
+CHUNK_BATCH_MAX_ELEMENTS = 1 << 22
+
+
 def _lowp_sum(a: Tensor, b: Tensor) -> Tensor:
     """``Σ_chunks a_cᵀ b_c`` for rows ``a`` ``(N, m)``, ``b`` ``(N, n)``, accumulated in their own (lower) precision.
 
     Chunks of :data:`PRODUCT_CHUNK_ROWS` rows; each chunk's product is formed on its own (a sum of at most that
-    many products, from zero) and then added to the running sum, so each entry is a float32 sum of length
-    :func:`product_sum_length` ``(N)``.  ``addmm_`` would not do: a BLAS may accumulate the products straight
-    into the running sum, one long float32 sum (seen with ``k̃ = 2``: 1.8e-4 relative over 2¹⁴ rows).
+    many products, from zero: one batched ``bmm`` for all chunks when small, else one ``mm`` per chunk) and the
+    chunk products are then summed, so each entry is a float32 sum of length :func:`product_sum_length` ``(N)``
+    whatever the order.  ``addmm_`` would not do: a BLAS may accumulate the products straight into the running
+    sum, one long float32 sum (seen with ``k̃ = 2``: 1.8e-4 relative over 2¹⁴ rows).
     Returns ``(m, n)`` in ``a``'s dtype; the caller adds it to the float64 sums once.
     """
-    c = PRODUCT_CHUNK_ROWS
-    acc = a[:c].T @ b[:c]
-    if a.shape[0] > c:
+    rows, c = a.shape[0], PRODUCT_CHUNK_ROWS
+    if rows <= c:
+        return a.T @ b
+    full = (rows // c) * c
+    nc = full // c
+    if nc * a.shape[1] * b.shape[1] <= CHUNK_BATCH_MAX_ELEMENTS:
+        acc = torch.bmm(a[:full].reshape(nc, c, -1).transpose(1, 2), b[:full].reshape(nc, c, -1)).sum(0)
+    else:
+        acc = a[:c].T @ b[:c]
         tmp = torch.empty_like(acc)
-        for r0 in range(c, a.shape[0], c):
+        for r0 in range(c, full, c):
             acc += torch.mm(a[r0 : r0 + c].T, b[r0 : r0 + c], out=tmp)
+    if full < rows:
+        acc += a[full:].T @ b[full:]
     return acc
 
 
