@@ -53,6 +53,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
 
 import torch
 from diagnose_speed import LinearGrowingBlock, gromo_model, steps_for
+from provenance import provenance
 
 from depthsat_theory.capture import accumulate
 from depthsat_theory.families import parse_family
@@ -262,7 +263,7 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.1f}; GroMo {'0.1.0' if LinearGrowingBlock is not None else 'absent'}",
         flush=True,
     )
-    report = {"rows": run(args)}
+    report = {"provenance": provenance(), "rows": run(args)}
     if args.memory:
         report["memory"] = memory(args)
     if args.json:

@@ -49,14 +49,19 @@ def _sound(res, truth):
         assert truth > 0.0
 
 
-def test_chunked_sum_is_within_the_chunk_bound_where_one_float32_sum_is_not():
+@pytest.mark.parametrize("batched", [True, False])
+def test_chunked_sum_is_within_the_chunk_bound_where_one_float32_sum_is_not(batched, monkeypatch):
     """One batch of 2¹⁴ rows, ``z = 1 + 2⁻¹³`` (exact in float32): ``Σ₀₀`` against the exact sum.
 
     A single float32 sum of the batch loses the ``2⁻¹²`` part of each square once the partial sum passes
     ``2¹²`` (measured 1.8e-4 relative); the engine claims the blocked-sum length ``L_32 = 128 + 2¹⁴/128 − 1 = 255``
     (chunks of 128 rows, 128 chunk sums) and must stay within ``(255 u32 + L u64)`` of the exact sum, which only
-    chunking achieves.
+    chunking achieves; both ways of forming the chunk products (one batched call, one product per chunk).
     """
+    from depthsat_theory.statistics import feature
+
+    if not batched:
+        monkeypatch.setattr(feature, "CHUNK_BATCH_MAX_ELEMENTS", 0)
     n = 2**14
     z = torch.full((n, 1), 1 + 2.0**-13, dtype=torch.float32)
     st = _stats(z, torch.ones(n, 1), "float32")
