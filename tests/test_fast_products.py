@@ -361,3 +361,43 @@ def test_a_float32_checkpoint_resumes_only_as_float32(tmp_path):
     resumed = diagnose(net, _loss, probe, products="float32", **kw)
     assert resumed.sites[0].result.score == whole.sites[0].result.score
     assert resumed.sites[0].result.score_error == whole.sites[0].result.score_error
+
+
+def _tiny_column_probe(exponent):
+    """Quadruples ``(±a, ±b)`` of small integers, the second column scaled by ``2^exponent`` (exact in float32),
+    ``g = (0, z₂)``: ``g`` lies in the tangent space of ``linear`` (exact ``s = AG_rms``) and every float32
+    product of the first column with ``g`` and the constant is exact and cancels."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(1, 9, 50).astype(np.float32), rng.integers(1, 9, 50).astype(np.float32)
+    z = np.concatenate([np.stack([s * a, t * b], 1) for s in (1, -1) for t in (1, -1)])
+    g = np.zeros_like(z)
+    g[:, 1] = z[:, 1]
+    z[:, 1] *= np.float32(2.0**exponent)
+    return torch.from_numpy(z), torch.from_numpy(g)
+
+
+def test_a_feature_whose_float32_squares_underflow_is_never_grounds_for_saturated():
+    """A float32 site column of size ``~2⁻⁷⁸`` (``≈ 3e-24``, a normal float32): its squares underflow float32
+    (below ``2⁻¹⁴⁹``) though not float64, the float32 Gram's diagonal entry is 0, and the column must not vanish
+    silently from ``T``: the exact score is ``AG_rms`` (the float64 path says improvable), so "saturated" is wrong.
+    """
+    z, g = _tiny_column_probe(-78)
+    truth = exact_score(z.double().numpy(), g.double().numpy())
+    assert truth == pytest.approx(float(g.double().pow(2).sum(1).mean().sqrt()), rel=1e-12)
+    assert _stats(z, g, "float64").result().verdict is Verdict.IMPROVABLE
+    res = _stats(z, g, "float32", gram="features").result()
+    _sound(res, truth)
+    assert res.verdict is not Verdict.SATURATED
+
+
+def test_float32_sums_within_gamma_where_the_products_are_subnormal():
+    """A float32 column of Gaussian values at ``2⁻⁷²`` (``≈ 2e-22``, normal in float32): its float32 squares are
+    subnormal (fewer than 24 significant bits), so ``Σ₀₀`` is within ``γ = L_32 u32 + L u64`` of the exact sum of
+    the stored values only if the products keep their precision (measured: about ``7e-4`` relative, ``γ ≈ 2e-5``)."""
+    rng = np.random.default_rng(0)
+    z = torch.from_numpy(rng.standard_normal((400, 1)).astype(np.float32) * np.float32(2.0**-72))
+    st = _stats(z, torch.ones(400, 1), "float32", gram="features")
+    z64 = z.double().numpy()
+    exact = float(np.sum(z64 * z64))  # products exact in float64 (48 bits), the sum to ~400 u64
+    gamma = st._product_summands() * U32 + st._summands() * U64
+    assert abs(float(st.sigma[0, 0]) - exact) <= gamma * exact
