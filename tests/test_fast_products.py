@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from depthsat_theory import parse_family
 from depthsat_theory.cli.app import app
 from depthsat_theory.diagnose import DiagnoseError, diagnose
-from depthsat_theory.statistics import statistics_for
+from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.statistics.feature import PRODUCT_CHUNK_ROWS
 from depthsat_theory.vocabulary import Verdict
 from proofs_checks.t8_numerics import collinear_signal, exact_score, near_threshold_probe
@@ -376,18 +376,31 @@ def _tiny_column_probe(exponent):
     return torch.from_numpy(z), torch.from_numpy(g)
 
 
-def test_a_feature_whose_float32_squares_underflow_is_never_grounds_for_saturated():
-    """A float32 site column of size ``~2⁻⁷⁸`` (``≈ 3e-24``, a normal float32): its squares underflow float32
-    (below ``2⁻¹⁴⁹``) though not float64, the float32 Gram's diagonal entry is 0, and the column must not vanish
-    silently from ``T``: the exact score is ``AG_rms`` (the float64 path says improvable), so "saturated" is wrong.
-    """
-    z, g = _tiny_column_probe(-78)
+@pytest.mark.parametrize("gram", ["features", "units"])
+@pytest.mark.parametrize("exponent", [-78, -100, -120])
+def test_a_feature_whose_float32_squares_underflow_is_never_grounds_for_saturated(exponent, gram):
+    """A float32 site column of size ``~2⁻⁷⁸`` (``≈ 3e-24``, a normal float32; also ``2⁻¹⁰⁰`` and ``2⁻¹²⁰``): its
+    squares underflow float32 (below ``2⁻¹⁴⁹``) though not float64, the float32 Gram's diagonal entry was 0, and the
+    column must not vanish silently from ``T``: the exact score is ``AG_rms`` (the float64 path says improvable), so
+    "saturated" is wrong.  Found by an adversarial probe; fixed by scaling every column by a power of two."""
+    z, g = _tiny_column_probe(exponent)
     truth = exact_score(z.double().numpy(), g.double().numpy())
     assert truth == pytest.approx(float(g.double().pow(2).sum(1).mean().sqrt()), rel=1e-12)
     assert _stats(z, g, "float64").result().verdict is Verdict.IMPROVABLE
-    res = _stats(z, g, "float32", gram="features").result()
+    res = _stats(z, g, "float32", gram=gram).result()
     _sound(res, truth)
     assert res.verdict is not Verdict.SATURATED
+    assert res.verdict is Verdict.IMPROVABLE and abs(res.score - truth) <= res.score_error  # nothing is lost
+
+
+def test_a_float64_feature_column_whose_squares_underflow_is_refused():
+    """A feature column nonzero but entirely below ``2⁻⁴⁸⁰`` (``1e-150``): its float64 squares underflow, so its
+    direction would vanish from ``T`` unseen; the float64 path names the column instead of answering."""
+    z, g = _tiny_column_probe(0)
+    z64 = z.double()
+    z64[:, 1] *= 1e-150
+    with pytest.raises(StatisticsError, match="feature column 1 of this site is nonzero but no entry exceeds 2"):
+        _stats(z64, g.double(), "float64")
 
 
 def test_float32_sums_within_gamma_where_the_products_are_subnormal():

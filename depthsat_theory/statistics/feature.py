@@ -219,6 +219,69 @@ def _lowp_sum(a: Tensor, b: Tensor) -> Tensor:
     return acc
 
 
+def _pow2_scale(amax: Tensor) -> Tensor:
+    """Powers of two ``s`` (float64) with ``amax · s ∈ [1/2, 1)`` (``1`` where ``amax`` is ``0``)."""
+    _, exp = torch.frexp(amax.to(torch.float64))
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float64), -exp)
+
+
+def _scaled(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t · scale`` rounded to ``dtype`` (powers of two: exact but for entries far below the largest)."""
+    if t.dtype == dtype and bool(((scale >= 2.0**-100) & (scale <= 2.0**100)).all()):
+        return t * scale.to(dtype)
+    return (t.to(torch.float64) * scale).to(dtype)
+
+
+def _lowp_inputs(phi: Tensor, g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``φ̃`` ``(..., k̃)`` and ``g`` ``(..., d)`` scaled by powers of two and rounded to ``dtype`` for the products.
+
+    Every feature column is scaled so that its largest entry in the batch lies in ``[1/2, 1)``, and ``g`` by one
+    factor likewise, so no product of the float32 path underflows or overflows where it matters: a column of size
+    ``2⁻⁷⁸`` has float32 squares below ``2⁻¹⁴⁹`` (zero), which would drop its direction from ``T`` unseen (wrong
+    *saturated*, found by an adversarial probe).  Entries below ``2⁻¹⁴⁹`` of their column's largest still round to
+    zero: an absolute error ``≤ L 2⁻¹⁴⁸`` on the unit-diagonal Gram, far inside ``C_res u64``.  The scaling is undone
+    exactly in float64 (:func:`_unscale`).  Returns ``(φ̃ scaled, g scaled, 1/scale of φ̃ (k̃,), 1/scale of g ())``.
+    """
+    sphi = _pow2_scale(phi.reshape(-1, phi.shape[-1]).abs().amax(0))
+    sg = _pow2_scale(g.abs().amax())
+    return _scaled(phi, sphi, dtype), _scaled(g, sg, dtype), 1.0 / sphi, 1.0 / sg
+
+
+def _unscale(m: Tensor, inv_rows: Tensor, inv_cols: Tensor) -> Tensor:
+    """``m`` (float64) with rows times ``inv_rows`` and columns times ``inv_cols`` (powers of two: exact), in place."""
+    return m.mul_(inv_rows.reshape(-1, 1)).mul_(inv_cols.reshape(1, -1))
+
+
+def _add_lowp_grams(
+    sigma: Tensor, q_sum: Tensor, phi2: Tensor, phi_x: Tensor, g_x: Tensor, g_norm2: Tensor | None, dtype
+) -> None:
+    """Add one batch's ``Σ`` and noise moment from float64 rows, multiplied in ``dtype`` after :func:`_lowp_inputs`.
+
+    ``phi2`` ``(N, k̃)`` are the real rows of ``phi_x`` ``(B, R, k̃)``; ``g_x`` ``(B, R, d)``; ``g_norm2`` ``(B,)``
+    (float64) when unmasked.
+    """
+    phi_s, g_s, inv_phi, inv_g = _lowp_inputs(phi_x, g_x, dtype)
+    sphi = 1.0 / inv_phi
+    rows_s = _scaled(phi2, sphi, dtype)
+    sigma += _unscale(_lowp_gram(rows_s).to(torch.float64), inv_phi, inv_phi)
+    q = torch.zeros_like(q_sum)
+    _noise_moment(q, phi_s, g_s, None if g_norm2 is None else g_norm2 / (inv_g * inv_g))
+    q_sum += _unscale(q, inv_phi, inv_phi).mul_(inv_g * inv_g)
+
+
+def _check_columns_float64(phi2: Tensor) -> None:
+    """Raise when a feature column is nonzero but entirely below ``2⁻⁴⁸⁰`` (its float64 squares underflow)."""
+    cmax = phi2.abs().amax(0) if phi2.shape[0] else phi2.new_zeros(phi2.shape[1])
+    tiny = (cmax > 0) & (cmax < 2.0**-480)
+    if bool(tiny.any()):
+        j = int(tiny.nonzero()[0])
+        raise StatisticsError(
+            f"feature column {j} of this site is nonzero but no entry exceeds 2^-480 ≈ 1e-145 in magnitude "
+            f"(largest {float(cmax[j]):.3g}): its squares underflow float64 and its direction would vanish from the "
+            f"tangent space unseen; rescale the site tensors (s is unchanged by rescaling z for the linear family)"
+        )
+
+
 def _mirror_lower(square: Tensor) -> Tensor:
     """``square`` with its strict upper triangle replaced by the transposed lower one.
 
@@ -479,8 +542,10 @@ class FeatureStatistics(TangentStatistics):
         phi2, rows2 = kept.rows()
         if self._product_dtype != torch.float64:  # the unit path: G in float32 (the kept rows stay float64)
             self._note_product_sum(phi2.shape[0])
-            self.states["cross"] += _lowp_sum(rows2.to(self._product_dtype), phi2.to(self._product_dtype))
+            phi_s, g_s, inv_phi, inv_g = _lowp_inputs(phi2, rows2, self._product_dtype)
+            self.states["cross"] += _unscale(_lowp_sum(g_s, phi_s).to(torch.float64), inv_g, inv_phi)
         else:
+            _check_columns_float64(phi2)
             self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
         self._count_units(phi2.shape[0])
         if self._kept is not None:
@@ -502,6 +567,7 @@ class FeatureStatistics(TangentStatistics):
         ``g`` stays in its dtype (rounded to float32 when wider); the features are computed in float64 and
         rounded to float32, except for families whose features copy the site's entries
         (:attr:`~depthsat_theory.families.FeatureFamily.copies_input`), computed directly in float32 (exact).
+        Both are scaled by powers of two before the products (:func:`_lowp_inputs`) and unscaled exactly after.
         """
         prod = self._product_dtype
         g_in, g_norm2 = self._common(z, g, mask, to_float64=False)
@@ -514,19 +580,23 @@ class FeatureStatistics(TangentStatistics):
             phi = phi.to(prod)
         b = z.shape[0]
         phi_x = phi.reshape(b, -1, self.k)
-        g_x = to_rows(g_in, self.layout).to(device=phi.device, dtype=prod).reshape(b, -1, self.d)
+        g_x = to_rows(g_in, self.layout).to(phi.device).reshape(b, -1, self.d)
         if mask is not None:
-            weight = mask.to(phi.device).reshape(b, -1, 1).to(prod)
-            phi_x, g_x = phi_x * weight, g_x * weight
+            weight = mask.to(phi.device).reshape(b, -1, 1)
+            phi_x, g_x = phi_x * weight.to(phi_x.dtype), g_x * weight.to(g_x.dtype)
+        phi_x, g_x, inv_phi, inv_g = _lowp_inputs(phi_x, g_x, prod)
+        if mask is not None:
             keep = mask.to(phi.device).reshape(-1)
             phi2, rows2 = phi_x.reshape(-1, self.k)[keep], g_x.reshape(-1, self.d)[keep]
         else:
             phi2, rows2 = phi_x.reshape(-1, self.k), g_x.reshape(-1, self.d)
         self._note_product_sum(phi2.shape[0])
-        self.states["cross"] += _lowp_sum(rows2, phi2)
+        self.states["cross"] += _unscale(_lowp_sum(rows2, phi2).to(torch.float64), inv_g, inv_phi)
         self._count_units(phi2.shape[0])
-        _add_gram(self.states["sigma"], phi2)
-        _noise_moment(self.states["q_sum"], phi_x, g_x, g_norm2 if mask is None else None)
+        self.states["sigma"] += _unscale(_lowp_gram(phi2).to(torch.float64), inv_phi, inv_phi)
+        q = torch.zeros_like(self.states["q_sum"])
+        _noise_moment(q, phi_x, g_x, None if mask is not None else g_norm2 / (inv_g * inv_g))
+        self.states["q_sum"] += _unscale(q, inv_phi, inv_phi).mul_(inv_g * inv_g)
 
     def _summands(self) -> int:
         """Length ``L`` of the float64 sums; with float32 products also one term per chunk of rows.
@@ -552,9 +622,11 @@ class FeatureStatistics(TangentStatistics):
                 self.states[name] = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
         phi2, _ = kb.rows()
         phi_x, g_x = kb.phi_x, kb.g_x
-        prod = self._product_dtype
-        if prod != torch.float64:
-            phi2, phi_x, g_x = phi2.to(prod), phi_x.to(prod), g_x.to(prod)
+        if self._product_dtype != torch.float64:
+            _add_lowp_grams(
+                self.states["sigma"], self.states["q_sum"], phi2, phi_x, g_x, kb.g_norm2, self._product_dtype
+            )
+            return
         _add_gram(self.states["sigma"], phi2)
         _noise_moment(self.states["q_sum"], phi_x, g_x, kb.g_norm2)
         if kb.factor:
