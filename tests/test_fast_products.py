@@ -414,3 +414,33 @@ def test_float32_sums_within_gamma_where_the_products_are_subnormal():
     exact = float(np.sum(z64 * z64))  # products exact in float64 (48 bits), the sum to ~400 u64
     gamma = st._product_summands() * U32 + st._summands() * U64
     assert abs(float(st.sigma[0, 0]) - exact) <= gamma * exact
+
+
+def test_float32_products_run_in_ieee_float32_whatever_the_matmul_precision(monkeypatch):
+    """``torch.set_float32_matmul_precision("medium")`` (TF32/bfloat16 matmuls, error ``≈ 2⁻⁸``–``2⁻¹¹``) is set
+    to ``"highest"`` while the products run and restored after; the entrywise bound holds."""
+    from depthsat_theory.statistics import feature
+
+    seen = []
+    real = feature._lowp_sum
+
+    def spy(a, b):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(a, b)
+
+    monkeypatch.setattr(feature, "_lowp_sum", spy)
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(1000, 6, generator=gen)
+    g = torch.tanh(z @ torch.randn(6, 6, generator=gen)) / 10
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        st = _stats(z, g, "float32", gram="features")
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen and set(seen) == {"highest"}
+    z64 = z.double().numpy()
+    gamma = st._product_summands() * U32 + st._summands() * U64
+    sig = st.sigma.numpy()[:6, :6]
+    assert np.all(np.abs(sig - z64.T @ z64) <= gamma * (np.abs(z64).T @ np.abs(z64)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -217,6 +218,24 @@ def _lowp_sum(a: Tensor, b: Tensor) -> Tensor:
     if full < rows:
         acc += a[full:].T @ b[full:]
     return acc
+
+
+@contextlib.contextmanager
+def _ieee_float32_matmul():
+    """Float32 products in IEEE float32 while inside (restored after).
+
+    ``torch.set_float32_matmul_precision("high"|"medium")``, common in training scripts, lets float32 matmuls run
+    in TF32 or bfloat16 (relative error ``≈ 2⁻¹¹`` or ``2⁻⁸``), far outside the float32 products' bound.
+    """
+    before = torch.get_float32_matmul_precision()
+    if before == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def _pow2_scale(amax: Tensor) -> Tensor:
@@ -543,7 +562,8 @@ class FeatureStatistics(TangentStatistics):
         if self._product_dtype != torch.float64:  # the unit path: G in float32 (the kept rows stay float64)
             self._note_product_sum(phi2.shape[0])
             phi_s, g_s, inv_phi, inv_g = _lowp_inputs(phi2, rows2, self._product_dtype)
-            self.states["cross"] += _unscale(_lowp_sum(g_s, phi_s).to(torch.float64), inv_g, inv_phi)
+            with _ieee_float32_matmul():
+                self.states["cross"] += _unscale(_lowp_sum(g_s, phi_s).to(torch.float64), inv_g, inv_phi)
         else:
             _check_columns_float64(phi2)
             self.states["cross"] += (rows2.T @ phi2).to(torch.float64)
@@ -591,11 +611,12 @@ class FeatureStatistics(TangentStatistics):
         else:
             phi2, rows2 = phi_x.reshape(-1, self.k), g_x.reshape(-1, self.d)
         self._note_product_sum(phi2.shape[0])
-        self.states["cross"] += _unscale(_lowp_sum(rows2, phi2).to(torch.float64), inv_g, inv_phi)
         self._count_units(phi2.shape[0])
-        self.states["sigma"] += _unscale(_lowp_gram(phi2).to(torch.float64), inv_phi, inv_phi)
         q = torch.zeros_like(self.states["q_sum"])
-        _noise_moment(q, phi_x, g_x, None if mask is not None else g_norm2 / (inv_g * inv_g))
+        with _ieee_float32_matmul():
+            self.states["cross"] += _unscale(_lowp_sum(rows2, phi2).to(torch.float64), inv_g, inv_phi)
+            self.states["sigma"] += _unscale(_lowp_gram(phi2).to(torch.float64), inv_phi, inv_phi)
+            _noise_moment(q, phi_x, g_x, None if mask is not None else g_norm2 / (inv_g * inv_g))
         self.states["q_sum"] += _unscale(q, inv_phi, inv_phi).mul_(inv_g * inv_g)
 
     def _summands(self) -> int:
@@ -623,9 +644,10 @@ class FeatureStatistics(TangentStatistics):
         phi2, _ = kb.rows()
         phi_x, g_x = kb.phi_x, kb.g_x
         if self._product_dtype != torch.float64:
-            _add_lowp_grams(
-                self.states["sigma"], self.states["q_sum"], phi2, phi_x, g_x, kb.g_norm2, self._product_dtype
-            )
+            with _ieee_float32_matmul():
+                _add_lowp_grams(
+                    self.states["sigma"], self.states["q_sum"], phi2, phi_x, g_x, kb.g_norm2, self._product_dtype
+                )
             return
         _add_gram(self.states["sigma"], phi2)
         _noise_moment(self.states["q_sum"], phi_x, g_x, kb.g_norm2)
