@@ -251,24 +251,42 @@ def _scaled(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (t.to(torch.float64) * scale).to(dtype)
 
 
-def _lowp_inputs(phi: Tensor, g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+#: Feature columns are left unscaled when every column's power-of-two scale lies within ``2^±16`` (their largest
+#: entries between ``2⁻¹⁶`` and ``2¹⁶``): no product that matters can then underflow or overflow float32.
+UNSCALED_WINDOW = 2.0**16
+
+
+def _lowp_inputs(phi: Tensor, g: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """``φ̃`` ``(..., k̃)`` and ``g`` ``(..., d)`` scaled by powers of two and rounded to ``dtype`` for the products.
 
-    Every feature column is scaled so that its largest entry in the batch lies in ``[1/2, 1)``, and ``g`` by one
-    factor likewise, so no product of the float32 path underflows or overflows where it matters: a column of size
-    ``2⁻⁷⁸`` has float32 squares below ``2⁻¹⁴⁹`` (zero), which would drop its direction from ``T`` unseen (wrong
-    *saturated*, found by an adversarial probe).  Entries below ``2⁻¹⁴⁹`` of their column's largest still round to
-    zero: an absolute error ``≤ L 2⁻¹⁴⁸`` on the unit-diagonal Gram, far inside ``C_res u64``.  The scaling is undone
-    exactly in float64 (:func:`_unscale`).  Returns ``(φ̃ scaled, g scaled, 1/scale of φ̃ (k̃,), 1/scale of g ())``.
+    Feature columns are scaled so that each one's largest entry in the batch lies in ``[1/2, 1)`` (unless every
+    scale is within :data:`UNSCALED_WINDOW`), and ``g`` by one factor likewise, so no product of the float32 path
+    underflows or overflows where it matters: a column of size ``2⁻⁷⁸`` has float32 squares below ``2⁻¹⁴⁹`` (zero),
+    which dropped its direction from ``T`` unseen (a wrong *saturated*, found by an adversarial probe).  Entries
+    below ``2⁻¹⁴⁹`` of their column's largest still round to zero: an absolute error ``≤ L 2⁻¹⁴⁸`` on the
+    unit-diagonal Gram, far inside ``C_res u64``.  The scaling is undone exactly in float64 (:func:`_unscale`).
+
+    Returns:
+        ``(φ̃ scaled, g scaled, 1/scale of φ̃ (k̃,) float64 or None when unscaled, 1/scale of g () float64)``.
     """
-    sphi = _pow2_scale(phi.reshape(-1, phi.shape[-1]).abs().amax(0))
-    sg = _pow2_scale(g.abs().amax())
-    return _scaled(phi, sphi, dtype), _scaled(g, sg, dtype), 1.0 / sphi, 1.0 / sg
+    sphi = _pow2_scale(torch.linalg.vector_norm(phi.reshape(-1, phi.shape[-1]), ord=math.inf, dim=0))
+    sg = _pow2_scale(torch.linalg.vector_norm(g, ord=math.inf))
+    g_s = _scaled(g, sg, dtype)
+    if bool(((sphi >= 1 / UNSCALED_WINDOW) & (sphi <= UNSCALED_WINDOW)).all()):
+        return phi.to(dtype), g_s, None, 1.0 / sg
+    return _scaled(phi, sphi, dtype), g_s, 1.0 / sphi, 1.0 / sg
 
 
-def _unscale(m: Tensor, inv_rows: Tensor, inv_cols: Tensor) -> Tensor:
-    """``m`` (float64) with rows times ``inv_rows`` and columns times ``inv_cols`` (powers of two: exact), in place."""
-    return m.mul_(inv_rows.reshape(-1, 1)).mul_(inv_cols.reshape(1, -1))
+def _unscale(m: Tensor, inv_rows: Tensor | None, inv_cols: Tensor | None) -> Tensor:
+    """``m`` (float64) with rows times ``inv_rows`` and columns times ``inv_cols`` (powers of two: exact), in place.
+
+    ``None``: that side was not scaled.
+    """
+    if inv_rows is not None:
+        m.mul_(inv_rows.reshape(-1, 1))
+    if inv_cols is not None:
+        m.mul_(inv_cols.reshape(1, -1))
+    return m
 
 
 def _add_lowp_grams(
@@ -280,8 +298,7 @@ def _add_lowp_grams(
     (float64) when unmasked.
     """
     phi_s, g_s, inv_phi, inv_g = _lowp_inputs(phi_x, g_x, dtype)
-    sphi = 1.0 / inv_phi
-    rows_s = _scaled(phi2, sphi, dtype)
+    rows_s = phi2.to(dtype) if inv_phi is None else _scaled(phi2, 1.0 / inv_phi, dtype)
     sigma += _unscale(_lowp_gram(rows_s).to(torch.float64), inv_phi, inv_phi)
     q = torch.zeros_like(q_sum)
     _noise_moment(q, phi_s, g_s, None if g_norm2 is None else g_norm2 / (inv_g * inv_g))
