@@ -444,3 +444,22 @@ def test_float32_products_run_in_ieee_float32_whatever_the_matmul_precision(monk
     gamma = st._product_summands() * U32 + st._summands() * U64
     sig = st.sigma.numpy()[:6, :6]
     assert np.all(np.abs(sig - z64.T @ z64) <= gamma * (np.abs(z64).T @ np.abs(z64)))
+
+
+@pytest.mark.parametrize("gram", ["features", "units"])
+def test_a_float64_feature_below_float32_range_is_scaled_before_rounding(gram):
+    """``powers:2`` (features ``z, z²``, computed in float64 and rounded to float32): with ``z₂ = 2⁻⁷⁸ b`` the
+    feature ``z₂² = 2⁻¹⁵⁶ b²`` is below float32's range and must be scaled before the rounding, not after.
+    ``g = (0, b²) = 2¹⁵⁶ z₂²`` lies in the tangent space, so ``s = AG_rms`` exactly."""
+    z, _ = _tiny_column_probe(-78)
+    b2 = (z[:, 1].double() * 2.0**78) ** 2  # the small integers b², exact
+    g = torch.stack([torch.zeros_like(b2), b2], 1).float()
+    truth = float(g.double().pow(2).sum(1).mean().sqrt())  # AG_rms: g is a tangent function
+    ref = statistics_for(parse_family("powers:2"), (2,), "vector", products="float64", gram=gram)
+    ref.update(z, g)
+    assert ref.result().verdict is Verdict.IMPROVABLE and abs(ref.result().score - truth) <= ref.result().score_error
+    st = statistics_for(parse_family("powers:2"), (2,), "vector", products="float32", gram=gram)
+    st.update(z, g)
+    res = st.result()
+    _sound(res, truth)
+    assert res.verdict is Verdict.IMPROVABLE and abs(res.score - truth) <= res.score_error

@@ -601,10 +601,10 @@ class FeatureStatistics(TangentStatistics):
     def _update_lowp(self, z: Tensor, g: Tensor, mask: Tensor | None) -> None:
         """:meth:`update` on the features path with float32 products: nothing of size ``B k̃`` in float64.
 
-        ``g`` stays in its dtype (rounded to float32 when wider); the features are computed in float64 and
-        rounded to float32, except for families whose features copy the site's entries
-        (:attr:`~depthsat_theory.families.FeatureFamily.copies_input`), computed directly in float32 (exact).
-        Both are scaled by powers of two before the products (:func:`_lowp_inputs`) and unscaled exactly after.
+        ``g`` stays in its dtype; the features are computed in float64, except for families whose features copy the
+        site's entries (:attr:`~depthsat_theory.families.FeatureFamily.copies_input`), computed directly in float32
+        (exact).  Both are scaled by powers of two and only then rounded to float32 (:func:`_lowp_inputs`: a float64
+        feature below float32's range would otherwise round to zero), and unscaled exactly after the products.
         """
         prod = self._product_dtype
         g_in, g_norm2 = self._common(z, g, mask, to_float64=False)
@@ -613,8 +613,7 @@ class FeatureStatistics(TangentStatistics):
             phi = self._features(z, dtype=prod)
         else:
             phi = self._features(z, mask if getattr(self.family, "masks_padding", False) else None)
-            self._last = (z, phi)
-            phi = phi.to(prod)
+            self._last = (z, phi)  # float64: rounded to float32 only after the scaling (_lowp_inputs)
         b = z.shape[0]
         phi_x = phi.reshape(b, -1, self.k)
         g_x = to_rows(g_in, self.layout).to(phi.device).reshape(b, -1, self.d)
