@@ -911,7 +911,30 @@ class FeatureStatistics(TangentStatistics):
             alpha=alpha,
             grad_rows=big_g,
             noise_moment=moment,
+            q_trace_upper=self._noise_trace_upper(spec, moment, q_trace),
         )
+
+    def _noise_trace_upper(self, spec, moment: np.ndarray, q_trace: float) -> float | None:
+        """An upper bound on the exact-arithmetic ``v̂`` when ``Σ`` and ``E[XᵀX]`` came from float32 products.
+
+        With ``‖δΣ̃‖₂ ≤ η`` and kept eigenvalues ``λ̃ ≥ λ_min > 2η``, the kept inverse ``S = Σ̃⁻`` grows by at
+        most ``κ = λ_min/(λ_min − η) < 2``; the noise moment's entrywise error ``|δQ̃_ab| ≤ γ M_ab`` with
+        ``M = |W̃|ᵀ|W̃|`` (``M_aa = Q̃_aa``, ``Q̃ = D^{-1/2} E[XᵀX] D^{-1/2}``) moves ``tr(S Q̃)`` by at most
+        ``γ Σ_ab |S_ab| M_ab ≤ γ (Σ_a (S_aa Q̃_aa)^{1/2})²`` (Cauchy–Schwarz on both PSD matrices).  Hence
+        ``v̂_up = κ (v̂ + γ (Σ_a (S_aa Q̃_aa)^{1/2})²)``, ``γ = γ_acc + C_res u64`` (theory/numerics.md, "Float32
+        products"); ``None`` for float64 products.
+        """
+        dtype, summands, fast = self._rounding_inputs()
+        if not fast or not spec.rank or not math.isfinite(q_trace):
+            return None
+        eta = gram_error(k=self.k, summands=summands, product_summands=fast)
+        lam = spec.lam_min
+        if lam <= eta:
+            return math.inf
+        gamma = gram_error(k=1, summands=summands, product_summands=fast)
+        s_diag = (spec.vectors**2 / spec.values).sum(1)
+        q_diag = np.clip(np.diag(moment) * spec.scale**2, 0.0, None)
+        return lam / (lam - eta) * (q_trace + gamma * float(np.sum(np.sqrt(s_diag * q_diag))) ** 2)
 
     def _unit_result(self, *, rtol: float | None, tol: float | None, alpha: float) -> SaturationResult:
         """:meth:`result` on the unit path (theory/numerics.md, ``thm-unit-gram``).

@@ -375,6 +375,7 @@ class TangentStatistics(StreamingStatistic):
         alpha: float = NOISE_ALPHA,
         grad_rows: np.ndarray | None = None,
         noise_moment: np.ndarray | None = None,
+        q_trace_upper: float | None = None,
     ) -> SaturationResult:
         """Assemble the :class:`SaturationResult` (theory/numerics.md: error bound and noise test).
 
@@ -393,6 +394,9 @@ class TangentStatistics(StreamingStatistic):
                 direction the arithmetic resolves (:attr:`Spectrum.band`) whose gradient passes the
                 noise test (Bonferroni over those directions) is unresolved too, however small its
                 amplitude (``thm-noise-test`` on that direction alone).
+            q_trace_upper: with float32 products, an upper bound on the exact-arithmetic ``v̂`` (``None``:
+                ``v̂`` itself).  The noise test then uses ``n (ŝ − e)₊² / v̂_up``: a float32 probe may call the
+                score significant only where the exact-arithmetic test would (theory/numerics.md).
         """
         self._require_examples()
         dtype, summands, fast = self._rounding_inputs()
@@ -419,8 +423,11 @@ class TangentStatistics(StreamingStatistic):
         noise: dict[str, Any] = dict(noise_variance=q_trace, alpha=float(alpha), noise_threshold=noise_threshold(alpha))
         if math.isfinite(q_trace) and q_trace > 0 and n >= 2:
             s2u = (n * score * score - q_trace) / (n - 1)
+            s_test, v_test = score, q_trace
+            if fast:  # the float32 products' rounding must not decide the test: lower ŝ, upper v̂
+                s_test, v_test = max(score - err, 0.0), max(q_trace, q_trace_upper or q_trace)
             noise.update(
-                noise_ratio=n * score * score / q_trace,
+                noise_ratio=n * s_test * s_test / v_test,
                 score_squared_unbiased=s2u,
                 score_squared_se=q_trace * math.sqrt(4 * max(s2u, 0.0) / (n * q_trace) + 2 / (n * (n - 1))),
             )
