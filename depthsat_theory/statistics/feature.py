@@ -924,7 +924,7 @@ class FeatureStatistics(TangentStatistics):
         ``v̂_up = κ (v̂ + γ (Σ_a (S_aa Q̃_aa)^{1/2})²)``, ``γ = γ_acc + C_res u64`` (theory/numerics.md, "Float32
         products"); ``None`` for float64 products.
         """
-        dtype, summands, fast = self._rounding_inputs()
+        _, summands, fast = self._rounding_inputs()
         if not fast or not spec.rank or not math.isfinite(q_trace):
             return None
         eta = gram_error(k=self.k, summands=summands, product_summands=fast)
