@@ -458,8 +458,10 @@ class FeatureStatistics(TangentStatistics):
             rounded to float32, each batch multiplied over chunks of :data:`PRODUCT_CHUNK_ROWS` rows
             accumulated in float32 and added to the float64 sums once; the rounding bound gains
             ``C_acc · L_32 · u32`` with ``L_32`` = :func:`product_sum_length` of the largest batch,
-            ``135`` at ``1024`` rows, and the Gram's eigenvalues below ``2η`` are dropped and count as
-            unresolved, theory/numerics.md ``thm-score-error``: an opt-in for well-conditioned sites).
+            ``135`` at ``1024`` rows, the Gram's eigenvalues below ``2η`` are dropped and count as
+            unresolved, and the noise test uses ``ŝ − e`` and an upper bound on ``v̂``, theory/numerics.md
+            ``thm-score-error``: an opt-in for well-conditioned sites; features and ``g`` are scaled by powers
+            of two before the products, so nothing underflows float32).
             Families that copy the site's entries (``copies_input``) compute float32 features directly.
             Only the block lower triangle of ``Σ`` is multiplied either way.
         gram: ``"features"``: stream the ``k̃ × k̃`` Gram ``Σ`` (and the noise moment) batch by
