@@ -697,7 +697,7 @@ class FeatureStatistics(TangentStatistics):
             ``self``.
 
         Raises:
-            TypeError, ValueError, StatisticsError: from :meth:`check_compatible`.
+            TypeError, ValueError, StatisticsError: from ``check_compatible`` (the two configurations differ).
         """
         self._flush()
         if isinstance(other, FeatureStatistics):
