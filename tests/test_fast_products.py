@@ -488,3 +488,27 @@ def test_the_noise_test_on_float32_products_never_turns_undetermined_into_improv
     truth = exact_score(z.double().numpy(), g.numpy())
     assert truth > 2 * fast.score_error  # not "within the fast path's own bound"
     assert fast.verdict in (ref.verdict, Verdict.UNDETERMINED), (fast.noise_ratio, ref.noise_ratio)
+
+
+def test_the_float32_noise_ratio_of_a_sequence_site_is_conservative():
+    """A padded sequence site (``R = 5`` rows per example): the float32 noise ratio uses ``(ŝ − e)₊`` and an upper
+    bound on ``v̂`` whose ``γ`` counts the moment's longer float32 sums, so it never exceeds the float64 ratio of
+    the same probe (up to the two paths' ``ŝ`` and ``v̂`` agreeing to ``1e-3``)."""
+    gen = torch.Generator().manual_seed(9)
+    b, t, d = 400, 5, 4
+    z = torch.randn(b, t, d, generator=gen)
+    mask = torch.rand(b, t, generator=gen) < 0.8
+    mask[:, 0] = True
+    g = (torch.tanh(z @ torch.randn(d, d, generator=gen)) / 10 + torch.randn(b, t, d, generator=gen) / 5) * mask[
+        ..., None
+    ]
+    res = {}
+    for prod in ("float64", "float32"):
+        st = statistics_for(parse_family("linear"), (t, d), "sequence", products=prod, gram="features")
+        st.update(z, g, mask)
+        res[prod] = st.result()
+    r64, r32 = res["float64"], res["float32"]
+    assert math.isfinite(r64.noise_ratio) and r64.noise_ratio > 0
+    assert r32.noise_ratio <= r64.noise_ratio * (1 + 1e-3)
+    assert r32.noise_ratio <= r32.n * (r32.score - r32.score_error) ** 2 / r32.noise_variance * (1 + 1e-12)
+    assert r32.verdict in (r64.verdict, Verdict.UNDETERMINED)

@@ -924,7 +924,8 @@ class FeatureStatistics(TangentStatistics):
         ``M = |W̃|ᵀ|W̃|`` (``M_aa = Q̃_aa``, ``Q̃ = D^{-1/2} E[XᵀX] D^{-1/2}``) moves ``tr(S Q̃)`` by at most
         ``γ Σ_ab |S_ab| M_ab ≤ γ (Σ_a (S_aa Q̃_aa)^{1/2})²`` (Cauchy–Schwarz on both PSD matrices).  Hence
         ``v̂_up = κ (v̂ + γ (Σ_a (S_aa Q̃_aa)^{1/2})²)``, ``γ = γ_acc + C_res u64`` (theory/numerics.md, "Float32
-        products"); ``None`` for float64 products.
+        products"), with ``L_32`` grown by ``128 d + d + R`` at sites of ``R > 1`` rows per example (the moment's
+        float32 sums run over ``g gᵀ``, the rows and up to 128 rows times ``d``); ``None`` for float64 products.
         """
         _, summands, fast = self._rounding_inputs()
         if not fast or not spec.rank or not math.isfinite(q_trace):
@@ -933,6 +934,9 @@ class FeatureStatistics(TangentStatistics):
         lam = spec.lam_min
         if lam <= eta:
             return math.inf
+        rows = max(1, math.prod(self.shape) // self.d) if self.family.unit == "row" else 1
+        if rows > 1:  # multi-row noise moment: float32 sums over g gᵀ (d), the rows (R) and ≤ 128 rows · d
+            fast += PRODUCT_CHUNK_ROWS * self.d + self.d + rows
         gamma = gram_error(k=1, summands=summands, product_summands=fast)
         s_diag = (spec.vectors**2 / spec.values).sum(1)
         q_diag = np.clip(np.diag(moment) * spec.scale**2, 0.0, None)
