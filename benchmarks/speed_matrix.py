@@ -53,9 +53,9 @@ for _p in (ROOT, ROOT / "benchmarks"):
 
 import torch
 from diagnose_speed import LinearGrowingBlock, gromo_model, steps_for
-from provenance import provenance
 
 from depthsat_theory.capture import accumulate
+from depthsat_theory.experiments.record import provenance
 from depthsat_theory.families import parse_family
 from depthsat_theory.statistics import FeatureStatistics
 from depthsat_theory.statistics import feature as feature_mod
@@ -263,7 +263,11 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.1f}; GroMo {'0.1.0' if LinearGrowingBlock is not None else 'absent'}",
         flush=True,
     )
-    report = {"provenance": provenance(), "rows": run(args)}
+    started = time.time()
+    rows = run(args)
+    config = {**vars(args), "gromo": "0.1.0" if LinearGrowingBlock is not None else None}
+    config["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    report = {"provenance": provenance(seeds=[], config=config, started=started), "rows": rows}
     if args.memory:
         report["memory"] = memory(args)
     if args.json:

@@ -41,9 +41,9 @@ for _p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 import torch
-from provenance import provenance
 
 from depthsat_theory.diagnose import diagnose
+from depthsat_theory.experiments.record import provenance
 from depthsat_theory.tasks import zoo
 from depthsat_theory.tasks.custom import _zoo_extra
 
@@ -103,7 +103,7 @@ def main() -> None:
     if args.reps < 3:
         ap.error("--reps must be at least 3 (the ratios are medians over rounds)")
     print(f"# zoo_speed: {THREADS} threads, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}", flush=True)
-    prov = provenance()
+    started = time.time()
     rows = []
     for i, name in enumerate(args.models):
         n = args.n[i] if args.n and i < len(args.n) and args.n[i] > 0 else None
@@ -118,7 +118,9 @@ def main() -> None:
         )
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1))
+        tmp.write_text(
+            json.dumps({"provenance": provenance(seeds=[], config=vars(args), started=started), "rows": rows}, indent=1)
+        )
         tmp.replace(args.json)
 
 
