@@ -290,15 +290,20 @@ def _unscale(m: Tensor, inv_rows: Tensor | None, inv_cols: Tensor | None) -> Ten
 
 
 def _add_lowp_grams(
-    sigma: Tensor, q_sum: Tensor, phi2: Tensor, phi_x: Tensor, g_x: Tensor, g_norm2: Tensor | None, dtype
+    sigma: Tensor,
+    q_sum: Tensor,
+    rows_s: Tensor,
+    phi_s: Tensor,
+    g_s: Tensor,
+    g_norm2: Tensor | None,
+    inv_phi: Tensor | None,
+    inv_g: Tensor,
 ) -> None:
-    """Add one batch's ``Σ`` and noise moment from float64 rows, multiplied in ``dtype`` after :func:`_lowp_inputs`.
+    """Add one batch's ``Σ`` and noise moment from the scaled lower-precision inputs of :func:`_lowp_inputs`.
 
-    ``phi2`` ``(N, k̃)`` are the real rows of ``phi_x`` ``(B, R, k̃)``; ``g_x`` ``(B, R, d)``; ``g_norm2`` ``(B,)``
-    (float64) when unmasked.
+    ``rows_s`` ``(N, k̃)`` are the real rows of ``phi_s`` ``(B, R, k̃)``; ``g_s`` ``(B, R, d)``; ``g_norm2``
+    ``(B,)`` float64, unscaled, when unmasked.  Both sums are unscaled exactly in float64 before they are added.
     """
-    phi_s, g_s, inv_phi, inv_g = _lowp_inputs(phi_x, g_x, dtype)
-    rows_s = phi2.to(dtype) if inv_phi is None else _scaled(phi2, 1.0 / inv_phi, dtype)
     sigma += _unscale(_lowp_gram(rows_s).to(torch.float64), inv_phi, inv_phi)
     q = torch.zeros_like(q_sum)
     _noise_moment(q, phi_s, g_s, None if g_norm2 is None else g_norm2 / (inv_g * inv_g))
@@ -630,12 +635,11 @@ class FeatureStatistics(TangentStatistics):
             phi2, rows2 = phi_x.reshape(-1, self.k), g_x.reshape(-1, self.d)
         self._note_product_sum(phi2.shape[0])
         self._count_units(phi2.shape[0])
-        q = torch.zeros_like(self.states["q_sum"])
+        st = self.states
         with _ieee_float32_matmul():
-            self.states["cross"] += _unscale(_lowp_sum(rows2, phi2).to(torch.float64), inv_g, inv_phi)
-            self.states["sigma"] += _unscale(_lowp_gram(phi2).to(torch.float64), inv_phi, inv_phi)
-            _noise_moment(q, phi_x, g_x, None if mask is not None else g_norm2 / (inv_g * inv_g))
-        self.states["q_sum"] += _unscale(q, inv_phi, inv_phi).mul_(inv_g * inv_g)
+            st["cross"] += _unscale(_lowp_sum(rows2, phi2).to(torch.float64), inv_g, inv_phi)
+            g_norm = None if mask is not None else g_norm2
+            _add_lowp_grams(st["sigma"], st["q_sum"], phi2, phi_x, g_x, g_norm, inv_phi, inv_g)
 
     def _summands(self) -> int:
         """Length ``L`` of the float64 sums; with float32 products also one term per chunk of rows.
@@ -662,9 +666,11 @@ class FeatureStatistics(TangentStatistics):
         phi2, _ = kb.rows()
         phi_x, g_x = kb.phi_x, kb.g_x
         if self._product_dtype != torch.float64:
+            phi_s, g_s, inv_phi, inv_g = _lowp_inputs(phi_x, g_x, self._product_dtype)
+            rows_s = phi_s.reshape(-1, self.k) if kb.keep is None else phi_s.reshape(-1, self.k)[kb.keep]
             with _ieee_float32_matmul():
                 _add_lowp_grams(
-                    self.states["sigma"], self.states["q_sum"], phi2, phi_x, g_x, kb.g_norm2, self._product_dtype
+                    self.states["sigma"], self.states["q_sum"], rows_s, phi_s, g_s, kb.g_norm2, inv_phi, inv_g
                 )
             return
         _add_gram(self.states["sigma"], phi2)
