@@ -11,7 +11,6 @@ test's level ``α``.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -20,42 +19,13 @@ import torch
 from depthsat_theory import parse_family
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.vocabulary import Verdict
-from proofs_checks.t8_numerics import _solve_rational
+from proofs_checks.t8_numerics import dyadic_collinear_probe, exact_noise_variance, pure_noise_improvable
 
 
 def _stats(z: np.ndarray, g: np.ndarray, family: str = "linear"):
     stats = statistics_for(parse_family(family), (z.shape[1],), "vector")
     stats.update(torch.from_numpy(z), torch.from_numpy(g))
     return stats
-
-
-def exact_noise_variance(z: np.ndarray, g: np.ndarray) -> Fraction:
-    """``v = tr(Σ⁺ Q)``, ``Σ = (1/n) Σ_x φ̃ φ̃ᵀ``, ``Q = (1/n) Σ_x ‖g_x‖² φ̃ φ̃ᵀ``, linear family with a bias, in rationals.
-
-    ``Σ`` is invertible here (checked: Gauss–Jordan finds a pivot in every column), so ``Σ⁺ Q = Σ⁻¹ Q``.
-    """
-    rows = [[Fraction(float(v)) for v in zi] + [Fraction(1)] for zi in z]
-    gn = [sum((Fraction(float(v)) ** 2 for v in gi), Fraction(0)) for gi in g]
-    k = len(rows[0])
-    sigma = [[sum((r[a] * r[b] for r in rows), Fraction(0)) for b in range(k)] for a in range(k)]
-    q = [
-        [sum((w * r[a] * r[b] for r, w in zip(rows, gn, strict=True)), Fraction(0)) for b in range(k)] for a in range(k)
-    ]
-    x = _solve_rational(sigma, q)  # Σ x = Q (the 1/n cancels)
-    check = [[sum((sigma[a][c] * x[c][b] for c in range(k)), Fraction(0)) for b in range(k)] for a in range(k)]
-    assert check == q, "Σ must be invertible for this fixture"
-    return sum((x[a][a] for a in range(k)), Fraction(0))
-
-
-def _dyadic_probe(n: int, shift: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``z = (t, t + 2^-shift w)`` with small integers ``t, w`` and ``g`` in eighths: every value exact in float64."""
-    rng = np.random.default_rng(seed)
-    t = rng.integers(-8, 9, n).astype(np.float64)
-    w = rng.integers(-8, 9, n).astype(np.float64)
-    z = np.stack([t, t + np.ldexp(w, -shift)], 1)
-    g = rng.integers(-16, 17, (n, 2)).astype(np.float64) / 8.0
-    assert np.array_equal(z[:, 1] - z[:, 0], np.ldexp(w, -shift))  # stored exactly
-    return z, g
 
 
 @pytest.mark.parametrize("shift", [24, 26, 27])
@@ -65,24 +35,13 @@ def test_noise_variance_of_an_ill_conditioned_probe_matches_rationals(shift):
     (The Gram-based ``v̂`` was off by orders of magnitude here, or negative.)  The bound the noise test uses,
     ``noise_variance_upper``, is never below the truth.
     """
-    z, g = _dyadic_probe(64, shift, seed=shift)
+    z, g = dyadic_collinear_probe(64, shift, seed=shift)
     truth = float(exact_noise_variance(z, g))
     res = _stats(z, g).result()
     assert res.tangent_rank == res.tangent_dim == 6  # the direction of amplitude ≈ 2^-shift is kept (the factor)
     assert res.noise_variance == pytest.approx(truth, rel=1e-6)
     upper = res.noise_variance_upper
     assert math.isnan(upper) or upper >= truth
-
-
-def _pure_noise_improvable(eps: float, seeds, n: int = 400) -> int:
-    count = 0
-    for seed in seeds:
-        rng = np.random.default_rng(seed)
-        t, w = rng.standard_normal(n), rng.standard_normal(n)
-        z = np.stack([t, t + eps * w], 1)
-        g = rng.standard_normal((n, 2))  # independent of z: the population score is exactly 0
-        count += _stats(z, g).result().verdict is Verdict.IMPROVABLE
-    return count
 
 
 @pytest.mark.parametrize("eps", [3e-8, 1e-8])
@@ -93,7 +52,7 @@ def test_pure_noise_is_rarely_improvable_at_condition_1e15_to_1e16(eps):
     stated domain (Gaussian ``g``); 7 or more has probability below 0.4%.  (Before: 12/40 at ``ε = 10⁻⁸``,
     most with a negative ``v̂`` and no test at all.)
     """
-    assert _pure_noise_improvable(eps, range(40)) <= 6
+    assert pure_noise_improvable(eps, range(40)) <= 6
 
 
 def _strong_signal_stats():
