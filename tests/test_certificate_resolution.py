@@ -17,36 +17,21 @@ import torch
 from typer.testing import CliRunner
 
 from depthsat_theory import parse_family
-from depthsat_theory.bounds.probe import interval_from_probe
 from depthsat_theory.cli import app
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.vocabulary import Certificate, Verdict
+from proofs_checks.t7_finite_sample import ill_conditioned_draw, ill_conditioned_interval
 
 EPS = 2.0**-24
 DELTA, EPSILON = 0.05, 0.5
-GAMMA, LEVERAGE = 1.0, 3.0
 
 
-def _draw(n: int, seed: int, *, signal: bool = True, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    t, w, u = (rng.choice([-1.0, 1.0], n) for _ in range(3))
-    z = np.stack([t, t + EPS * w], 1).astype(dtype)
-    g = np.stack([w if signal else u, np.zeros(n)], 1).astype(dtype)
-    assert np.array_equal(z[:, 1].astype(np.float64) - z[:, 0], EPS * w)  # stored exactly
-    return z, g
+def _draw(n: int, seed: int, *, signal: bool = True):
+    return ill_conditioned_draw(n, seed, signal=signal, eps=EPS)
 
 
 def _interval(z, g):
-    return interval_from_probe(
-        z,
-        g,
-        parse_family("linear"),
-        delta=DELTA,
-        epsilon=EPSILON,
-        grad_max=GAMMA,
-        leverage_max=LEVERAGE,
-        bootstrap=0,
-    )
+    return ill_conditioned_interval(z, g, DELTA, EPSILON)
 
 
 def test_the_reproducer_is_not_certified_saturated(tmp_path):
@@ -100,12 +85,7 @@ def test_a_certificate_never_contradicts_an_unresolved_verdict():
     The verdict path says ŝ is only a lower bound (undetermined); the interval must not certify saturation
     from that lower bound, and must hold the exact ``s = 1``.
     """
-    rng = np.random.default_rng(7)
-    n = 2000
-    t, w = rng.choice([-1.0, 1.0], n), rng.choice([-1.0, 1.0], n)
-    z = np.stack([t, t + 2.0**-22 * w], 1).astype(np.float32)
-    g = np.stack([w, np.zeros(n)], 1).astype(np.float32)
-    assert np.array_equal(z[:, 1].astype(np.float64) - z[:, 0], 2.0**-22 * w)  # exact in float32
+    z, g = ill_conditioned_draw(2000, 7, eps=2.0**-22, dtype=np.float32)  # exact in float32
     stats = statistics_for(parse_family("linear"), (2,), "vector")
     stats.update(torch.from_numpy(z), torch.from_numpy(g))
     res = stats.result()
