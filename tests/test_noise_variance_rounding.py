@@ -63,6 +63,13 @@ def _strong_signal_stats():
     return _stats(z, g)
 
 
+def _finish_with(stats, **noise):
+    """The statistics' own result, assembled again with the given noise arguments (``q_trace`` …)."""
+    spec, big_g = stats.spectrum(), stats.cross_gradient()
+    score2, rank = spec.quadratic(big_g), stats.d * spec.rank
+    return stats._finish(spec, score2, stats.theta_vector(big_g), stats.d * stats.k, None, rank=rank, **noise)
+
+
 @pytest.mark.parametrize("v_hat", [-0.5, 0.0, math.inf])
 def test_a_noise_variance_that_is_not_a_positive_number_demotes_improvable(v_hat):
     """A streamed ``v̂ ≤ 0`` or ``v̂ = ∞`` with ``ŝ > e``: the noise test cannot run, so the verdict is undetermined.
@@ -74,18 +81,7 @@ def test_a_noise_variance_that_is_not_a_positive_number_demotes_improvable(v_hat
     stats = _strong_signal_stats()
     good = stats.result()
     assert good.verdict is Verdict.IMPROVABLE and good.noise_variance > 0
-    spec = stats.spectrum()
-    big_g = stats.cross_gradient()
-    bad = stats._finish(
-        spec,
-        spec.quadratic(big_g),
-        stats.theta_vector(big_g),
-        stats.d * stats.k,
-        None,
-        rank=stats.d * spec.rank,
-        q_trace=v_hat,
-        grad_rows=big_g,
-    )
+    bad = _finish_with(stats, q_trace=v_hat, grad_rows=stats.cross_gradient())
     assert bad.probe_verdict is Verdict.IMPROVABLE  # ŝ is far above e
     assert bad.verdict is Verdict.UNDETERMINED
     reason = bad.verdict_reason
@@ -96,9 +92,5 @@ def test_a_noise_variance_that_is_not_a_positive_number_demotes_improvable(v_hat
 def test_an_unstreamed_noise_variance_keeps_its_reason():
     """``nan`` is the engine's "not streamed": no test, and the reason says exactly that."""
     stats = _strong_signal_stats()
-    spec = stats.spectrum()
-    big_g = stats.cross_gradient()
-    res = stats._finish(
-        spec, spec.quadratic(big_g), stats.theta_vector(big_g), stats.d * stats.k, None, rank=stats.d * spec.rank
-    )
+    res = _finish_with(stats)
     assert res.verdict is Verdict.IMPROVABLE and res.verdict_reason.endswith("(no noise test: v̂ not streamed)")
