@@ -977,7 +977,9 @@ def eb_ceiling(ctx: Context) -> Outcome:
 ILL_EPS = 2.0**-24
 
 
-def ill_conditioned_draw(n: int, seed: int, *, signal: bool = True, eps: float = ILL_EPS, dtype=np.float64):
+def ill_conditioned_draw(
+    n: int, seed: int, *, signal: bool = True, eps: float = ILL_EPS, dtype=np.float64
+) -> tuple[np.ndarray, np.ndarray]:
     """``n`` i.i.d. examples ``z = (t, t + ε w)``, ``g = (w, 0)`` (``signal``) or ``(u, 0)``; ``t, w, u`` Rademacher.
 
     For the linear family with a bias the features ``(z₁, z₂, 1)`` are an invertible linear map of ``(t, w, 1)``,
