@@ -52,6 +52,11 @@ Checks:
 - ``t7-eb-ceiling`` (numeric): ``prop-eb-ceiling`` on every population: ``σ² ≥ Eℓ²/r₀``, and the
   worst-case ``Δ_n`` over the empirical-Bernstein ``max(Δ^∓(σ̃²))`` is at most ``√(L/σ²)`` for every
   size and ``σ̃² ∈ [σ², L]``; the non-vacuous sizes' ratio at ``σ̃² = L`` is at most 1.60.
+- ``t7-ill-conditioned`` (coverage, ``prop-interval-resolution``): the population of
+  :func:`ill_conditioned_draw` (exact ``s = 1`` or ``0``, ``γ = 1``, ``L = 3``, all the score along a direction at
+  eigenvalue ratio ``≈ 10¹⁵``) through :func:`~depthsat_theory.bounds.interval_from_probe` with the true constants:
+  coverage of ``s``, no "certified ε-saturated" at ``s = 1 > ε``; and a float32 probe whose small direction the
+  verdict leaves unresolved gets the upper end ``γ``, never a saturation certificate.
 """
 
 from __future__ import annotations
@@ -964,4 +969,64 @@ def eb_ceiling(ctx: Context) -> Outcome:
             f"largest ratio / √(L/σ²) = {tight:.3f}"
         ),
         table=(f"ceiling of the empirical-Bernstein matrix step (δ = {DELTA})", cols, rows),
+    )
+
+
+# ============================================================================ ill-conditioned populations
+#: Relative amplitude of the small feature direction of :func:`ill_conditioned_draw` (eigenvalue ratio ≈ 10¹⁵).
+ILL_EPS = 2.0**-24
+
+
+def ill_conditioned_draw(
+    n: int, seed: int, *, signal: bool = True, eps: float = ILL_EPS, dtype=np.float64
+) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` i.i.d. examples ``z = (t, t + ε w)``, ``g = (w, 0)`` (``signal``) or ``(u, 0)``; ``t, w, u`` Rademacher.
+
+    For the linear family with a bias the features ``(z₁, z₂, 1)`` are an invertible linear map of ``(t, w, 1)``,
+    whose population Gram is ``I``: ``g = (w, 0)`` lies in the tangent space, so ``s = ‖g‖ = 1``; ``(u, 0)`` is
+    orthogonal to every feature, ``s = 0``; ``γ = 1`` and every leverage is ``t² + w² + 1 = 3`` (``L = 3``), exactly.
+    ``ε`` is a power of two, so the stored values are exact.
+    """
+    rng = np.random.default_rng(seed)
+    t, w, u = (rng.choice([-1.0, 1.0], n) for _ in range(3))
+    z = np.stack([t, t + eps * w], 1).astype(dtype)
+    g = np.stack([w if signal else u, np.zeros(n)], 1).astype(dtype)
+    assert np.array_equal(z[:, 1].astype(np.float64) - z[:, 0], eps * w)
+    return z, g
+
+
+def ill_conditioned_interval(z: np.ndarray, g: np.ndarray, delta: float, epsilon: float):
+    """The interval of ``interval_from_probe`` for the linear family with the exact ``γ = 1``, ``L = 3``."""
+    from depthsat_theory.bounds.probe import interval_from_probe
+    from depthsat_theory.families import parse_family
+
+    return interval_from_probe(
+        z, g, parse_family("linear"), delta=delta, epsilon=epsilon, grad_max=1.0, leverage_max=3.0, bootstrap=0
+    )
+
+
+@check("T7", ["prop-interval-resolution", "cor-certified-saturated"], "t7-ill-conditioned", "coverage")
+def ill_conditioned(ctx: Context) -> Outcome:
+    """Coverage and certificates on a population whose whole score lies along a direction at ratio ``≈ 10¹⁵``."""
+    reps, n = ctx.count(100, 30), 1000
+    floor = _allowed(reps)
+    bad = 0
+    rows = []
+    for signal in (True, False):
+        truth = 1.0 if signal else 0.0
+        hits = saturated = 0
+        for seed in range(reps):
+            iv = ill_conditioned_interval(*ill_conditioned_draw(n, 5000 + seed, signal=signal), DELTA, 0.5)
+            hits += iv.score_lower <= truth <= iv.score_upper
+            saturated += iv.certificate is Certificate.SATURATED
+        cov = hits / reps
+        bad += cov < floor or (signal and saturated > (1 - floor) * reps)
+        rows.append(f"s = {truth:g}: coverage {cov:.3f}, certified saturated {saturated}/{reps}")
+    z, g = ill_conditioned_draw(2000, 7, eps=2.0**-22, dtype=np.float32)  # dropped by float32's data resolution
+    iv = ill_conditioned_interval(z, g, DELTA, 0.5)
+    bad += not (iv.score_upper >= 1.0 and iv.certificate is not Certificate.SATURATED)
+    return Outcome(
+        instances=2 * reps + 1,
+        counterexamples=int(bad),
+        detail="; ".join(rows) + f" (allowed ≥ {floor:.3f}); float32 unresolved: upper {iv.score_upper:.3g}",
     )

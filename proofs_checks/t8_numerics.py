@@ -26,6 +26,10 @@ Checks:
   site), float64 and float32: the unit path's ``ŝ`` equals the kernel form ``n⁻¹‖U_Jᵀg‖²`` of a numpy
   SVD of the features (computed here, not by the engine) within its bound, ``v̂`` equals
   ``Σ_x ‖g_x‖² ‖U_{x,J}‖²``, and rank, verdict and ``ŝ`` (within both bounds) agree with the Gram path.
+- ``num-noise-factor`` (numeric, ``thm-noise-factor``): dyadic float64 probes ``z = (t, t + 2^-j w)`` at eigenvalue
+  ratios ``10¹³`` to ``10¹⁷``: the engine's ``v̂`` equals the exact ``tr(Σ⁺ Q)`` of the stored arrays (rational
+  Gauss–Jordan) to ``10⁻⁶`` relative and never exceeds ``v̂_up``; pure-noise probes at ``n = 400`` and ratios
+  ``10¹⁵``–``10¹⁶`` are "improvable" no more often than rate ``α`` allows (one-sided binomial, 1%).
 """
 
 from __future__ import annotations
@@ -86,6 +90,52 @@ def exact_score(z: np.ndarray, g: np.ndarray, bias: bool = True) -> float:
     x = _solve_rational(gram, rhs)
     s2 = sum((rhs[a][j] * x[a][j] for a in range(k) for j in range(d)), Fraction(0)) / n  # gᵀ Φ̃ x = (Φ̃ᵀg)ᵀ x
     return math.sqrt(float(s2))
+
+
+def exact_noise_variance(z: np.ndarray, g: np.ndarray) -> Fraction:
+    """``v = tr(Σ⁻¹ Q)`` of vector units for the linear family with a bias, in rationals (no engine code).
+
+    ``Σ = (1/n) Σ_x φ̃ φ̃ᵀ``, ``Q = (1/n) Σ_x ‖g_x‖² φ̃ φ̃ᵀ`` (``X_xᵀX_x`` for one row per example); ``Σ`` must be
+    invertible (asserted: the solution is checked exactly).
+    """
+    rows = [[Fraction(float(v)) for v in zi] + [Fraction(1)] for zi in z]
+    gn = [sum((Fraction(float(v)) ** 2 for v in gi), Fraction(0)) for gi in g]
+    k = len(rows[0])
+    sigma = [[sum((r[a] * r[b] for r in rows), Fraction(0)) for b in range(k)] for a in range(k)]
+    weighted = list(zip(rows, gn, strict=True))
+    q = [[sum((w * r[a] * r[b] for r, w in weighted), Fraction(0)) for b in range(k)] for a in range(k)]
+    x = _solve_rational(sigma, q)  # Σ x = Q (the 1/n cancels)
+    check = [[sum((sigma[a][c] * x[c][b] for c in range(k)), Fraction(0)) for b in range(k)] for a in range(k)]
+    assert check == q, "Σ must be invertible"
+    return sum((x[a][a] for a in range(k)), Fraction(0))
+
+
+def dyadic_collinear_probe(n: int, shift: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``z = (t, t + 2^-shift w)`` with integers ``|t|, |w| ≤ 8`` and ``g`` in eighths: every value exact in float64.
+
+    The small feature direction has relative amplitude ``≈ 2^-shift`` (eigenvalue ratio ``≈ 4^shift``).
+    """
+    rng = np.random.default_rng(seed)
+    t = rng.integers(-8, 9, n).astype(np.float64)
+    w = rng.integers(-8, 9, n).astype(np.float64)
+    z = np.stack([t, t + np.ldexp(w, -shift)], 1)
+    g = rng.integers(-16, 17, (n, 2)).astype(np.float64) / 8.0
+    assert np.array_equal(z[:, 1] - z[:, 0], np.ldexp(w, -shift))  # stored exactly
+    return z, g
+
+
+def pure_noise_improvable(eps: float, seeds, n: int = 400) -> int:
+    """How many pure-noise probes ``z = (t, t + ε w)``, ``g`` independent Gaussian (``s = 0``) are "improvable"."""
+    count = 0
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        t, w = rng.standard_normal(n), rng.standard_normal(n)
+        z = np.stack([t, t + eps * w], 1)
+        g = rng.standard_normal((n, 2))
+        stats = statistics_for(parse_family("linear"), (2,), "vector")
+        stats.update(torch.from_numpy(z), torch.from_numpy(g))
+        count += stats.result().verdict is Verdict.IMPROVABLE
+    return count
 
 
 def collinear_signal(eps: float, dtype: torch.dtype, n: int = 1000, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -392,4 +442,38 @@ def unit_gram(ctx: Context) -> Outcome:
         n_inst,
         bad,
         detail=f"{n_inst} probes (N/k̃ from 0.04 to 20, rank-deficient ones): max |ŝ − s_kernel|/e = {fmt(worst)}",
+    )
+
+
+@check("NUM", "thm-noise-factor", "num-noise-factor", "numeric")
+def noise_factor(ctx: Context) -> Outcome:
+    """``v̂`` from the factors against rationals on ill-conditioned dyadic probes; pure noise at ratios 10¹⁵–10¹⁶."""
+    from scipy.stats import binom
+
+    bad = n_inst = 0
+    worst = 0.0
+    for shift in (22, 24, 26, 27):
+        for seed in range(ctx.count(4, 1)):
+            z, g = dyadic_collinear_probe(64, shift, seed=100 * shift + seed)
+            truth = float(exact_noise_variance(z, g))
+            stats = statistics_for(parse_family("linear"), (2,), "vector")
+            stats.update(torch.from_numpy(z), torch.from_numpy(g))
+            res = stats.result()
+            rel = abs(res.noise_variance - truth) / truth
+            worst = max(worst, rel)
+            upper = res.noise_variance_upper
+            n_inst += 1
+            bad += not (res.tangent_rank == 6 and rel <= 1e-6 and (math.isnan(upper) or upper >= truth))
+    reps = ctx.count(40, 20)
+    counts = []
+    for eps in (3e-8, 1e-8):
+        hits = pure_noise_improvable(eps, range(reps))
+        counts.append(hits)
+        n_inst += reps
+        bad += bool(binom.sf(hits - 1, reps, NOISE_ALPHA) < 0.01)
+    return Outcome(
+        n_inst,
+        bad,
+        detail=f"max |v̂ − v|/v = {fmt(worst)} at ratios to 1e17; pure noise improvable {counts} of {reps} "
+        f"(ε 3e-8, 1e-8)",
     )

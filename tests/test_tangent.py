@@ -1040,7 +1040,7 @@ def test_state_fields_are_declared_with_their_reductions():
         "cross": Reduction.SUM,
         "q_sum": Reduction.SUM,
     }
-    assert sorted(feat.variable_size_children()) == ["factor", "ties"]
+    assert sorted(feat.variable_size_children()) == ["factor", "noise_factor", "ties"]
     gen = statistics_for(general_tanh_sq(), (3,), "vector")
     assert {k for k, v in gen.reductions().items() if v == "sum"} >= {"k_mat", "b"}
     bound = BoundStatistics(linear(), (3,), "vector")

@@ -298,6 +298,8 @@ def interval_from_moments(
     var = _variance(const, est, (dev_lo, dev_hi), n, u3)
     eps_n = epsilon_n(n, var, r, u1)
     lower, upper = _ends(s_hat, (dev_lo, dev_hi), eps_n, const, n, notes)
+    if ridge == 0 and dev_lo < 1:
+        lower, upper = _resolved_ends(m, s_hat, (dev_lo, dev_hi), (lower, upper, eps_n), const, n, u1, notes)
     upper_s = _upper_unregularized(upper, ridge, const, notes)
     if lower > upper or (upper_s is not None and lower > upper_s):
         raise BoundError(
@@ -460,6 +462,49 @@ def _ends(s_hat: float, devs: tuple[float, float], eps_n: float, const: dict[str
     upper = s_hat * math.sqrt(1 + dev_hi) + eps_n
     if const["grad_max"].source != "probe":
         upper = min(upper, gam)  # s_λ ≤ s ≤ AG_rms ≤ γ
+    return lower, upper
+
+
+def _resolved_ends(
+    m: ProbeMoments,
+    s_hat: float,
+    devs: tuple[float, float],
+    ends: tuple[float, float, float],
+    const: dict[str, Constant],
+    n: int,
+    u1: float,
+    notes: list[str],
+) -> tuple[float, float]:
+    """The ends widened by the verdict path's rounding bound ``e`` and, with unresolved directions, ``[·, γ]``.
+
+    ``|ŝ − ŝ_exact| ≤ e`` (``thm-score-error``), so the ends use ``ŝ ∓ e``.  With a direction the verdict path
+    left unresolved, the computed ``ŝ`` is only a lower bound of the probe's exact score (``lem-lower-bound``): the
+    upper end is ``γ`` (``s ≤ AG_rms ≤ γ``), and the lower end uses the worst-case ``V̄ = R²`` (or the user's
+    ``V``), which is at least the ``V̄`` of the untruncated probe, so it stays below that probe's lower end
+    (theory/finite-sample.md, ``cor-certified-saturated``).
+    """
+    e, gam = m.score_error, const["grad_max"].value
+    lower, upper, eps_n = ends
+    if e == 0 and not m.unresolved:
+        return lower, upper
+    if not math.isfinite(e):
+        notes.append("the rounding bound e of ŝ is infinite (thm-score-error): the interval is [0, γ]")
+        return 0.0, gam
+    dev_lo, dev_hi = devs
+    r = const["whitened_max"].value
+    eps_lo = eps_n
+    if m.unresolved:
+        var = const["variance"].value if const["variance"].source == "user" else r * r
+        eps_lo = epsilon_n(n, var, r, u1)
+        upper = gam
+        notes.append(
+            f"{m.unresolved} dropped direction(s) of Σ̂ are unresolved (the verdict's reason): ŝ is only a lower "
+            f"bound, so the upper end is γ = {gam:.4g} and the lower end uses V̄ = {var:.4g}"
+        )
+    else:
+        upper = (s_hat + e) * math.sqrt(1 + dev_hi) + eps_n
+        upper = min(upper, gam) if const["grad_max"].source != "probe" else upper
+    lower = max(0.0, max(s_hat - e, 0.0) * math.sqrt(1 - dev_lo) - eps_lo)
     return lower, upper
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from depthsat_theory.bounds.constants import BoundError
-from depthsat_theory.statistics import default_rtol, pinv_quadratic
+from depthsat_theory.statistics import Spectrum, default_rtol, pinv_quadratic
 
 __all__ = ["Estimate", "ProbeMoments", "estimate"]
 
@@ -35,6 +35,15 @@ class ProbeMoments:
         phi: kept feature rows ``(N, units, k)`` of the distinct examples, or ``None``.
         g: kept gradient rows ``(N, units, d)``, or ``None``.
         weights: multiplicity of each kept example (``None``: all 1).
+        spectrum: the resolved spectrum of ``Σ̂`` of the verdict path
+            (:meth:`~depthsat_theory.statistics.FeatureStatistics.spectrum`: the triangular factor for float64
+            probes), used for ``ŝ``, ``v̂``, the rank and the leverages when ``ridge = 0``; ``None``: ``Σ̂``
+            truncated at ``rtol``.
+        noise_variance: an upper bound on the exact-arithmetic ``v̂`` from the verdict path (``thm-noise-factor``;
+            ``inf`` when it has none), used in place of ``tr(Σ̂⁺ q)`` with ``spectrum``; ``None``: from ``q``.
+        score_error: the rounding bound ``e`` on ``|ŝ − s_probe|`` (``thm-score-error``): the interval widens by it.
+        unresolved: dropped directions of the verdict path that may carry score (``def-resolution``): ``ŝ`` is then
+            only a lower bound of the probe's score, and the upper end of the interval is ``γ``.
     """
 
     n: int
@@ -48,6 +57,10 @@ class ProbeMoments:
     phi: np.ndarray | None = field(default=None, repr=False)
     g: np.ndarray | None = field(default=None, repr=False)
     weights: np.ndarray | None = field(default=None, repr=False)
+    spectrum: Spectrum | None = field(default=None, repr=False)
+    noise_variance: float | None = None
+    score_error: float = 0.0
+    unresolved: int = 0
 
     @property
     def k(self) -> int:
@@ -157,11 +170,18 @@ class Estimate:
     psi_sq: float = float("nan")
 
 
-def _psi_sq(phi: np.ndarray, w: np.ndarray, n: int, inv: np.ndarray) -> float:
-    """``‖(1/n) Σ_i w_i Ψ̂_i²‖`` with ``Ψ̂_i = H Φ_iᵀ Φ_i H``, ``H = inv^{1/2}`` (``phi``: ``(N, units, k)``)."""
+def _half(inv: np.ndarray) -> np.ndarray:
+    """``inv^{1/2}`` of a PSD ``(k, k)`` matrix (eigenvalues clipped at 0)."""
     lam, vec = np.linalg.eigh(0.5 * (inv + inv.T))
-    half = (vec * np.sqrt(np.clip(lam, 0.0, None))) @ vec.T
-    rows = phi @ half  # Φ_i H, (N, units, k)
+    return (vec * np.sqrt(np.clip(lam, 0.0, None))) @ vec.T
+
+
+def _psi_sq(phi: np.ndarray, w: np.ndarray, n: int, half: np.ndarray) -> float:
+    """``‖(1/n) Σ_i w_i Ψ̂_i²‖`` with ``Ψ̂_i = Hᵀ Φ_iᵀ Φ_i H``, ``H Hᵀ = Σ̂⁺`` (``half``: ``(k, r)``).
+
+    ``phi``: ``(N, units, k)``.  Any ``H`` with ``H Hᵀ = Σ̂⁺`` gives the same nonzero spectrum of ``Σ_i w_i Ψ̂_i²``.
+    """
+    rows = phi @ half  # Φ_i H, (N, units, r)
     gram = np.einsum("irk,isk->irs", rows, rows, optimize=True)  # Φ_i H² Φ_iᵀ
     # Ψ̂_i² = H Φ_iᵀ (Φ_i H² Φ_iᵀ) Φ_i H = rows_iᵀ gram_i rows_i
     acc = np.einsum("i,irk,irs,isl->kl", w, rows, gram, rows, optimize=True) / n
@@ -183,7 +203,12 @@ def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimat
         An :class:`Estimate` (``lev_max`` is ``nan`` without ``leverage``; ``psi_sq`` is
         ``nan`` without ``leverage`` or without kept rows).
     """
-    if ridge > 0:
+    half: np.ndarray | None = None
+    if ridge == 0 and m.spectrum is not None:  # the verdict path's resolution (the factor for float64 probes)
+        spec = m.spectrum
+        s2, rank, inv = spec.quadratic(m.cross), spec.rank, spec.pinv()
+        half = spec.vectors * (spec.scale[:, None] / np.sqrt(spec.values))  # D^{-1/2} Q Λ^{-1/2}, H Hᵀ = Σ̂⁻
+    elif ridge > 0:
         sym = 0.5 * (m.sigma + m.sigma.T)
         lam, vec = np.linalg.eigh(sym)
         lam = np.clip(lam, 0.0, None)
@@ -194,17 +219,23 @@ def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimat
         rank = int((lam > m.rtol * lmax).sum()) if lmax > 0 else 0
     else:
         s2, rank, _, inv = pinv_quadratic(m.sigma, m.cross, m.rtol)
-    v_hat = float(np.sum(inv * m.q))
+    v_hat = float(np.sum(inv * m.q)) if half is None or m.noise_variance is None else float(m.noise_variance)
     lev_max, exact, psi = float("nan"), False, float("nan")
     if leverage:
         if m.phi is not None:
             live = np.ones(m.phi.shape[0], bool) if m.weights is None else m.weights > 0
             ph = m.phi[live]
-            lev = np.einsum("irk,kl,irl->i", ph, inv, ph, optimize=True)
+            if half is None:
+                lev = np.einsum("irk,kl,irl->i", ph, inv, ph, optimize=True)
+            else:  # tr(Σ̂⁺ Σ_x) = ‖Φ_x H‖_F²: no cancellation against the large entries of Σ̂⁺
+                lev = ((ph @ half) ** 2).sum((1, 2))
             lev_max, exact = float(lev.max()), True
             wts = np.ones(ph.shape[0]) if m.weights is None else m.weights[live]
-            psi = _psi_sq(ph, wts, m.n, inv)
+            psi = _psi_sq(ph, wts, m.n, _half(inv) if half is None else half)
         else:
-            opn = float(np.linalg.eigvalsh(0.5 * (inv + inv.T)).max()) if inv.size else 0.0
+            if half is not None:
+                opn = float(np.linalg.norm(half, 2)) ** 2 if half.size else 0.0
+            else:
+                opn = float(np.linalg.eigvalsh(0.5 * (inv + inv.T)).max()) if inv.size else 0.0
             lev_max = m.feat_sq_max * opn
     return Estimate(max(s2, 0.0), max(v_hat, 0.0), rank, inv, lev_max, exact, psi)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -107,8 +109,16 @@ class BoundStatistics(FeatureStatistics):
     def moments(self, *, rtol: float | None = None) -> ProbeMoments:
         """The probe's :class:`ProbeMoments` (rows included when kept).
 
+        By default the moments carry the verdict path's resolution (:meth:`FeatureStatistics.result`): its
+        spectrum (the triangular factor for float64 probes, resolving what the verdict resolves), its bound on
+        ``v̂`` (``thm-noise-factor``), its rounding bound ``e`` and its count of unresolved directions, so the
+        interval never certifies from a score the verdict calls a lower bound (theory/finite-sample.md,
+        ``cor-certified-saturated``).
+
         Args:
-            rtol: eigenvalue cutoff (default: :func:`default_rtol` for the accumulation dtype and ``k``).
+            rtol: an explicit eigenvalue cutoff on ``Σ̂`` (then ``Σ̂`` is truncated there and none of the above is
+                carried; default: the verdict path's resolution for ``ŝ``, and :func:`default_rtol` for the rank
+                of the ridge score and the eigenvalue-floor note).
 
         Returns:
             The float64 :class:`ProbeMoments`; ``phi`` ``(n, units, k)`` and ``g`` ``(n, units, d)`` when kept.
@@ -118,6 +128,17 @@ class BoundStatistics(FeatureStatistics):
         """
         if self.n == 0:
             raise StatisticsError("no examples were accumulated: the probe is empty")
+        resolved: dict = {}
+        if rtol is None:
+            res = self.result()
+            spec = self._spec_g[0]
+            v_up = res.noise_variance if math.isnan(res.noise_variance_upper) else res.noise_variance_upper
+            resolved = dict(
+                spectrum=spec,
+                noise_variance=v_up if 0 <= v_up < math.inf else math.inf,
+                score_error=res.score_error,
+                unresolved=res.unresolved,
+            )
         rtol = default_rtol(self.dtype or torch.float64, self.k) if rtol is None else float(rtol)
         phi = g = None
         if self.keep_probe and self._rows:
@@ -134,6 +155,7 @@ class BoundStatistics(FeatureStatistics):
             rtol=rtol,
             phi=phi,
             g=g,
+            **resolved,
         )
 
     def interval(self, delta: float, **kwargs) -> ScoreInterval:

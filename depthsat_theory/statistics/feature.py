@@ -12,7 +12,15 @@ import torch
 from torch import Tensor, nn
 
 from depthsat_theory.families import FamilyError, FeatureFamily, from_rows, to_rows
-from depthsat_theory.statistics.linalg import NOISE_ALPHA, gram_error, resolve_spectrum, scaled_gram
+from depthsat_theory.statistics.linalg import (
+    FEATURE_ROUNDING_FACTOR,
+    NOISE_ALPHA,
+    RESOLUTION_FACTOR,
+    gram_error,
+    resolve_spectrum,
+    scaled_gram,
+    unit_roundoff,
+)
 from depthsat_theory.statistics.protocol import Reduction, StreamingStatistic
 from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 from depthsat_theory.statistics.tangent import TANGENT_GRAM_MAX_ELEMENTS, TangentStatistics
@@ -65,15 +73,16 @@ class TriangularFactor(StreamingStatistic):
     def r(self, value: Tensor) -> None:
         self._r = value
 
-    def update(self, rows: Tensor) -> None:
+    def update(self, rows: Tensor, count: int | None = None) -> None:
         """Add feature rows ``(N, k̃)`` float64.
 
         Args:
             rows: feature rows ``(N, k̃)`` (converted to float64).
+            count: what :attr:`rows` counts for them (default ``N``; the noise factor counts examples).
         """
         stacked = torch.cat([self.r.to(rows.device), rows.to(torch.float64)])
         self.r = torch.linalg.qr(stacked, mode="r").R[: self.k].cpu()
-        self.rows += int(rows.shape[0])
+        self.rows += int(rows.shape[0]) if count is None else int(count)
 
     def merge(self, other: TriangularFactor) -> TriangularFactor:
         """Combine with another shard's factor; returns ``self``.
@@ -323,6 +332,20 @@ def _check_columns_float64(phi2: Tensor) -> None:
         )
 
 
+def _noise_rows(phi: Tensor, rows_g: Tensor, g_norm2: Tensor | None = None) -> Tensor:
+    """Rows ``Y`` ``(B m, k̃)`` with ``YᵀY = Σ_x X_xᵀ X_x``, ``X_x = Σ_r g_r φ̃_rᵀ`` (``m = min(R, d)`` per example).
+
+    ``phi`` ``(B, R, k̃)``, ``rows_g`` ``(B, R, d)`` float64.  ``X_xᵀX_x = Φ_xᵀ (g_x g_xᵀ) Φ_x`` and ``g_x g_xᵀ =
+    R_xᵀR_x`` with ``R_x`` the triangular factor of ``g_xᵀ`` (``R = 1``: ``±‖g_x‖``), so ``Y_x = R_x Φ_x``: the noise
+    moment as the Gram of rows, for the triangular factor (theory/numerics.md, ``thm-noise-factor``).
+    """
+    if phi.shape[1] == 1:
+        norms = rows_g[:, 0].pow(2).sum(1).sqrt() if g_norm2 is None else g_norm2.sqrt().to(phi.dtype)
+        return phi[:, 0] * norms[:, None]
+    r_g = torch.linalg.qr(rows_g.transpose(1, 2), mode="r").R  # (B, m, R): g_x g_xᵀ = R_gᵀ R_g
+    return torch.bmm(r_g, phi).reshape(-1, phi.shape[-1])
+
+
 def _mirror_lower(square: Tensor) -> Tensor:
     """``square`` with its strict upper triangle replaced by the transposed lower one.
 
@@ -515,6 +538,8 @@ class FeatureStatistics(TangentStatistics):
             self.add_state("product_units_max", torch.zeros((), dtype=torch.float64), Reduction.MAX)
         self.factor = TriangularFactor(self.k)
         self.add_child("factor", self.factor)
+        self.noise_factor = TriangularFactor(self.k)  # rows: examples (v̂ from the factor, thm-noise-factor)
+        self.add_child("noise_factor", self.noise_factor)
         self._fmap: nn.Module | None = None
         self._device = device
         self._last: tuple[Tensor, Tensor] | None = None  # (z, φ̃) of the batch of the last update
@@ -677,6 +702,7 @@ class FeatureStatistics(TangentStatistics):
         _noise_moment(self.states["q_sum"], phi_x, g_x, kb.g_norm2)
         if kb.factor:
             self.factor.update(phi2)
+            self.noise_factor.update(_noise_rows(phi_x, g_x, kb.g_norm2), count=phi_x.shape[0])
 
     def _flush(self) -> None:
         """Replay the batches kept by the unit path into ``Σ`` (in their order) and stay on the features path."""
@@ -907,7 +933,7 @@ class FeatureStatistics(TangentStatistics):
         spec = self.spectrum(rtol=rtol, eig=eig)
         self._spec_g = (spec, big_g)  # Π g (u) = G Σ⁻ φ̃(u), formed only if the tie pool asks (_project_units)
         moment = self.noise_moment()
-        q_trace = spec.trace_product(moment)  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻
+        q_trace, q_upper = self._noise_trace(spec, moment)
         return self._finish(
             spec,
             spec.quadratic(big_g),
@@ -919,11 +945,50 @@ class FeatureStatistics(TangentStatistics):
             alpha=alpha,
             grad_rows=big_g,
             noise_moment=moment,
-            q_trace_upper=self._noise_trace_upper(spec, moment, q_trace),
+            q_trace_upper=q_upper,
         )
 
+    def _noise_trace(self, spec, moment: np.ndarray) -> tuple[float, float | None]:
+        """``v̂ = tr(Σ⁻ E[XᵀX])`` and an upper bound on its exact-arithmetic value (theory/numerics.md).
+
+        With the triangular factor of ``Σ`` and the noise factor (every batch float64, ``k̃ ≤ 1024``) ``v̂`` is
+        ``tr(R_q Σ⁻ R_qᵀ)/n``, backward stable in the data (``thm-noise-factor``); otherwise it is read from the
+        float64 Gram of the noise moment, whose error :meth:`_noise_trace_upper` bounds.
+        """
+        if spec.factored and self.noise_factor.rows == self.n:
+            r_q = self.noise_factor.r.numpy() / math.sqrt(self.n)
+            q_trace = spec.quadratic(r_q)
+            return q_trace, self._factored_noise_upper(spec, r_q, q_trace)
+        q_trace = spec.trace_product(moment)  # v̂ = tr(Σ⁻ E[XᵀX]) without forming Σ⁻
+        return q_trace, self._noise_trace_upper(spec, moment, q_trace)
+
+    def _rows_per_example(self) -> int:
+        """``R``, the rows of an example at this site (``1`` for whole-tensor units)."""
+        return max(1, math.prod(self.shape) // self.d) if self.family.unit == "row" else 1
+
+    def _factored_noise_upper(self, spec, r_q: np.ndarray, q_trace: float) -> float:
+        """``v̂_up`` of ``thm-noise-factor``: ``(√v̂ + (g_max ε + ε_q (tr Q̃)^{1/2})/σ̂)² + n A² ε/(σ̂ − ε)``.
+
+        ``ε = C_φ u_in √k̃ + C_res √k̃ u64`` is the factor's backward error in the scaled data (as in
+        :func:`~depthsat_theory.statistics.linalg.score_error`), ``ε_q = (C_res √k̃ + d + 2R) u64`` that of the noise
+        rows relative to their Frobenius norm ``(tr Q̃)^{1/2}``, ``σ̂`` the smallest kept amplitude; ``∞`` when
+        ``ε ≥ σ̂/2`` (the score's bound is infinite there too).
+        """
+        if not spec.rank:
+            return q_trace
+        dtype = self.dtype or torch.float64
+        u64, sqrt_k = unit_roundoff(torch.float64), math.sqrt(self.k)
+        eps = FEATURE_ROUNDING_FACTOR * unit_roundoff(dtype) * sqrt_k + RESOLUTION_FACTOR * sqrt_k * u64
+        sig = math.sqrt(spec.lam_min)
+        if eps >= 0.5 * sig:
+            return math.inf
+        eps_q = (RESOLUTION_FACTOR * sqrt_k + self.d + 2 * self._rows_per_example()) * u64
+        tr_q = float(np.sum((r_q * spec.scale[None, :]) ** 2))
+        root = math.sqrt(max(q_trace, 0.0)) + (self.g_max * eps + eps_q * math.sqrt(tr_q)) / sig
+        return root * root + self.g_sq * eps / (sig - eps)
+
     def _noise_trace_upper(self, spec, moment: np.ndarray, q_trace: float) -> float | None:
-        """An upper bound on the exact-arithmetic ``v̂`` when ``Σ`` and ``E[XᵀX]`` came from float32 products.
+        """An upper bound on the exact-arithmetic ``v̂`` read from the Gram of the noise moment (no noise factor).
 
         With ``‖δΣ̃‖₂ ≤ η`` and kept eigenvalues ``λ̃ ≥ λ_min > 2η``, the kept inverse ``S = Σ̃⁻`` grows by at
         most ``κ = λ_min/(λ_min − η) < 2``; the noise moment's entrywise error ``|δQ̃_ab| ≤ γ M_ab`` with
@@ -931,18 +996,23 @@ class FeatureStatistics(TangentStatistics):
         ``γ Σ_ab |S_ab| M_ab ≤ γ (Σ_a (S_aa Q̃_aa)^{1/2})²`` (Cauchy–Schwarz on both PSD matrices).  Hence
         ``v̂_up = κ (v̂ + γ (Σ_a (S_aa Q̃_aa)^{1/2})²)``, ``γ = γ_acc + C_res u64`` (theory/numerics.md, "Float32
         products"), with ``L_32`` grown by ``128 d + d + R`` at sites of ``R > 1`` rows per example (the moment's
-        float32 sums run over ``g gᵀ``, the rows and up to 128 rows times ``d``); ``None`` for float64 products.
+        float32 sums run over ``g gᵀ``, the rows and up to 128 rows times ``d``).  With float64 products the same
+        bound holds with ``L_32 = 0`` and ``L`` grown by ``2d + 4`` (the norms ``‖g_x‖``) or, at ``R > 1``, by
+        ``(d + 1) B_max + d + R`` (the float64 sums over ``g gᵀ``, the rows and the batch's rows times ``d``).
         """
         _, summands, fast = self._rounding_inputs()
-        if not fast or not spec.rank or not math.isfinite(q_trace):
+        if not spec.rank or not math.isfinite(q_trace):
             return None
         eta = gram_error(k=self.k, summands=summands, product_summands=fast)
         lam = spec.lam_min
         if lam <= eta:
             return math.inf
-        rows = max(1, math.prod(self.shape) // self.d) if self.family.unit == "row" else 1
-        if rows > 1:  # multi-row noise moment: float32 sums over g gᵀ (d), the rows (R) and ≤ 128 rows · d
+        rows = self._rows_per_example()
+        if fast and rows > 1:  # multi-row noise moment: float32 sums over g gᵀ (d), the rows (R) and ≤ 128 rows · d
             fast += PRODUCT_CHUNK_ROWS * self.d + self.d + rows
+        elif not fast:
+            batch = round(float(self.states["batch_units_max"]))
+            summands += (self.d + 1) * batch + self.d + rows if rows > 1 else 2 * self.d + 4
         gamma = gram_error(k=1, summands=summands, product_summands=fast)
         s_diag = (spec.vectors**2 / spec.values).sum(1)
         q_diag = np.clip(np.diag(moment) * spec.scale**2, 0.0, None)

@@ -56,7 +56,9 @@ class SaturationResult:
             rounding explains; when nonzero, ``score`` is a lower bound and never grounds "saturated".
         noise_variance: ``v̂ = tr(Σ⁻ E[Xᵀ X])`` with ``X`` an example's cross-gradient (the
             plug-in bias of ``ŝ²`` is ``v̂ / n``; ``nan`` when not streamed).
-        noise_ratio: ``n ŝ² / v̂``; the noise test calls the signal significant above
+        noise_variance_upper: the upper bound on the exact-arithmetic ``v̂`` that the noise test used
+            (theory/numerics.md, ``thm-noise-factor`` and "Float32 products"; ``nan``: ``v̂`` itself).
+        noise_ratio: ``n ŝ² / v̂`` (with ``v̂_up`` for ``v̂``); the noise test calls the signal significant above
             ``χ²_{1,1−α}`` (``thm-noise-test``).
         score_squared_unbiased: the U-statistic ``(n ŝ² − v̂)/(n − 1)`` of ``s²`` (can be negative).
         score_squared_se: an upper bound of its standard error,
@@ -92,6 +94,7 @@ class SaturationResult:
     score_error: float = 0.0
     unresolved: int = 0
     noise_variance: float = float("nan")
+    noise_variance_upper: float = float("nan")
     noise_ratio: float = float("nan")
     score_squared_unbiased: float = float("nan")
     score_squared_se: float = float("nan")
@@ -126,6 +129,19 @@ class SaturationResult:
         return self.tol > 0 and 2 * self.tol >= self.ag_rms
 
     @property
+    def noise_unusable(self) -> bool:
+        """``v̂`` was streamed (``n ≥ 2``) but it, or its bound, is not a positive finite number: no noise test.
+
+        ``v̂ = tr(Σ⁻ E[XᵀX])`` is exactly ``≥ 0``, and ``0`` only when every example's cross-gradient vanishes on the
+        kept directions (then ``ŝ = 0``); a computed ``v̂ ≤ 0``, ``∞`` or an infinite bound next to ``ŝ > 0`` is
+        the arithmetic's (theory/numerics.md, ``thm-noise-factor``), and the verdict cannot be ``IMPROVABLE``.
+        """
+        if self.n < 2 or math.isnan(self.noise_variance) or (self.noise_variance == 0 and self.score == 0):
+            return False
+        upper = self.noise_variance if math.isnan(self.noise_variance_upper) else self.noise_variance_upper
+        return not (0 < self.noise_variance < math.inf and 0 < upper < math.inf)
+
+    @property
     def significant(self) -> bool | None:
         """Whether the noise test rejects ``s = 0`` at level ``alpha`` (``None``: not streamed)."""
         if math.isnan(self.noise_ratio):
@@ -153,7 +169,7 @@ class SaturationResult:
         measure within :attr:`tol`; the population needs that interval too.
         """
         pv = self.probe_verdict
-        if pv is Verdict.IMPROVABLE and self.significant is False:
+        if pv is Verdict.IMPROVABLE and (self.significant is False or self.noise_unusable):
             return Verdict.UNDETERMINED
         return pv
 
@@ -200,6 +216,13 @@ class SaturationResult:
                 f"{self.unresolved} dropped direction(s) of the Gram are unresolved (below what float64 resolves, "
                 f"or carrying activation gradient beyond rounding): s = {self.score:.3g} is only a lower bound "
                 f"(use fewer or better-conditioned features, or a higher-precision probe)"
+            )
+        if self.noise_unusable:
+            return (
+                f"the noise variance v̂ = {self.noise_variance:.3g} (bound {self.noise_variance_upper:.3g}) is not a "
+                f"positive finite number, which tr(Σ⁻ E[XᵀX]) is whenever ŝ > 0: the noise moment along the kept "
+                f"directions is below the arithmetic's resolution, so the noise test cannot run (a float64 probe "
+                f"with k̃ ≤ 1024 computes v̂ from its triangular factor; or use better-conditioned features)"
             )
         need = self.examples_needed
         more = (

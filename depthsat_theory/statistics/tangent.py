@@ -394,9 +394,11 @@ class TangentStatistics(StreamingStatistic):
                 direction the arithmetic resolves (:attr:`Spectrum.band`) whose gradient passes the
                 noise test (Bonferroni over those directions) is unresolved too, however small its
                 amplitude (``thm-noise-test`` on that direction alone).
-            q_trace_upper: with float32 products, an upper bound on the exact-arithmetic ``v̂`` (``None``:
-                ``v̂`` itself).  The noise test then uses ``n (ŝ − e)₊² / v̂_up``: a float32 probe may call the
-                score significant only where the exact-arithmetic test would (theory/numerics.md).
+            q_trace_upper: an upper bound on the exact-arithmetic ``v̂`` (``None``: ``v̂`` itself), which the noise
+                test uses in place of ``v̂``; with float32 products the test also uses ``ŝ − e``: ``n (ŝ − e)₊² / v̂_up``,
+                so that rounding cannot make the score significant where the exact-arithmetic test would not
+                (theory/numerics.md).  A streamed ``v̂`` or bound that is not a positive finite number while ``ŝ > 0``
+                leaves no test: the verdict cannot be *improvable* (:attr:`SaturationResult.noise_unusable`).
         """
         self._require_examples()
         dtype, summands, fast = self._rounding_inputs()
@@ -420,19 +422,24 @@ class TangentStatistics(StreamingStatistic):
         score = min(score, ag_rms, raw) if raw == raw else min(score, ag_rms)
         rank = spec.rank if rank is None else int(rank)
         n = self.n
-        noise: dict[str, Any] = dict(noise_variance=q_trace, alpha=float(alpha), noise_threshold=noise_threshold(alpha))
-        if math.isfinite(q_trace) and q_trace > 0 and n >= 2:
+        v_test = q_trace if q_trace_upper is None else max(q_trace, q_trace_upper)
+        noise: dict[str, Any] = dict(
+            noise_variance=q_trace,
+            noise_variance_upper=math.nan if q_trace_upper is None else float(v_test),
+            alpha=float(alpha),
+            noise_threshold=noise_threshold(alpha),
+        )
+        if n < 2 or (q_trace == 0 and score == 0):  # one example, or nothing to test (g = 0, or T = {0})
+            noise.update(noise_ratio=0.0)
+        elif q_trace > 0 and math.isfinite(q_trace) and math.isfinite(v_test):
             s2u = (n * score * score - q_trace) / (n - 1)
-            s_test, v_test = score, q_trace
-            if fast:  # the float32 products' rounding must not decide the test: lower ŝ, upper v̂
-                s_test, v_test = max(score - err, 0.0), max(q_trace, q_trace_upper or q_trace)
+            s_test = max(score - err, 0.0) if fast else score  # float32 products: lower ŝ as well as upper v̂
             noise.update(
                 noise_ratio=n * s_test * s_test / v_test,
                 score_squared_unbiased=s2u,
                 score_squared_se=q_trace * math.sqrt(4 * max(s2u, 0.0) / (n * q_trace) + 2 / (n * (n - 1))),
             )
-        elif q_trace == 0 or n < 2:  # g = 0 on every example, or one example: no noise to test
-            noise.update(noise_ratio=math.inf if score > 0 and n >= 2 else 0.0)
+        # else: v̂ not streamed (nan), or not a positive finite number: no ratio (noise_unusable demotes)
         res = SaturationResult(
             score=score,
             raw_score=raw,
