@@ -11,8 +11,8 @@
   by running the step ``−Πg/β`` on the probe (:func:`check_betas`, ``cor-beta-refuted``), and a
   refuted one reports no decrease.
 
-Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``): a
-run resumed from a checkpoint reports them as not counted.  Cross blocks are not sharded or
+Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``), starting
+from the counts stored in the checkpoint of a resumed run.  Cross blocks are not sharded or
 checkpointed: ``second_order`` reports them only for a fresh single-process run.
 """
 
@@ -145,20 +145,21 @@ class Beyond:
             every = _dist.all_gather_objects(dict(self.counter.ties))
             self.counter.ties = {s: sum(int(t[s]) for t in every) for s in self.sites}
 
-    def finish(self, site_results: list, betas: Mapping[str, float], counted: bool) -> None:
+    def finish(self, site_results: list, betas: Mapping[str, float], whole_probe: bool) -> None:
         """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list.
 
         Args:
             site_results: the :class:`SiteDiagnosis` of each site, changed in place.
             betas: ``{site: β}`` (sites without one get ``beta = None``).
-            counted: whether the whole probe was seen (not a resumed run): kink ties and saddle results
-                are attached only then.
+            whole_probe: whether this process streamed the whole probe (not a resumed run): saddle results
+                are attached only then (cross blocks are not checkpointed).  Kink ties always cover the whole
+                probe: a resumed run starts from the checkpoint's counts.
         """
         for sd in site_results:
-            if self.counter is not None and counted:
+            if self.counter is not None:
                 sd.result.kink_ties = self.counter.ties[sd.site]
                 sd.result.saturated = sd.result.verdict is Verdict.SATURATED
-            if sd.site in self.cross and counted and _world() == 1:  # cross blocks are not sharded
+            if sd.site in self.cross and whole_probe and _world() == 1:  # cross blocks are not sharded
                 sd.saddle = self.cross[sd.site].result()
             sd.beta = betas.get(sd.site)
 
