@@ -437,7 +437,10 @@ def diagnose_cmd(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
     ),
     curvature: bool = typer.Option(
-        False, "--curvature", help="Also the measured curvature κ along Πg and the local decrease s²/(2κ)."
+        False,
+        "--curvature",
+        help="Also the measured curvature κ along Πg and the local decrease s²/(2κ), at vector, sequence and "
+        "image sites (the field acts on every token or pixel); a site without κ gets a note saying why.",
     ),
     gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
     products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),

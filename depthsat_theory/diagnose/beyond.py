@@ -167,22 +167,35 @@ class Beyond:
 def measure_curvatures(
     diagnosis, model: nn.Module, loss_fn: Callable, batches: list, family: FeatureFamily, stats
 ) -> None:
-    """Attach :class:`~depthsat_theory.capture.curvature.FieldCurvature` to every site of ``diagnosis``."""
+    """Attach :class:`~depthsat_theory.capture.curvature.FieldCurvature` to every site of ``diagnosis``.
+
+    Vector, sequence and image sites alike: the steepest field ``Πg = G Σ⁺ φ̃`` acts on every row (token,
+    pixel) of the site tensor, as the block would.  A site where ``κ`` is not measured (``s = 0``: no
+    steepest field; a model the field cannot be inserted into) keeps ``curvature = None`` and one note says
+    why, so a missing value is never silent.
+    """
+    missing = []
     for sd in diagnosis.sites:
-        if sd.result.score == 0 or len(sd.shape) != 1:
-            continue  # no steepest field, or a sequence/image site (vector sites only)
+        if sd.result.score == 0:
+            missing.append(f"{sd.site} (s = 0: no steepest field)")
+            continue
         st = stats[sd.site]
-        sd.curvature = field_curvature(
-            model,
-            loss_fn,
-            batches,
-            sd.site,
-            family,
-            st.cross_gradient(),
-            st.feature_gram(),
-            layout=sd.layout,
-            score=sd.result.score,
-        )
+        try:
+            sd.curvature = field_curvature(
+                model,
+                loss_fn,
+                batches,
+                sd.site,
+                family,
+                st.cross_gradient(),
+                st.feature_gram(),
+                layout=sd.layout,
+                score=sd.result.score,
+            )
+        except (ValueError, RuntimeError, TypeError) as exc:  # e.g. an operation without a double backward
+            missing.append(f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+    if missing:
+        diagnosis.notes.append(f"κ (--curvature) not measured at {', '.join(missing)}")
 
 
 def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family, stats, reduction: str) -> None:
