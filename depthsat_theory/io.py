@@ -9,6 +9,7 @@ or the symlink to it by a regular file.  A symlink to a regular file stays a sym
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
@@ -53,12 +54,29 @@ def is_special(path: str | os.PathLike) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+def _is_standard_stream(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is the file open as this process's stdout or stderr (``/dev/stdout`` redirected to a file).
+
+    Renaming a new file over it would leave the stream writing to the unlinked old one.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.path.samestat(st, os.fstat(fd)):
+                return True
+    return False
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], object], *, binary: bool = False) -> None:
     """Write ``path`` atomically, so readers see the old file or the whole new one.
 
     ``write(fh)`` fills a temporary file in the same folder, which is then fsynced and moved into
-    place with ``os.replace`` (at a symlink's target, so the symlink stays).  ``-`` writes to stdout and an
-    existing special file (:func:`is_special`) is written directly, in place.
+    place with ``os.replace`` (at a symlink's target, so the symlink stays).  ``-`` writes to stdout, and an
+    existing special file (:func:`is_special`) or the file this process's stdout or stderr writes to
+    (``/dev/stdout`` redirected to a file) is written directly, in place.
 
     Args:
         path: the file to (over)write; its folder must exist.  ``-``: stdout.
@@ -75,7 +93,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], object], *, bina
         write(out)
         out.flush()
         return
-    if is_special(path):
+    if is_special(path) or _is_standard_stream(path):
         with open(path, "wb" if binary else "w") as fh:
             write(fh)
         return

@@ -200,3 +200,13 @@ def test_special_output_files_are_detected_by_type():
     assert is_special("/dev/null") and stat.S_ISCHR(os.stat("/dev/null").st_mode)
     assert not is_special(__file__) and not is_special(os.path.dirname(__file__))
     assert not is_special("/no/such/path")
+
+
+def test_dev_stdout_redirected_to_a_file_is_written_in_place(tmp_path, capfd):
+    """``--json /dev/stdout > file``: the file is fd 1 itself; renaming over it would orphan the stream."""
+    link = tmp_path / "stdout"
+    link.symlink_to("/proc/self/fd/1")  # pytest's fd capture: fd 1 is a regular temporary file
+    before = os.fstat(1)
+    atomic_write(link, lambda fh: fh.write("through fd 1\n"))
+    assert link.is_symlink() and os.path.samestat(os.fstat(1), before)
+    assert capfd.readouterr().out == "through fd 1\n"
