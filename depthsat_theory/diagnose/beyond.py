@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -164,6 +165,31 @@ class Beyond:
             sd.beta = betas.get(sd.site)
 
 
+def _on_steepest_field(measure: Callable, sd, stats, run: tuple, **kw) -> tuple[Any, str | None]:
+    """Run ``measure`` (:func:`field_curvature`, :func:`step_decrease`) along the steepest field at ``sd``'s site.
+
+    Args:
+        measure: the measurement, called as ``measure(model, loss_fn, batches, site, family, G, Σ, layout=…, **kw)``.
+        sd: the :class:`SiteDiagnosis`.
+        stats: ``{site: statistics}`` with the probe's ``G`` and ``Σ``.
+        run: ``(model, loss_fn, batches, family)``.
+        **kw: the measurement's own keyword arguments.
+
+    Returns:
+        ``(result, None)``, or ``(None, "site (Error: first line)")`` when the field cannot be inserted into the
+        model or differentiated (e.g. an operation without a double backward).
+    """
+    model, loss_fn, batches, family = run
+    st = stats[sd.site]
+    try:
+        out = measure(
+            model, loss_fn, batches, sd.site, family, st.cross_gradient(), st.feature_gram(), layout=sd.layout, **kw
+        )
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return None, f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    return out, None
+
+
 def measure_curvatures(
     diagnosis, model: nn.Module, loss_fn: Callable, batches: list, family: FeatureFamily, stats
 ) -> None:
@@ -179,21 +205,11 @@ def measure_curvatures(
         if sd.result.score == 0:
             missing.append(f"{sd.site} (s = 0: no steepest field)")
             continue
-        st = stats[sd.site]
-        try:
-            sd.curvature = field_curvature(
-                model,
-                loss_fn,
-                batches,
-                sd.site,
-                family,
-                st.cross_gradient(),
-                st.feature_gram(),
-                layout=sd.layout,
-                score=sd.result.score,
-            )
-        except (ValueError, RuntimeError, TypeError) as exc:  # e.g. an operation without a double backward
-            missing.append(f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        sd.curvature, failure = _on_steepest_field(
+            field_curvature, sd, stats, (model, loss_fn, batches, family), score=sd.result.score
+        )
+        if failure is not None:
+            missing.append(failure)
     if missing:
         diagnosis.notes.append(f"κ (--curvature) not measured at {', '.join(missing)}")
 
@@ -222,21 +238,11 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
         if not runnable:
             unchecked.append(sd.site)
             continue
-        st = stats[sd.site]
-        try:
-            sd.beta_check = step_decrease(
-                model,
-                loss_fn,
-                batches,
-                sd.site,
-                family,
-                st.cross_gradient(),
-                st.feature_gram(),
-                layout=sd.layout,
-                step=-1.0 / sd.beta,
-            )
-        except (ValueError, RuntimeError, TypeError) as exc:  # a model the step cannot be inserted into
-            unchecked.append(f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        sd.beta_check, failure = _on_steepest_field(
+            step_decrease, sd, stats, (model, loss_fn, batches, family), step=-1.0 / sd.beta
+        )
+        if failure is not None:
+            unchecked.append(failure)
     refuted = [sd.site for sd in diagnosis.sites if sd.beta_status == "refuted"]
     if refuted:
         diagnosis.notes.append(
