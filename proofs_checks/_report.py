@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from rich.console import Console
 from rich.table import Table
+
+from depthsat_theory.io import check_output, is_stdout
 
 from ._registry import Check, Context, Row, run_checks, write_json_atomic
 
@@ -40,14 +41,14 @@ def run_and_report(
     """
     console = console or (Console() if sys.stdout.isatty() else Console(width=200))
     err = Console(stderr=True)
-    if json_path and not _writable_json_path(json_path):  # refuse a bad --json before minutes of checks
-        err.print(
-            f"error: --json {json_path}: not a writable file path (the folder must exist and be writable)",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
-        return 2
+    if json_path:  # refuse a bad --json before minutes of checks
+        try:
+            check_output("--json", json_path)
+        except ValueError as exc:
+            err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+            return 2
+        if is_stdout(json_path):  # stdout carries the JSON: the table goes to stderr
+            console = err
 
     def progress(chk: Check) -> None:
         if not quiet:
@@ -59,13 +60,12 @@ def run_and_report(
         return 2
     _print_rows(console, rows, ctx)
     if json_path:
-        write_json_atomic(rows, ctx, json_path)
+        try:
+            write_json_atomic(rows, ctx, json_path)
+        except OSError as exc:  # the table is printed above: say the JSON was not saved
+            err.print(f"error: --json {json_path}: could not write ({exc})", markup=False, soft_wrap=True)
+            return 2
     return 0 if all(r.passed for r in rows) else 1
-
-
-def _writable_json_path(path: str) -> bool:
-    folder = os.path.dirname(os.path.abspath(path))
-    return not os.path.isdir(path) and os.path.isdir(folder) and os.access(folder, os.W_OK)
 
 
 def _extra_table(r: Row) -> Table | None:

@@ -7,6 +7,7 @@ the decrease bounds; ``(Σ s²)^{1/2}`` recomputed from the per-site scores.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -615,3 +616,138 @@ def test_saddle_score_equals_a_dense_torch_func_mixed_derivative():
     inv_half = evecs @ torch.diag(evals**-0.5) @ evecs.T
     dense = torch.linalg.matrix_norm(torch.block_diag(*[inv_half] * d) @ mixed[rows], 2).item()
     assert stats.result().saddle_score == pytest.approx(dense, rel=1e-10)
+
+
+# ----------------------------------------------------------------------------- curvature at sequence and image sites
+class _TinyCNN(nn.Module):
+    """Stem conv → site → tanh conv residual → mean pool → linear head (float64, smooth after the site)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 3, 3, padding=1)
+        self.site = nn.Identity()
+        self.body = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 4)
+
+    def rest(self, z):
+        return self.head((torch.tanh(self.body(z)) + z).mean((2, 3)))
+
+    def forward(self, x):
+        return self.rest(self.site(self.stem(x)))
+
+
+class _TinyTransformer(nn.Module):
+    """Token embedding → site → one causal encoder layer (GELU) → linear head (float64, dropout 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 8)
+        self.site = nn.Identity()
+        self.layer = nn.TransformerEncoderLayer(
+            8, 2, dim_feedforward=16, dropout=0.0, activation="gelu", batch_first=True
+        )
+        self.head = nn.Linear(8, 7)
+
+    def rest(self, z):
+        mask = nn.Transformer.generate_square_subsequent_mask(z.shape[1], dtype=z.dtype)
+        return self.head(self.layer(z, src_mask=mask, is_causal=True))
+
+    def forward(self, x):
+        return self.rest(self.site(self.embed(x)))
+
+
+def _image_loss(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def _token_loss(out, y):
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)  # per example: mean over its tokens
+
+
+def _dense_curvature(model, loss_fn, batches, rows):
+    """``(s², J''(0))`` along ``t Πg`` from the captured site tensors, with ``torch.func`` and numpy pinv.
+
+    ``rows(z)`` lists the site's rows ``(N, d)`` (pixels or tokens); ``Πg = G Σ⁺ [z_r, 1]`` row by row.
+    """
+    zs = [model.site(model.stem(x) if hasattr(model, "stem") else model.embed(x)).detach() for x, _ in batches]
+    n = sum(z.shape[0] for z in zs)
+    cross = sigma = 0.0
+    for z, (_, y) in zip(zs, batches, strict=True):
+        zz = z.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss_fn(model.rest(zz), y).sum(), zz)
+        phi = torch.cat([rows(z), torch.ones(rows(z).shape[0], 1, dtype=z.dtype)], 1)
+        cross = cross + rows(g).T @ phi
+        sigma = sigma + phi.T @ phi
+    coef = (cross / n) @ torch.from_numpy(np.linalg.pinv(sigma.numpy() / n))
+    s2 = float(torch.trace(coef @ (sigma / n) @ coef.T))
+
+    def j_of(t):
+        total = 0.0
+        for z, (_, y) in zip(zs, batches, strict=True):
+            phi = torch.cat([rows(z), torch.ones(rows(z).shape[0], 1, dtype=z.dtype)], 1)
+            field = (phi @ coef.T).reshape(rows(z).shape)
+            total = total + loss_fn(model.rest(z + t * _unrows(field, z)), y).sum()
+        return total / n
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernel has no forward-mode derivative
+        second = torch.func.jacfwd(torch.func.grad(j_of))(torch.zeros((), dtype=torch.float64))
+    return s2, float(second.detach())
+
+
+def _pixel_rows(t):
+    return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1]) if t.dim() == 4 else t.reshape(-1, t.shape[-1])
+
+
+def _unrows(field, z):
+    if z.dim() == 4:
+        b, c, h, w = z.shape
+        return field.reshape(b, h, w, c).permute(0, 3, 1, 2)
+    return field.reshape(z.shape)
+
+
+@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+def test_curvature_at_image_and_sequence_sites_matches_a_dense_reference(kind):
+    """``--curvature`` gave ``null`` at every sequence and image site; now κ matches a ``torch.func`` reference."""
+    torch.manual_seed(0)
+    if kind == "cnn":
+        model, loss_fn, layout = _TinyCNN().double().eval(), _image_loss, "image"
+        batches = [(torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, 4, (4,))) for _ in range(3)]
+    else:
+        model, loss_fn, layout = _TinyTransformer().double().eval(), _token_loss, "sequence"
+        batches = [(torch.randint(0, 7, (4, 5)), torch.randint(0, 7, (4, 5))) for _ in range(3)]
+    res = diagnose(model, loss_fn, batches, sites=["site"], layout=layout, curvature=True, kinks=False)
+    sd = res["site"]
+    assert sd.layout == layout and sd.curvature is not None
+    s2, second = _dense_curvature(model, loss_fn, batches, _pixel_rows)
+    assert sd.result.score**2 == pytest.approx(s2, rel=1e-9)
+    assert sd.curvature.slope == pytest.approx(s2, rel=1e-9)  # J'(0) along Πg is s²
+    assert sd.curvature.second == pytest.approx(second, rel=1e-8)
+    assert sd.curvature.curvature == pytest.approx(second / s2, rel=1e-8)
+    assert res.to_dict()["sites"][0]["curvature"]["curvature"] == pytest.approx(second / s2, rel=1e-8)
+    assert "s²/2κ (local)" in [c.header for c in res.table().columns]
+
+
+def test_a_site_without_curvature_gets_a_note_and_the_cli_fills_image_sites():
+    """``s = 0`` (a zero head: ``g ≡ 0``) has no steepest field: ``curvature`` stays ``None`` and a note says so."""
+    torch.manual_seed(1)
+    model = _TinyCNN().double().eval()
+    with torch.no_grad():
+        model.head.weight.zero_()
+    batches = [(torch.randn(4, 2, 5, 5, dtype=torch.float64), torch.randint(0, 4, (4,)))]
+    res = diagnose(model, _image_loss, batches, sites=["site"], layout="image", curvature=True, kinks=False)
+    assert res["site"].result.score == 0 and res["site"].curvature is None
+    assert "κ (--curvature) not measured at site (s = 0: no steepest field)" in res.notes
+    from typer.testing import CliRunner
+
+    from depthsat_theory.cli import app
+
+    out = CliRunner().invoke(
+        app, ["diagnose", "--model", "cnn", "--batches", "1", "--batch-size", "8", "--curvature", "-q", "--json", "-"]
+    )
+    assert out.exit_code == 0, out.output
+    sites = json.loads(out.stdout)["sites"]
+    assert sites and all(s["layout"] == "image" for s in sites)
+    for s in sites:  # J'(0) by double backward through the model equals s² of the streamed statistics
+        assert s["curvature"] is not None and s["curvature"]["slope"] == pytest.approx(s["score"] ** 2, rel=1e-8)

@@ -279,7 +279,7 @@ def test_bad_paths_are_user_errors_not_internal_errors(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     cases = [
-        (["proofs", "--quick", "--json", str(tmp_path / "no" / "x.json")], {}, "not a writable file path"),
+        (["proofs", "--quick", "--json", str(tmp_path / "no" / "x.json")], {}, "does not exist"),
         (["check", "-n", "1", "--cache-dir", str(afile)], {}, "is a file, not a folder"),
         (["diagnose", "--model", "mlp"], {"DEPTHSAT_CACHE": str(afile)}, "is a file, not a folder"),
     ]

@@ -641,7 +641,7 @@ def test_checkpoint_of_format_1_is_refused_in_one_line(tmp_path, cache_env):
         }
     header = {"config": {"version": 1}, "batches": 1, "examples": 6, "complete": False, "shapes": {}}
     ck.write_bytes(save(tensors, metadata={"depthsat_diagnose": json.dumps(header)}))
-    with pytest.raises(CheckpointError, match=r"format version 1.*version 3 only") as info:
+    with pytest.raises(CheckpointError, match=r"format version 1.*version 4 only") as info:
         diagnose(model, classification_loss, batches, checkpoint=ck)
     assert "\n" not in str(info.value)
     # the CLI reports it on one line and exits 2
@@ -658,7 +658,7 @@ def test_checkpoint_holds_the_statistics_state_dicts(tmp_path):
     ck = tmp_path / "ck.safetensors"
     full = diagnose(model, classification_loss, batches, realizability=True, checkpoint=ck)
     header, tensors = read_checkpoint(ck)
-    assert header["config"]["version"] == 3 and header["complete"]
+    assert header["config"]["version"] == 4 and header["complete"]
     site = full.sites[0].site
     st = statistics_for(parse_family("linear"), header["shapes"][site], full.sites[0].layout, pool_ties=True)
     st.load_state_dict({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{site}/")})
@@ -718,7 +718,7 @@ def test_diagnose_errors_name_arguments_and_the_cli_names_flags():
 
 
 # ----------------------------------------------------------------------------- checkpoint: probe stream, tampering
-def _interrupted_checkpoint(tmp_path, model, batches, after=3, **kw):
+def _interrupted_checkpoint(tmp_path, model, batches, after=3, loss=classification_loss, **kw):
     ck = tmp_path / "ck.safetensors"
 
     def stop(done, total):
@@ -726,7 +726,7 @@ def _interrupted_checkpoint(tmp_path, model, batches, after=3, **kw):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        diagnose(model, classification_loss, batches, checkpoint=ck, progress=stop, **kw)
+        diagnose(model, loss, batches, checkpoint=ck, progress=stop, **kw)
     return ck
 
 
@@ -981,3 +981,70 @@ def test_an_unknown_site_lists_the_sites_next_to_it():
         sites_mod.SiteError, match=r"similar: blocks\.1, "
     ):  # a misspelt parent: the nearest names, closest first
         sites_mod.resolve_module(model, "blokcs.1")
+
+
+# ----------------------------------------------------------------------------- checkpoint: every verdict input
+def _tied_half_problem():
+    """A float16 net whose ReLU after site ``1`` meets exact zeros in the first two batches only.
+
+    Dyadic weights and inputs: the float16 pre-activations are exact, so the ties are known by hand
+    (``x₁ = x₂`` zeroes unit 0, ``x₁ = 0`` zeroes unit 1).
+    """
+    w1 = torch.tensor([[1.0, -1.0], [1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]) / 2
+    w2 = torch.tensor([[1.0, 0.5, -0.5, 0.25], [-1.0, 0.25, 0.5, 0.5], [0.5, -0.25, 0.25, -1.0]])
+    net = nn.Sequential(nn.Linear(2, 4), nn.Identity(), nn.ReLU(), nn.Linear(4, 3))
+    with torch.no_grad():
+        net[0].weight.copy_(w1), net[0].bias.zero_(), net[3].weight.copy_(w2), net[3].bias.zero_()
+    net = net.half().eval()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(1, 8, (48, 2), generator=gen) / 4
+    x[:, 1] = x[:, 0] + torch.randint(1, 4, (48,), generator=gen) / 4
+    x = x.to(torch.float16)  # 0 < x₁ < x₂: no pre-activation is 0 so far
+    x[:6, 1] = x[:6, 0]  # batches 0 and 1 (8 examples each): 6 ties at unit 0
+    x[8:11, 0] = 0.0  # 3 ties at unit 1
+    with torch.no_grad():
+        y = net(x).float().argmin(1)  # labels the net gets wrong: a large activation gradient along the features
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 48, 8)]
+    pre = x.double() @ w1.double().T
+    return net, batches, int((pre == 0).sum())
+
+
+def _half_loss(out, y):
+    return nn.functional.cross_entropy(out.float(), y, reduction="none")
+
+
+@pytest.mark.parametrize("rho", [False, True])
+def test_resumed_run_counts_the_kink_ties_of_the_restored_batches(tmp_path, rho):
+    """Interrupted after the tied batches and resumed: the same ties, verdict and scores as uninterrupted.
+
+    Before, the resumed run dropped the restored batches' ties and called the site *improvable*.
+    """
+    net, batches, ties = _tied_half_problem()
+    assert ties == 9
+    full = diagnose(net, _half_loss, batches, sites=["1"], realizability=rho)
+    assert full["1"].result.kink_ties == ties and full["1"].verdict_kind.value == "undetermined"
+    blind = diagnose(net, _half_loss, batches, sites=["1"], realizability=rho, kinks=False)
+    assert blind["1"].verdict_kind.value == "improvable"  # the ties alone decide: dropping them flips the verdict
+    ck = _interrupted_checkpoint(tmp_path, net, batches, after=3, sites=["1"], realizability=rho, loss=_half_loss)
+    assert read_checkpoint(ck)[0]["kink_ties"] == {"1": ties}
+    res = diagnose(net, _half_loss, batches, sites=["1"], realizability=rho, checkpoint=ck)
+    assert res.resumed_from == 3
+    a, b = res["1"], full["1"]
+    assert a.result.kink_ties == ties and a.verdict == b.verdict and a.verdict_kind is b.verdict_kind
+    assert a.result.n == b.result.n == 48
+    _same(res, full, rel=0)
+
+
+def test_checkpoint_of_format_3_without_tie_counts_is_refused(tmp_path):
+    """A version-3 checkpoint has no kink tie counts: resuming it could call an undetermined site improvable."""
+    from safetensors.torch import load_file, save_file
+
+    net, batches, _ = _tied_half_problem()
+    ck = _interrupted_checkpoint(tmp_path, net, batches, after=3, sites=["1"], loss=_half_loss)
+    header, _ = read_checkpoint(ck)
+    header["config"]["version"] = 3
+    del header["kink_ties"]
+    save_file(load_file(ck), ck, metadata={"depthsat_diagnose": json.dumps(header)})
+    with pytest.raises(CheckpointError, match=r"format version 3.*kink tie counts") as info:
+        diagnose(net, _half_loss, batches, sites=["1"], checkpoint=ck)
+    assert "\n" not in str(info.value)

@@ -512,3 +512,57 @@ def test_a_real_direction_below_the_data_resolution_is_never_grounds_for_saturat
     truth = exact_score(z.double().numpy(), g.double().numpy())
     res = _result(z, g)
     assert truth <= res.score_error and res.verdict is Verdict.SATURATED
+
+
+def test_bfloat16_tie_pooling_equals_an_exact_pooling_of_the_same_values():
+    """bfloat16 units pool (no raw TypeError from numpy): r̂ exactly, ρ̂ against a dense numpy projection.
+
+    Units repeat (with ``-0.0`` and ``0.0`` as one unit) and every value is dyadic, so the bfloat16 values are
+    the intended ones and ``r̂² = Σ_u c_u ‖m̂_u‖² / n`` is exact in ``Fraction`` arithmetic.
+    """
+    from fractions import Fraction
+
+    rng = np.random.default_rng(7)
+    base = np.array([[0.5, -1.0], [1.5, 2.0], [0.0, 0.25], [-3.0, 0.75], [2.0, -0.5]])
+    pick = rng.integers(0, len(base), 60)
+    z64 = base[pick].copy()
+    z64[pick == 2, 0] = np.where(rng.random((pick == 2).sum()) < 0.5, -0.0, 0.0)  # −0.0 and 0.0: one unit
+    g64 = rng.integers(-8, 9, (60, 2)) / 4.0  # dyadic, exact in bfloat16
+    z, g = torch.from_numpy(z64).to(torch.bfloat16), torch.from_numpy(g64).to(torch.bfloat16)
+    assert torch.equal(z.double(), torch.from_numpy(z64)) and torch.equal(g.double(), torch.from_numpy(g64))
+    res = _result(z, g, pool_ties=True)
+    groups: dict[tuple, list] = {}
+    for zr, gr in zip(z64.tolist(), g64.tolist(), strict=True):
+        groups.setdefault(tuple(v + 0.0 for v in zr), []).append([Fraction(v) for v in gr])
+    assert len(groups) == len(base)
+    r2 = sum(sum(sum(col) ** 2 for col in zip(*rows, strict=True)) / len(rows) for rows in groups.values()) / 60
+    assert res.raw_score == pytest.approx(float(r2) ** 0.5, rel=1e-12)
+    # ρ̂ = ‖m̂ − Π m̂‖/‖m̂‖ with Π g(u) = G Σ⁺ [u, 1] (linear family with bias), dense in float64
+    phi = np.concatenate([z64, np.ones((60, 1))], 1)
+    proj = (g64.T @ phi / 60) @ np.linalg.pinv(phi.T @ phi / 60)
+    defect2 = 0.0
+    for unit, rows in groups.items():
+        mean = np.array([[float(v) for v in r] for r in rows]).mean(0)
+        defect2 += len(rows) * float(np.sum((mean - proj @ np.array([*unit, 1.0])) ** 2)) / 60
+    assert res.realizability_defect == pytest.approx(defect2**0.5 / float(r2) ** 0.5, rel=1e-9)
+
+
+def test_bfloat16_model_diagnoses_with_realizability():
+    """``diagnose(..., realizability=True)`` (``diagnose --rho``) on a bfloat16 model: r̂ as the float32 model's."""
+    from depthsat_theory.diagnose import diagnose
+
+    def run(dtype):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Identity(), torch.nn.Linear(4, 2))
+        with torch.no_grad():  # dyadic weights and inputs: the bfloat16 and float32 forwards agree exactly
+            for p in net.parameters():
+                p.copy_(torch.round(p * 4) / 4)
+        net = net.to(dtype)
+        x = (torch.arange(24, dtype=torch.float64).reshape(8, 3) % 5 / 2).to(dtype)
+        y = torch.tensor([0, 1] * 4)
+        loss = torch.nn.CrossEntropyLoss(reduction="none")
+        return diagnose(net, lambda out, t: loss(out.float(), t), [(x, y)], sites=["1"], realizability=True)
+
+    low, ref = run(torch.bfloat16)["1"].result, run(torch.float32)["1"].result
+    assert math.isfinite(low.raw_score) and low.dtype == "bfloat16"
+    assert low.raw_score == pytest.approx(ref.raw_score, rel=0.05)

@@ -65,6 +65,23 @@ def _flat_to_theta(coef: np.ndarray, d: int, bias: bool) -> np.ndarray:
     return np.concatenate([mat[:, :-1].reshape(-1), mat[:, -1]]) if bias else mat.reshape(-1)
 
 
+def _second_order_attention():
+    """Scaled dot-product attention by its math kernel, which has the double backward ``J''`` needs.
+
+    The fused kernels (flash, memory-efficient) compute the same function but have no double backward.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _field(family: FeatureFamily, theta: Tensor, z: Tensor, layout: str) -> Tensor:
+    """The block's field ``h_θ(z)``; a channel-first 1-D image site ``(B, C, L)`` is read as ``(B, C, 1, L)``."""
+    if layout == "image" and z.dim() == 3:
+        return family.functional(theta, z.unsqueeze(2), layout).squeeze(2)
+    return family.functional(theta, z, layout)
+
+
 def field_curvature(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -78,6 +95,9 @@ def field_curvature(
     score: float,
 ) -> FieldCurvature:
     """``J'(0)`` and ``J''(0)`` along ``f_t = t Πg`` at ``site``, by double backward through the model.
+
+    The field acts on every row of the site tensor (one vector, every token of a sequence site, every pixel
+    of an image site), as the inserted block would; ``J`` is the mean per-example loss.
 
     Args:
         model: the reference network.
@@ -104,20 +124,21 @@ def field_curvature(
     def hook(_m, _a, out):
         z, rebuild = split_output(out, None, site)
         theta = torch.as_tensor(theta_np, dtype=z.dtype, device=z.device)
-        return rebuild(z + family.functional(t.to(z.dtype) * theta, z, layout))
+        return rebuild(z + _field(family, t.to(z.dtype) * theta, z, layout))
 
     slope = second = 0.0
     n = 0
     handle = module.register_forward_hook(hook)
     try:
-        for batch in batches:
-            x, y, _ = unpack_batch(batch)
-            losses = loss_fn(call_model(model, x), y)
-            if losses.dim() != 1:
-                raise ValueError(f"loss_fn must return per-example losses (B,), got shape {tuple(losses.shape)}")
-            (d1,) = torch.autograd.grad(losses.sum(), t, create_graph=True)
-            (d2,) = torch.autograd.grad(d1, t)
-            slope, second, n = slope + float(d1.detach()), second + float(d2), n + int(losses.shape[0])
+        with _second_order_attention():
+            for batch in batches:
+                x, y, _ = unpack_batch(batch)
+                losses = loss_fn(call_model(model, x), y)
+                if losses.dim() != 1:
+                    raise ValueError(f"loss_fn must return per-example losses (B,), got shape {tuple(losses.shape)}")
+                (d1,) = torch.autograd.grad(losses.sum(), t, create_graph=True)
+                (d2,) = torch.autograd.grad(d1, t)
+                slope, second, n = slope + float(d1.detach()), second + float(d2), n + int(losses.shape[0])
     finally:
         handle.remove()
     if n == 0:
@@ -190,7 +211,7 @@ def step_decrease(
     def hook(_m, _a, out):
         z, rebuild = split_output(out, None, site)
         theta = torch.as_tensor(theta_np * scale["t"], dtype=z.dtype, device=z.device)
-        return rebuild(z + family.functional(theta, z, layout))
+        return rebuild(z + _field(family, theta, z, layout))
 
     totals = {0.0: 0.0, float(step): 0.0}
     n, eps = 0, 0.0

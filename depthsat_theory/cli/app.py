@@ -31,6 +31,7 @@ from depthsat_theory.cli.inputs import (
     parse_device,
 )
 from depthsat_theory.families import FamilyError, FeatureFamily, family_specs, parse_family
+from depthsat_theory.io import is_stdout
 from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.statistics.decrease import DEFAULT_EPSILON_NATS, epsilon_from_nats, guaranteed_decrease
 from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES
@@ -120,8 +121,15 @@ def check(
         task = bar.add_task("training models", total=instances)
         rep = run_check(cfg, progress=lambda k, d: bar.update(task, advance=k, description=d))
         bar.update(task, description="done")
-    write_report_atomic(rep, report)
-    render.print_check_summary(rep, time.perf_counter() - t0, report)
+    failure = None
+    try:
+        write_report_atomic(rep, report)
+    except OSError as exc:  # the folder changed during the run: print the summary, then say so
+        failure = f"--report {report}: could not write ({exc}); the summary above was not saved"
+    where = "stdout" if is_stdout(report) else report if failure is None else "not written"
+    render.print_check_summary(rep, time.perf_counter() - t0, where, stderr=is_stdout(report))
+    if failure is not None:
+        render.fail(failure)
     if rep["counterexamples"]:
         raise typer.Exit(1)
 
@@ -429,7 +437,10 @@ def diagnose_cmd(
         False, "--second-order", help="Also the saddle score of the Hessian's cross block (relu:K, gelu:K, tanh:K)."
     ),
     curvature: bool = typer.Option(
-        False, "--curvature", help="Also the measured curvature κ along Πg and the local decrease s²/(2κ)."
+        False,
+        "--curvature",
+        help="Also the measured curvature κ along Πg and the local decrease s²/(2κ), at vector, sequence and "
+        "image sites (the field acts on every token or pixel); a site without κ gets a note saying why.",
     ),
     gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
     products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),
@@ -443,7 +454,8 @@ def diagnose_cmd(
     main_rank = dist.is_main()
     try:
         check_output_path("--json", json_path)
-        check_output_path("--plot", plot)
+        check_output_path("--plot", plot, stdout=False)
+        check_output_path("--checkpoint", checkpoint, stdout=False)
         _check_choice("--gram", gram, GRAM_MODES)
         _check_choice("--products", products, PRODUCT_DTYPES)
         target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
@@ -470,16 +482,34 @@ def diagnose_cmd(
                 products=products,
                 **target.extra,
             )
-        written: list[Path] = []
-        if main_rank:
-            if json_path is not None:
-                res.write_json(json_path)
-                written.append(json_path)
-            written += res.plot(plot) if plot is not None else []
     except (UserError, DiagnoseError, FamilyError, StatisticsError, SiteError, BoundError, OSError) as exc:
         render.fail(exc)
     if main_rank:
-        render.print_diagnosis(res, written)
+        _write_diagnosis(res, json_path, plot)
+
+
+def _write_diagnosis(res: Any, json_path: Path | None, plot: Path | None) -> None:
+    """Write ``--json`` and ``--plot``, print the table (on stderr when the JSON goes to stdout), then any error.
+
+    The table is printed even when a write fails, so the work is never lost; the failure is then one line
+    naming the flag (exit status 2).
+    """
+    written: list[Path] = []
+    failure = None
+    for flag, path in (("--json", json_path), ("--plot", plot)):
+        if path is None or failure is not None:
+            continue
+        try:
+            if flag == "--json":
+                res.write_json(path)
+                written += [] if is_stdout(path) else [path]
+            else:
+                written += res.plot(path)
+        except OSError as exc:
+            failure = f"{flag} {path}: could not write ({exc}); the results above were not saved there"
+    render.print_diagnosis(res, written, stderr=json_path is not None and is_stdout(json_path))
+    if failure is not None:
+        render.fail(failure)
 
 
 # ----------------------------------------------------------------------------- grow
@@ -518,6 +548,7 @@ def grow_cmd(
     from depthsat_theory.grow.run import check_out_dir, grow, write_grown
 
     try:
+        check_output_path("--out", out, folder=True)
         check_out_dir(out)
         if family is not None:
             parse_family(family)
@@ -537,7 +568,6 @@ def grow_cmd(
             diagnose_kwargs={**target.extra, "delta": delta},
             description=target.description,
         )
-        written = write_grown(rep, out)
     except (
         UserError,
         GrowError,
@@ -548,7 +578,16 @@ def grow_cmd(
         NotFunctionPreservingError,
     ) as exc:
         render.fail(exc)
+    failure, written = None, []
+    try:
+        written = write_grown(rep, out)
+    except GrowError as exc:  # the folder changed during the run: print the results, then say so
+        failure = f"{exc}; the grown model was not saved"
+    except OSError as exc:
+        failure = f"--out {out}: could not write the grown model ({exc}); it was not saved"
     render.print_grow(rep.to_dict(), written)
+    if failure is not None:
+        render.fail(failure)
 
 
 # ----------------------------------------------------------------------------- proofs

@@ -14,6 +14,7 @@ import typer
 
 from depthsat_theory.cli.render import fail
 from depthsat_theory.grow.errors import GrowError
+from depthsat_theory.io import unwritable_reason
 
 __all__ = ["EXPERIMENTS", "experiment_app"]
 
@@ -59,10 +60,15 @@ def _check_out(out: Path | None, flag: str = "--out") -> None:
     """Refuse, before any training, a result folder that could not be written at the end."""
     if out is None:
         return
+    if str(out) == "-":
+        fail(f"{flag} -: results are a folder, not stdout; name a folder")
     for folder in (Path(out), *Path(out).parents):
         if folder.exists():
             if not folder.is_dir():
                 fail(f"{flag} {out}: {folder} exists and is not a folder; name a folder")
+            why = unwritable_reason(folder)
+            if why is not None:
+                fail(f"{flag} {out}: the folder {folder} is not writable ({why})")
             return
 
 

@@ -6,7 +6,6 @@ Every problem is a :class:`UserError` naming the flag, reported as one line.
 from __future__ import annotations
 
 import copy
-import os
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from depthsat_theory.cli.flags import respell
+from depthsat_theory.io import check_output
 
 if TYPE_CHECKING:
     from depthsat_theory.tasks.custom import ResolvedModel
@@ -41,33 +41,39 @@ def check_writable(path: Path) -> None:
     """Refuse a ``--report`` path that cannot be written (a folder, or a missing/read-only folder).
 
     Args:
-        path: the ``--report`` file path.
+        path: the ``--report`` file path (``-``: stdout).
 
     Raises:
         OSError: naming ``--report``.
     """
-    if path.is_dir():
-        raise OSError(f"--report {path} is a directory; give a file path")
-    folder = path.resolve().parent
-    if not folder.is_dir():
-        why = "is not a folder" if folder.exists() else "does not exist"
-        raise OSError(f"--report folder {folder} {why}")
-    if not os.access(folder, os.W_OK):
-        raise OSError(f"--report folder {folder} is not writable")
+    try:
+        check_output("--report", path)
+    except ValueError as exc:
+        raise OSError(str(exc)) from None
 
 
-def check_output_path(flag: str, path: Path | None) -> None:
-    """Refuse an output ``path`` that is not a file path in an existing folder.
+def check_output_path(flag: str, path: Path | None, *, stdout: bool = True, folder: bool = False) -> None:
+    """Refuse, before any work, an output ``path`` that could not be written at the end.
+
+    A file path needs an existing folder in which a file can be created (tried, not inferred from the
+    mode bits: root ignores them, a read-only mount does not); ``-`` (stdout) and existing special files
+    (``/dev/stdout``) are accepted where ``stdout`` is (:func:`depthsat_theory.io.check_output`).
 
     Args:
         flag: the option's name, e.g. ``"--json"``.
         path: the output path (``None``: nothing to check).
+        stdout: whether ``-`` and special files are accepted (not for ``--plot`` or ``--checkpoint``).
+        folder: ``path`` is a new or empty folder (``grow --out``).
 
     Raises:
-        UserError: naming ``flag``.
+        UserError: one line naming ``flag``.
     """
-    if path is not None and (path.is_dir() or not path.resolve().parent.is_dir()):
-        raise UserError(f"{flag} {path}: not a file path in an existing folder")
+    if path is None:
+        return
+    try:
+        check_output(flag, path, stdout=stdout, folder=folder)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- probe files

@@ -117,14 +117,16 @@ _CHECK_COLUMNS = [
 ]
 
 
-def print_check_summary(rep: dict, wall: float, path: Path) -> None:
+def print_check_summary(rep: dict, wall: float, path: Path | str, *, stderr: bool = False) -> None:
     """The ``depthsat check`` table (counts per group), reasons and totals.
 
     Args:
         rep: the report of :func:`depthsat_theory.check.run_check`.
         wall: wall time in seconds.
-        path: where the JSON report was written.
+        path: where the JSON report was written (or why it was not).
+        stderr: print on stderr (stdout carries the report of ``--report -``).
     """
+    out = err_console if stderr else console
     summ = rep["summary"]
     table = Table(title=f"depthsat check: {rep['instances']} instances, seed {rep['seed']}")
     table.add_column("group", no_wrap=True)
@@ -135,24 +137,24 @@ def print_check_summary(rep: dict, wall: float, path: Path) -> None:
             label = f"{key}: {'real data' if val == 'None' else val}"
             table.add_row(label, *[str(counts.get(c, 0)) for c, _ in _CHECK_COLUMNS])
         table.add_section()
-    console.print(table)
+    out.print(table)
     for reason, count in summ["reasons"].items():
-        console.print(f"  {count} × {reason}", markup=False)
+        out.print(f"  {count} × {reason}", markup=False)
     if summ["planted_reasons"]:
-        console.print(
+        out.print(
             "planted non-descent-compatible updates (T2 assumes descent compatibility, so "
             "these counterexamples are expected and show that the checker can fail):",
             markup=False,
         )
         for reason, count in summ["planted_reasons"].items():
-            console.print(f"  {count} × {reason}", markup=False)
-    console.print(
+            out.print(f"  {count} × {reason}", markup=False)
+    out.print(
         f"total: {rep['agree']} agree, {rep['counterexamples']} counterexamples "
         f"({summ['planted_counterexamples']} planted), {rep['undecided']} undecided, "
         f"{rep['degenerate']} degenerate (T = {{0}})",
         markup=False,
     )
-    console.print(f"wall time {wall:.1f} s; report: {path}", markup=False)
+    out.print(f"wall time {wall:.1f} s; report: {path}", markup=False)
 
 
 # ----------------------------------------------------------------------------- score
@@ -229,14 +231,18 @@ def print_audit(rep: Any, table: Table, *, as_json: bool) -> None:
         console.print(f"  note: {note}", markup=False, highlight=False)
 
 
-def print_diagnosis(res: Any, written: list[Path]) -> None:
+def print_diagnosis(res: Any, written: list[Path], *, stderr: bool = False) -> None:
     """``depthsat diagnose`` output: the table, notes, resume line and files written.
 
     Args:
         res: the :class:`~depthsat_theory.diagnose.Diagnosis`.
         written: the files written (reports, plots), one line each.
+        stderr: print on stderr (stdout carries the JSON of ``--json -``).
     """
-    out = console if sys.stdout.isatty() else Console(width=160)
+    if stderr:
+        out = err_console if sys.stderr.isatty() else Console(stderr=True, width=160)
+    else:
+        out = console if sys.stdout.isatty() else Console(width=160)
     out.print(res.table())
     for note in res.notes:
         out.print(f"  note: {note}", markup=False, highlight=False)

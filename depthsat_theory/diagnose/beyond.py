@@ -11,8 +11,8 @@
   by running the step ``−Πg/β`` on the probe (:func:`check_betas`, ``cor-beta-refuted``), and a
   refuted one reports no decrease.
 
-Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``): a
-run resumed from a checkpoint reports them as not counted.  Cross blocks are not sharded or
+Kink ties are counted over the batches of this run (summed over the ranks under ``torchrun``), starting
+from the counts stored in the checkpoint of a resumed run.  Cross blocks are not sharded or
 checkpointed: ``second_order`` reports them only for a fresh single-process run.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -145,43 +146,72 @@ class Beyond:
             every = _dist.all_gather_objects(dict(self.counter.ties))
             self.counter.ties = {s: sum(int(t[s]) for t in every) for s in self.sites}
 
-    def finish(self, site_results: list, betas: Mapping[str, float], counted: bool) -> None:
+    def finish(self, site_results: list, betas: Mapping[str, float], whole_probe: bool) -> None:
         """Attach kink ties, saddle results and ``β`` to the :class:`SiteDiagnosis` list.
 
         Args:
             site_results: the :class:`SiteDiagnosis` of each site, changed in place.
             betas: ``{site: β}`` (sites without one get ``beta = None``).
-            counted: whether the whole probe was seen (not a resumed run): kink ties and saddle results
-                are attached only then.
+            whole_probe: whether this process streamed the whole probe (not a resumed run): saddle results
+                are attached only then (cross blocks are not checkpointed).  Kink ties always cover the whole
+                probe: a resumed run starts from the checkpoint's counts.
         """
         for sd in site_results:
-            if self.counter is not None and counted:
+            if self.counter is not None:
                 sd.result.kink_ties = self.counter.ties[sd.site]
                 sd.result.saturated = sd.result.verdict is Verdict.SATURATED
-            if sd.site in self.cross and counted and _world() == 1:  # cross blocks are not sharded
+            if sd.site in self.cross and whole_probe and _world() == 1:  # cross blocks are not sharded
                 sd.saddle = self.cross[sd.site].result()
             sd.beta = betas.get(sd.site)
+
+
+def _on_steepest_field(measure: Callable, sd, stats, run: tuple, **kw) -> tuple[Any, str | None]:
+    """Run ``measure`` (:func:`field_curvature`, :func:`step_decrease`) along the steepest field at ``sd``'s site.
+
+    Args:
+        measure: the measurement, called as ``measure(model, loss_fn, batches, site, family, G, Σ, layout=…, **kw)``.
+        sd: the :class:`SiteDiagnosis`.
+        stats: ``{site: statistics}`` with the probe's ``G`` and ``Σ``.
+        run: ``(model, loss_fn, batches, family)``.
+        **kw: the measurement's own keyword arguments.
+
+    Returns:
+        ``(result, None)``, or ``(None, "site (Error: first line)")`` when the field cannot be inserted into the
+        model or differentiated (e.g. an operation without a double backward).
+    """
+    model, loss_fn, batches, family = run
+    st = stats[sd.site]
+    try:
+        out = measure(
+            model, loss_fn, batches, sd.site, family, st.cross_gradient(), st.feature_gram(), layout=sd.layout, **kw
+        )
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return None, f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    return out, None
 
 
 def measure_curvatures(
     diagnosis, model: nn.Module, loss_fn: Callable, batches: list, family: FeatureFamily, stats
 ) -> None:
-    """Attach :class:`~depthsat_theory.capture.curvature.FieldCurvature` to every site of ``diagnosis``."""
+    """Attach :class:`~depthsat_theory.capture.curvature.FieldCurvature` to every site of ``diagnosis``.
+
+    Vector, sequence and image sites alike: the steepest field ``Πg = G Σ⁺ φ̃`` acts on every row (token,
+    pixel) of the site tensor, as the block would.  A site where ``κ`` is not measured (``s = 0``: no
+    steepest field; a model the field cannot be inserted into) keeps ``curvature = None`` and one note says
+    why, so a missing value is never silent.
+    """
+    missing = []
     for sd in diagnosis.sites:
-        if sd.result.score == 0 or len(sd.shape) != 1:
-            continue  # no steepest field, or a sequence/image site (vector sites only)
-        st = stats[sd.site]
-        sd.curvature = field_curvature(
-            model,
-            loss_fn,
-            batches,
-            sd.site,
-            family,
-            st.cross_gradient(),
-            st.feature_gram(),
-            layout=sd.layout,
-            score=sd.result.score,
+        if sd.result.score == 0:
+            missing.append(f"{sd.site} (s = 0: no steepest field)")
+            continue
+        sd.curvature, failure = _on_steepest_field(
+            field_curvature, sd, stats, (model, loss_fn, batches, family), score=sd.result.score
         )
+        if failure is not None:
+            missing.append(failure)
+    if missing:
+        diagnosis.notes.append(f"κ (--curvature) not measured at {', '.join(missing)}")
 
 
 def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family, stats, reduction: str) -> None:
@@ -208,21 +238,11 @@ def check_betas(diagnosis, model: nn.Module, loss_fn: Callable, batches, family,
         if not runnable:
             unchecked.append(sd.site)
             continue
-        st = stats[sd.site]
-        try:
-            sd.beta_check = step_decrease(
-                model,
-                loss_fn,
-                batches,
-                sd.site,
-                family,
-                st.cross_gradient(),
-                st.feature_gram(),
-                layout=sd.layout,
-                step=-1.0 / sd.beta,
-            )
-        except (ValueError, RuntimeError, TypeError) as exc:  # a model the step cannot be inserted into
-            unchecked.append(f"{sd.site} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        sd.beta_check, failure = _on_steepest_field(
+            step_decrease, sd, stats, (model, loss_fn, batches, family), step=-1.0 / sd.beta
+        )
+        if failure is not None:
+            unchecked.append(failure)
     refuted = [sd.site for sd in diagnosis.sites if sd.beta_status == "refuted"]
     if refuted:
         diagnosis.notes.append(

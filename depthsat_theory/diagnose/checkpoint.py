@@ -17,9 +17,15 @@ a damaged or tampered file (bad JSON, a missing, extra, misshapen, mistyped or n
 tensor, counts that disagree, a truncated file) is a one-line :class:`CheckpointError`
 naming the field.
 
+The header also holds everything else a verdict depends on that is not a statistic's state: the
+kink tie counts of the batches in the sums (``kink_ties``, ``{site: count}``, ``null`` when kinks are
+not counted), so a resumed run counts them over the whole probe and reaches the verdict of an
+uninterrupted one (a positive count makes it ``undetermined``, ``thm-gradient``).
+
 Format versions: ``1`` (before the statistics protocol: hand-listed fields, a ``dtype``
-code) and ``2`` (no probe fingerprint) are refused with a one-line
-:class:`CheckpointError`; ``3`` is the current one.
+code), ``2`` (no probe fingerprint) and ``3`` (no kink tie counts: a resumed run would miss the
+ties of the restored batches and could call *improvable* what is *undetermined*) are refused with
+a one-line :class:`CheckpointError`; ``4`` is the current one.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ __all__ = [
 ]
 
 #: Version of the checkpoint format written by :func:`write_checkpoint`.
-CHECKPOINT_VERSION = 3
+CHECKPOINT_VERSION = 4
 
 #: Key of the loss-total statistic in a checkpoint (``@`` cannot start a module name).
 LOSS_KEY = "@loss"
@@ -144,10 +150,15 @@ def check_version(path: str | os.PathLike, header: dict) -> None:
     """
     version = header.get("config", {}).get("version")
     if version != CHECKPOINT_VERSION:
+        why = _OLD_FORMATS.get(version, "") if isinstance(version, int) else ""
         raise CheckpointError(
             f"checkpoint {path} has format version {version}, this depthsat reads version "
-            f"{CHECKPOINT_VERSION} only; delete it or pass another checkpoint path to start over"
+            f"{CHECKPOINT_VERSION} only{why}; delete it or pass another checkpoint path to start over"
         )
+
+
+#: Why an old format cannot be resumed, for :func:`check_version`'s message.
+_OLD_FORMATS = {3: " (version 3 does not carry the kink tie counts the verdict needs)"}
 
 
 def write_checkpoint(path: Path, header: dict, stats: Mapping[str, StreamingStatistic]) -> None:
@@ -201,6 +212,11 @@ def validate_header(path: str | os.PathLike, header: dict, sites: list[str]) -> 
             if not (isinstance(shp, list) and shp and all(_is_int(v, 1) for v in shp)):
                 raise _damaged(path, f"header field 'shapes.{site}'", f"is {shp!r}, not a list of positive integers")
     ProbeStream.check_header(path, header.get("probe"))
+    ties = header.get("kink_ties")
+    if ties is not None and not (
+        isinstance(ties, dict) and set(ties) == set(sites) and all(map(_is_int, ties.values()))
+    ):
+        raise _damaged(path, "header field 'kink_ties'", f"is {ties!r}, not a count >= 0 for each of the sites {sites}")
 
 
 def _expected_tensors(key: str, st: StreamingStatistic) -> tuple[dict[str, Tensor], list[str]]:

@@ -218,8 +218,8 @@ def diagnose(
             (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``; fresh
             single-process runs only: not checkpointed or sharded).
         kinks: count exact ties at kinks after each site (``thm-gradient``); a positive count makes
-            the verdict ``undetermined``.  Summed over the ranks under ``torchrun``; not counted in
-            a run resumed from a checkpoint.
+            the verdict ``undetermined``.  Summed over the ranks under ``torchrun``; the counts of the
+            batches in a checkpoint are stored with it, so a resumed run counts the whole probe.
         curvature: also measure ``κ``, the curvature of the loss along the steepest field ``Πg``
             (one more forward and double backward per batch and site: ``batches`` must be a list
             or tuple; per-example losses, unmasked), and report the local decrease ``s²/(2κ)``
@@ -289,8 +289,8 @@ def diagnose(
     n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
     run.reduce()
     out = run.finish(n_batches, bound_kwargs, description, loss_units)
-    if kinks and run.start > 0:
-        out.notes.append("kink ties not counted: a resumed run sees only part of the probe")
+    if second_order and run.start > 0:
+        out.notes.append("saddle scores not reported: the cross blocks are not checkpointed (rerun without resuming)")
     if curvature:
         measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
     if betas and _dist.world()[1] == 1:
@@ -458,6 +458,7 @@ class _Run:
             "layouts": {s: self.layouts.get(s) for s in self.sites},
             "model": model_fingerprint(self.model) if checkpoint is not None else None,
             "user": config or {},
+            "kinks": self._counter() is not None,
         }
         if self.products != "float64":  # the float32 products' state and bound: resume only with the same
             self.cfg["products"] = self.products
@@ -485,6 +486,7 @@ class _Run:
                 f"{', '.join(diff)}); delete it or pass another checkpoint path"
             )
         validate_header(ckpt, header, self.sites)
+        self._restore_ties(ckpt, header)
         self.start = header["batches"]
         self.stored_probe = header["probe"]
         if header.get("shapes"):
@@ -500,6 +502,22 @@ class _Run:
             self.shapes_checked = False
         elif tensors:
             restore_statistics({LOSS_KEY: self.loss}, tensors, ckpt)
+
+    def _counter(self):
+        """The run's kink counter (``None``: kinks not counted)."""
+        return None if self.beyond is None else self.beyond.counter
+
+    def _restore_ties(self, ckpt: Path, header: dict) -> None:
+        """Start the kink counter from the ties of the restored batches (a verdict input, ``thm-gradient``)."""
+        counter, ties = self._counter(), header.get("kink_ties")
+        if counter is None:
+            return
+        if ties is None:  # the configuration says kinks were counted: the field was lost
+            raise CheckpointError(
+                f"checkpoint {ckpt} is damaged or incompatible: header field 'kink_ties' is missing; "
+                f"delete it or pass another checkpoint path to start over"
+            )
+        counter.ties = {s: int(ties[s]) for s in self.sites}
 
     def _verify_stream(self, stream: ProbeStream | None) -> None:
         """Refuse to resume on a probe stream other than the one the checkpoint consumed."""
@@ -552,6 +570,7 @@ class _Run:
             "complete": complete,
             "shapes": {s: list(v) for s, v in self.shapes.items()},
             "probe": (self.stream_fp or ProbeStream()).to_header(),
+            "kink_ties": None if (c := self._counter()) is None else {k: int(v) for k, v in c.ties.items()},
         }
         write_checkpoint(self.ckpt, header, {**self.stats, LOSS_KEY: self.loss})
 
@@ -660,7 +679,7 @@ class _Run:
             out.append(SiteDiagnosis(s, depth, self.layouts[s], self.shapes[s], res, iv))
         if self.beyond is not None:
             self.beyond.reduce()
-            self.beyond.finish(out, self.betas, counted=self.start == 0)
+            self.beyond.finish(out, self.betas, whole_probe=self.start == 0)
         return Diagnosis(
             sites=out,
             family=self.family.spec,

@@ -259,10 +259,13 @@ class TiePool(StreamingStatistic):
         return len(self._table)
 
     def _add(self, key_unit: Tensor, total: Tensor, count: int) -> None:
-        key = (key_unit + 0.0).numpy().tobytes()  # + 0.0 maps -0.0 to 0.0
+        # float64 holds every bfloat16/float16/float32 value exactly, so equal float64 bytes are equal units
+        # (numpy has no bfloat16: keying by the unit's own bytes raised a TypeError); + 0.0 maps -0.0 to 0.0
+        unit = key_unit.detach().cpu().to(torch.float64) + 0.0
+        key = unit.numpy().tobytes()
         slot = self._table.get(key)
         if slot is None:
-            self._table[key] = [total.clone(), count, key_unit.clone()]
+            self._table[key] = [total.clone(), count, unit]
         else:
             slot[0] += total
             slot[1] += count
@@ -271,7 +274,8 @@ class TiePool(StreamingStatistic):
         """Pool rows: ``units`` ``(N, a)`` (the keys) and ``values`` ``(N, b)`` float64.
 
         Args:
-            units: the keys, ``(N, a)``; rows are compared bit for bit.
+            units: the keys, ``(N, a)``, any floating dtype (bfloat16 included); rows are compared by value
+                (``-0.0`` equals ``0.0``) and stored in float64, which holds every such value exactly.
             values: the values, ``(N, b)`` float64.
         """
         zc = units.detach().cpu().contiguous()
