@@ -34,6 +34,7 @@ from depthsat_theory.statistics import statistics_for
 from depthsat_theory.vocabulary import Verdict
 
 from ._registry import Context, Outcome, check
+from .t8_numerics import _solve_rational
 
 
 def _site(z: np.ndarray, g: np.ndarray):
@@ -137,23 +138,7 @@ def _exact_score2(feat: list[list[Fraction]], g: list[list[Fraction]]) -> Fracti
     n, k, d = len(g), len(feat[0]), len(g[0])
     gram = [[sum((r[a] * r[b] for r in feat), Fraction(0)) for b in range(k)] for a in range(k)]
     rhs = [[sum((feat[i][a] * g[i][j] for i in range(n)), Fraction(0)) for j in range(d)] for a in range(k)]
-    aug = [gram[a] + rhs[a] for a in range(k)]
-    piv: list[int] = []
-    for c in range(k):
-        r0 = len(piv)
-        p = next((r for r in range(r0, k) if aug[r][c] != 0), None)
-        if p is None:
-            continue
-        aug[r0], aug[p] = aug[p], aug[r0]
-        aug[r0] = [x / aug[r0][c] for x in aug[r0]]
-        for r in range(k):
-            if r != r0 and aug[r][c] != 0:
-                f = aug[r][c]
-                aug[r] = [x - f * y for x, y in zip(aug[r], aug[r0], strict=True)]
-        piv.append(c)
-    x = [[Fraction(0)] * d for _ in range(k)]
-    for i, c in enumerate(piv):
-        x[c] = aug[i][k:]
+    x = _solve_rational(gram, rhs)
     return sum((rhs[a][j] * x[a][j] for a in range(k) for j in range(d)), Fraction(0)) / n
 
 

@@ -17,6 +17,7 @@ import torch
 from depthsat_theory.decision import DepthDecision, beyond_training
 from depthsat_theory.statistics import StatisticsError
 from depthsat_theory.vocabulary import Verdict
+from proofs_checks.t8_numerics import _solve_rational
 
 F = Fraction
 
@@ -30,28 +31,9 @@ def hadamard(n: int) -> np.ndarray:
 
 
 def solve(a: list[list[Fraction]], b: list[list[Fraction]]) -> list[list[Fraction]]:
-    """A solution ``x`` of ``a x = b`` by Gauss–Jordan in rationals (``a`` PSD, ``b``'s columns in its range;
-    dependent columns get ``x = 0``): every quadratic form ``bᵀ x`` below is the same for every solution."""
-    k, m = len(a), len(b[0])
-    aug = [list(a[i]) + list(b[i]) for i in range(k)]
-    pivots: list[int] = []
-    for c in range(k):
-        row = len(pivots)
-        p = next((r for r in range(row, k) if aug[r][c] != 0), None)
-        if p is None:
-            continue
-        aug[row], aug[p] = aug[p], aug[row]
-        piv = aug[row][c]
-        aug[row] = [v / piv for v in aug[row]]
-        for r in range(k):
-            if r != row and aug[r][c] != 0:
-                f = aug[r][c]
-                aug[r] = [x - f * y for x, y in zip(aug[r], aug[row], strict=True)]
-        pivots.append(c)
-    x = [[F(0)] * m for _ in range(k)]
-    for i, c in enumerate(pivots):
-        x[c] = aug[i][k:]
-    return x
+    """A solution ``x`` of ``a x = b`` in rationals (dependent columns get ``x = 0``): every quadratic form
+    ``bᵀ x`` below is the same for every solution, because ``b``'s columns lie in the range of the PSD ``a``."""
+    return _solve_rational(a, b)
 
 
 def mat(rows) -> list[list[Fraction]]:
