@@ -22,8 +22,9 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from depthsat_theory.decision import AnytimeNoiseTest, sequential_examples_needed
-from depthsat_theory.statistics import StatisticsError
+from depthsat_theory.decision import AnytimeNoiseTest, AnytimeSiteTest, sequential_examples_needed
+from depthsat_theory.families import FamilyError, parse_family
+from depthsat_theory.statistics import StatisticsError, statistics_for
 from depthsat_theory.vocabulary import Verdict
 
 LAWS = {
@@ -211,3 +212,23 @@ def test_forecast_is_the_first_size_past_the_boundary():
         n = sequential_examples_needed(s2, 1.0)
         assert n is not None and ok(n, s2) and not ok(n - 1, s2) and n > previous
         previous = n
+
+
+def test_site_test_streams_the_same_sums_as_the_feature_statistics():
+    """A padded sequence site, linear family: the site test's ``ŝ²_U`` equals the engine's after the same batches."""
+    gen = torch.Generator().manual_seed(4)
+    fam = parse_family("linear")
+    site = AnytimeSiteTest(fam, (5, 3), "sequence")
+    stats = statistics_for(fam, (5, 3), "sequence")
+    for _ in range(3):
+        z = torch.randn(8, 5, 3, generator=gen, dtype=torch.float64)
+        mask = torch.ones(8, 5, dtype=torch.bool)
+        mask[:, 3:] = torch.rand(8, 2, generator=gen) < 0.5
+        g = torch.randn(8, 5, 3, generator=gen, dtype=torch.float64) * mask[..., None]
+        site.update_site(z, g, mask)
+        stats.update(z, g, mask)
+    res = stats.result()
+    assert site.n == res.n == 24
+    assert site.score_squared_unbiased == pytest.approx(res.score_squared_unbiased, rel=1e-9, abs=1e-12)
+    with pytest.raises(FamilyError, match="feature family"):
+        AnytimeSiteTest(object(), (3,), "vector")

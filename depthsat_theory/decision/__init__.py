@@ -10,10 +10,11 @@
 
 from depthsat_theory.decision.beyond import BeyondTraining, DepthDecision, beyond_training, decide
 from depthsat_theory.decision.headline import Headline, headline, headline_from_moments
-from depthsat_theory.decision.sequential import AnytimeNoiseTest, sequential_examples_needed
+from depthsat_theory.decision.sequential import AnytimeNoiseTest, AnytimeSiteTest, sequential_examples_needed
 
 __all__ = [
     "AnytimeNoiseTest",
+    "AnytimeSiteTest",
     "BeyondTraining",
     "DepthDecision",
     "Headline",

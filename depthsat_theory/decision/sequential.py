@@ -14,11 +14,12 @@ import math
 import torch
 from torch import Tensor
 
+from depthsat_theory.families import FamilyError, FeatureFamily, to_rows
 from depthsat_theory.statistics.linalg import NOISE_ALPHA, resolve_spectrum
 from depthsat_theory.statistics.result import StatisticsError
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["AnytimeNoiseTest", "sequential_examples_needed"]
+__all__ = ["AnytimeNoiseTest", "AnytimeSiteTest", "sequential_examples_needed"]
 
 #: Default prior scale ``ρ`` of the mixture, in examples: the boundary is tightest for decisions near it.
 PRIOR_EXAMPLES = 100.0
@@ -316,3 +317,52 @@ class AnytimeNoiseTest:
             if "cross" in state
             else (None, None, None)
         )
+
+
+class AnytimeSiteTest(AnytimeNoiseTest):
+    """:class:`AnytimeNoiseTest` fed with site tensors, through a feature family's features ``φ̃``.
+
+    The same features as :class:`~depthsat_theory.statistics.FeatureStatistics` (``augmented_features`` of
+    the family's frozen float64 feature map), activation gradients as rows (``to_rows``), padded rows left
+    out of every sum.
+
+    Args:
+        family: the block family (a :class:`~depthsat_theory.families.FeatureFamily`).
+        shape: per-example site shape.
+        layout: the site's layout.
+        **kwargs: passed to :class:`AnytimeNoiseTest` (``alpha``, ``prior_examples``, ``max_examples``, ``rtol``).
+
+    Raises:
+        FamilyError: if ``family`` is not a feature family.
+        StatisticsError: for a bad level, prior or budget.
+    """
+
+    def __init__(self, family: FeatureFamily, shape, layout: str, **kwargs) -> None:
+        if not isinstance(family, FeatureFamily):
+            raise FamilyError(f"{family!r} is not a feature family: the anytime test needs its features φ̃")
+        super().__init__(**kwargs)
+        self.family, self.shape, self.layout = family, tuple(shape), layout
+        self._fmap = family.frozen_feature_map(self.shape, layout, dtype=torch.float64)
+
+    def update_site(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
+        """Add a batch of site tensors and activation gradients.
+
+        Args:
+            z: ``(B, *shape)`` site tensors (any float dtype; the features are computed in float64).
+            g: ``(B, *shape)`` activation gradients of the per-example losses.
+            mask: optional ``(B, T)`` bool padding mask of a sequence site (``True`` at real tokens).
+
+        Raises:
+            StatisticsError: for mismatched shapes or NaN/Inf.
+        """
+        if z.shape != g.shape:
+            raise StatisticsError(f"z {tuple(z.shape)} and g {tuple(g.shape)} differ: both are (B, *shape)")
+        use_mask = mask if getattr(self.family, "masks_padding", False) else None
+        with torch.no_grad():
+            phi = self.family.augmented_features(self._fmap, z.detach().to(torch.float64), mask=use_mask)
+        rows = to_rows(g.detach().to(torch.float64), self.layout)
+        phi = phi.reshape(z.shape[0], -1, phi.shape[-1])
+        if mask is not None:
+            weight = mask.reshape(z.shape[0], -1, 1).to(torch.float64)
+            phi, rows = phi * weight, rows * weight
+        self.update(phi, rows)
