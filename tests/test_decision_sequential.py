@@ -232,3 +232,17 @@ def test_site_test_streams_the_same_sums_as_the_feature_statistics():
     assert site.score_squared_unbiased == pytest.approx(res.score_squared_unbiased, rel=1e-9, abs=1e-12)
     with pytest.raises(FamilyError, match="feature family"):
         AnytimeSiteTest(object(), (3,), "vector")
+
+
+def test_level_holds_without_moments_for_symmetric_gradients():
+    """Cauchy ``g`` (no mean, no variance), ``z ≥ 0`` with a bias: (S) holds, so the level holds (no moment assumed)."""
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(33)
+    reps, hits = 80, 0
+    for _ in range(reps):
+        test = AnytimeNoiseTest(max_examples=256)
+        for b in schedule(256):
+            z = np.abs(rng.standard_normal((b, 2)))
+            test.update(np.c_[z, np.ones(b)], rng.standard_cauchy((b, 1)))
+        hits += test.decided
+    assert binom.sf(hits - 1, reps, 0.05) > 0.01, f"{hits}/{reps} improvable on Cauchy pure noise"
