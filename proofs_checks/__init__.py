@@ -20,6 +20,7 @@ MODULES = (
     "t8_numerics",
     "t9_beyond",
     "t10_hidden_beta",
+    "t11_decision",
 )
 
 __all__ = [
