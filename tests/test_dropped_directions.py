@@ -97,14 +97,14 @@ def test_float64_wide_site_cli_is_not_saturated(tmp_path):
 
 # ----------------------------------------------------------------------------- low precision and mixed dtypes
 @pytest.mark.parametrize(
-    ("dtype", "eps", "a"),
-    [(torch.float32, 2.0**-19, 2.0**-5), (torch.float16, 2.0**-6, 2.0**-4)],
-    ids=["float32-s0.031", "float16-s0.0625"],
+    ("dtype", "n", "eps", "a"),
+    [(torch.float32, 256, 2.0**-19, 2.0**-5), (torch.float16, 64, 2.0**-6, 2.0**-3)],
+    ids=["float32-s0.031", "float16-s0.125"],
 )
-def test_direction_between_feature_rounding_and_cutoff_is_not_saturated(dtype, eps, a):
+def test_direction_between_feature_rounding_and_cutoff_is_not_saturated(dtype, n, eps, a):
     """The planted amplitude lies between the tool's feature rounding ``ε_M = 4 √k̃ u`` (so rounding cannot have
     created it, Weyl) and its cutoff ``8 √k̃ u σ_max``: dropped, real, and it carries exact ``s = a``."""
-    n, d = 256, 8
+    d = 8
     z, g = _walsh_probe(n, d, eps, a, dtype, dtype)
     u = torch.finfo(dtype).eps / 2
     sigma, sigma_max = _amplitude(eps)
