@@ -302,8 +302,12 @@ def test_significance_and_examples_needed():
     assert _bare().significant is None
     assert _bare(noise_ratio=3.0, noise_threshold=3.0).significant is False
     assert _bare(noise_ratio=3.5, noise_threshold=3.0).significant is True
-    assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.375).examples_needed == 16  # 6/0.375
-    assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.3125).examples_needed == 20  # ⌈19.2⌉
+    need = dict(noise_threshold=3.0, noise_variance=2.0, n=10)
+    assert _bare(**need, score_squared_unbiased=0.375).examples_needed == 16  # 6/0.375
+    assert _bare(**need, score_squared_unbiased=0.3125).examples_needed == 20  # ⌈19.2⌉
+    assert (
+        _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.375).examples_needed is None
+    )  # n = 100
     assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.0).examples_needed is None
     assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=-1.0).examples_needed is None
     assert _bare(noise_threshold=3.0, noise_variance=0.0, score_squared_unbiased=1.0).examples_needed is None
@@ -757,7 +761,8 @@ def test_an_explicit_rtol_has_no_band(rtol, dropped):
 
 
 def _hand_spectrum(k: int, band: list[bool]) -> Spectrum:
-    """Spectrum of ``I_k`` whose last ``m`` coordinate axes are declared dropped (``band`` for each)."""
+    """Spectrum of ``I_k`` whose last ``m`` coordinate axes are declared dropped (``band`` for each), as a factor
+    with those amplitudes computed zero (below the data's rounding level: only the rounding-level rules apply)."""
     m = len(band)
     eye = np.eye(k)
     return Spectrum(
@@ -770,6 +775,8 @@ def _hand_spectrum(k: int, band: list[bool]) -> Spectrum:
         unresolved=0,
         dropped=eye[:, k - m :],
         band=np.array(band, dtype=bool),
+        factored=True,
+        dropped_values=np.zeros(m),
     )
 
 
