@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.linalg import hadamard
+from scipy.linalg import hadamard  # also for the bfloat16 signal probe
 from typer.testing import CliRunner
 
 from depthsat_theory import parse_family
@@ -25,27 +25,12 @@ from depthsat_theory.cli import app
 from depthsat_theory.statistics import statistics_for
 from depthsat_theory.statistics.result import SaturationResult
 from depthsat_theory.vocabulary import Verdict
+from proofs_checks.t8_numerics import planted_amplitude, walsh_probe
 
 
-def _walsh_probe(n: int, d: int, eps: float, a: float, dtype_z, dtype_g, b: float = 1.0):
-    """``(z, g)``: ``d`` Walsh feature columns, ``z₂ = z₁ + ε h_w``; ``g₁ = a h_w + b h_junk``; exact ``s = |a|``."""
-    h = hadamard(n).astype(np.float64)  # column 0 is the constant: the bias feature's direction
-    z = h[:, 1 : d + 1].copy()
-    z[:, 1] = z[:, 0] + eps * h[:, d + 1]
-    g = np.zeros((n, d))
-    g[:, 0] = a * h[:, d + 1] + b * h[:, d + 2]
-    zt, gt = torch.from_numpy(z).to(dtype_z), torch.from_numpy(g).to(dtype_g)
-    # preconditions, exactly: the stored arrays are the constructed ones, and the used Walsh columns are orthogonal
-    assert np.array_equal(zt.double().numpy(), z) and np.array_equal(gt.double().numpy(), g)
-    cols = h[:, : d + 3]
-    assert np.array_equal(cols.T @ cols, n * np.eye(d + 3))  # integer sums below 2^53: exact in float64
-    return zt, gt
-
-
-def _amplitude(eps: float) -> tuple[float, float]:
-    """``(σ_small, σ_max)`` of the unit-diagonal Gram of the Walsh probe (closed form, eigenvalues ``1 ± ρ``)."""
-    rho = 1.0 / math.sqrt(1.0 + eps * eps)
-    return math.sqrt(eps * eps / (math.sqrt(1.0 + eps * eps) * (math.sqrt(1.0 + eps * eps) + 1.0))), math.sqrt(1 + rho)
+def _sigma_max(eps: float) -> float:
+    """``σ_max = sqrt(1 + ρ)`` of the Walsh probe's unit-diagonal Gram (closed form, :func:`planted_amplitude`)."""
+    return math.sqrt(1 + 1 / math.sqrt(1 + eps * eps))
 
 
 def _result(z, g, *, batch: int, **kw):
@@ -63,10 +48,10 @@ N_WIDE, D_WIDE = 2048, 1100  # k̃ = 1101 > 1024: no triangular factor, the floa
 def test_float64_wide_site_direction_below_the_gram_resolution_is_never_saturated(eps, a):
     """A direction of amplitude 6.6e-10 or 3.2e-13 (above the float64 data resolution 4e-14, below what a float64
     Gram resolves, 1.4e-6) carries exact ``s = 6e-5`` or ``0.375``: the verdict may not be "saturated"."""
-    z, g = _walsh_probe(N_WIDE, D_WIDE, eps, a, torch.float64, torch.float64)
+    z, g = walsh_probe(N_WIDE, D_WIDE, eps, a, torch.float64, torch.float64)
     res = _result(z, g, batch=512)
     k = D_WIDE + 1
-    sigma, _ = _amplitude(eps)
+    sigma = planted_amplitude(eps)
     assert sigma > 8 * math.sqrt(k) * 2.0**-53 * 1.5  # real: above the data resolution of a float64 probe
     assert a > 2 * res.score_error  # exact s far above what "saturated" would promise
     assert res.probe_verdict is not Verdict.SATURATED and res.verdict is not Verdict.SATURATED
@@ -78,7 +63,7 @@ def test_float64_wide_site_direction_below_the_gram_resolution_is_never_saturate
 def test_float64_wide_site_is_decided_by_the_factored_unit_path(a):
     """What decides the wide float64 site: ``--gram units`` factors the rows (amplitudes to ``≈ √k̃ u64``): the
     direction is kept, exact ``s = 1/64`` is improvable within its bound, exact ``s = 0`` saturated."""
-    z, g = _walsh_probe(N_WIDE, D_WIDE, 2.0**-30, a, torch.float64, torch.float64)
+    z, g = walsh_probe(N_WIDE, D_WIDE, 2.0**-30, a, torch.float64, torch.float64)
     res = _result(z, g, batch=512, gram="units")
     assert res.tangent_rank == res.tangent_dim
     assert abs(res.score - a) <= res.score_error
@@ -86,7 +71,7 @@ def test_float64_wide_site_is_decided_by_the_factored_unit_path(a):
 
 
 def test_float64_wide_site_cli_is_not_saturated(tmp_path):
-    z, g = _walsh_probe(N_WIDE, D_WIDE, 2.0**-41, 0.375, torch.float64, torch.float64)
+    z, g = walsh_probe(N_WIDE, D_WIDE, 2.0**-41, 0.375, torch.float64, torch.float64)
     path = tmp_path / "wide.npz"
     np.savez(path, z=z.numpy(), g=g.numpy())
     out = CliRunner().invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"])
@@ -105,10 +90,10 @@ def test_direction_between_feature_rounding_and_cutoff_is_not_saturated(dtype, n
     """The planted amplitude lies between the tool's feature rounding ``ε_M = 4 √k̃ u`` (so rounding cannot have
     created it, Weyl) and its cutoff ``8 √k̃ u σ_max``: dropped, real, and it carries exact ``s = a``."""
     d = 8
-    z, g = _walsh_probe(n, d, eps, a, dtype, dtype)
+    z, g = walsh_probe(n, d, eps, a, dtype, dtype)
     u = torch.finfo(dtype).eps / 2
-    sigma, sigma_max = _amplitude(eps)
-    assert 4 * math.sqrt(d + 1) * u < sigma <= 8 * math.sqrt(d + 1) * u * sigma_max
+    sigma = planted_amplitude(eps)
+    assert 4 * math.sqrt(d + 1) * u < sigma <= 8 * math.sqrt(d + 1) * u * _sigma_max(eps)
     res = _result(z, g, batch=64)
     assert a > 2 * res.score_error and res.tangent_rank < res.tangent_dim
     assert res.probe_verdict is not Verdict.SATURATED and res.verdict is not Verdict.SATURATED
@@ -118,7 +103,7 @@ def test_direction_between_feature_rounding_and_cutoff_is_not_saturated(dtype, n
 def test_direction_between_feature_rounding_and_cutoff_carrying_nothing_stays_saturated(dtype):
     """The same dropped direction with ``a = 0`` (exact ``s = 0``): nothing to hide, still saturated."""
     eps = {torch.float32: 2.0**-19, torch.float16: 2.0**-6}[dtype]
-    z, g = _walsh_probe(256, 8, eps, 0.0, dtype, dtype)
+    z, g = walsh_probe(256, 8, eps, 0.0, dtype, dtype)
     res = _result(z, g, batch=64)
     assert res.verdict is Verdict.SATURATED and res.unresolved == 0
 
@@ -127,7 +112,7 @@ def test_direction_between_feature_rounding_and_cutoff_carrying_nothing_stays_sa
 def test_float64_features_with_float32_gradients_keep_the_float64_resolution(a):
     """``z`` float64 with a direction of amplitude ``4e-8`` (real in float64, below float32's cutoff), ``g`` float32:
     the features' resolution is their own dtype's; exact ``s = a`` is found within the bound (``0``: saturated)."""
-    z, g = _walsh_probe(256, 8, 2.0**-24, a, torch.float64, torch.float32)
+    z, g = walsh_probe(256, 8, 2.0**-24, a, torch.float64, torch.float32)
     res = _result(z, g, batch=64)
     assert res.tangent_rank == res.tangent_dim  # kept: float64 features resolve it
     assert abs(res.score - a) <= res.score_error
