@@ -176,3 +176,8 @@ def test_examples_needed_never_names_a_size_the_probe_exceeds():
     assert SaturationResult(n=10, **base).examples_needed == 16
     assert SaturationResult(n=16, **base).examples_needed is None
     assert SaturationResult(n=256, **base).examples_needed is None
+    # a noise-test undetermined verdict whose n* the probe exceeds (float32 products test ŝ − e): the reason says
+    # that more examples alone would not decide, and names no size
+    held = SaturationResult(**{**base, "score": 2.0, "noise_ratio": 2.5, "dtype": "float32"}, n=256)
+    assert held.probe_verdict is Verdict.IMPROVABLE and held.verdict is Verdict.UNDETERMINED
+    assert "would not decide" in held.verdict_reason and "16" not in held.verdict_reason

@@ -225,16 +225,23 @@ class SaturationResult:
                 f"(n ŝ²/v̂ = {self.noise_ratio:.3g} > {self.noise_threshold:.3g}): below {self.dtype} resolution: "
                 f"{_FINER.get(self.dtype, 'rerun with better-conditioned features (or a rescaled probe)')}"
             )
-        need = self.examples_needed
-        more = (
-            f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}"
-            if need
-            else ("the unbiased estimate of s² is not positive: no evidence of signal")
-        )
         return (
             f"n ŝ²/v̂ = {self.noise_ratio:.3g} ≤ {self.noise_threshold:.3g} (noise test, α = {self.alpha:g}): "
-            f"the score is within sampling noise on {self.n} example{'s' if self.n != 1 else ''}; {more}"
+            f"the score is within sampling noise on {self.n} example{'s' if self.n != 1 else ''}; {self._noise_hint()}"
         )
+
+    def _noise_hint(self) -> str:
+        """What would decide a verdict the noise test left undetermined (:attr:`verdict_reason`)."""
+        need = self.examples_needed
+        if need:
+            return f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}"
+        if self.noise_variance > 0 and self.score_squared_unbiased > 1e-8 * self.noise_variance / self.n:
+            return (
+                "a larger probe alone would not decide: this many examples already suffice for s² ≈ "
+                f"{self.score_squared_unbiased:.3g}, and the test is held back by the rounding bound (float32 "
+                f"products test ŝ − e against an upper bound of v̂): rerun with float64 products"
+            )
+        return "the unbiased estimate of s² is not positive: no evidence of signal"
 
     def to_dict(self, *, with_gradient: bool = False) -> dict:
         """JSON-ready dictionary (``nan`` becomes ``None``), with the ``verdict`` as its string.
