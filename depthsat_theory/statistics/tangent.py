@@ -433,7 +433,9 @@ class TangentStatistics(StreamingStatistic):
             q_trace: ``v̂ = tr(Σ⁻ E[XᵀX])`` of the noise test (``nan``: not streamed).
             alpha: level of the noise test.
             grad_rows: the gradient as rows over the Gram's coordinates (``G`` ``(d, k)`` or ``b``
-                ``(1, p)``): dropped directions carrying more of it than rounding are unresolved.
+                ``(1, p)``): dropped directions that could add more score than ``(tol + e)² − (ŝ + e)²`` allows
+                (``lem-dropped-score``: every dropped direction of a float64 Gram may), or, at rounding-level
+                amplitude, carry more of it than rounding, are unresolved.
             noise_moment: ``E[XᵀX]`` over the Gram's coordinates (``(k, k)`` or ``(p, p)``): a dropped
                 direction the arithmetic resolves (:attr:`Spectrum.band`) whose gradient passes the
                 noise test (Bonferroni over those directions) is unresolved too, however small its
