@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 from depthsat_theory import parse_family
 from depthsat_theory.cli import app
 from depthsat_theory.statistics import statistics_for
-from depthsat_theory.statistics.result import SaturationResult
 from depthsat_theory.vocabulary import Verdict
 from proofs_checks.t8_numerics import planted_amplitude, walsh_probe
 
@@ -144,40 +143,3 @@ def test_bfloat16_signal_within_the_rounding_bound_but_significant_is_undetermin
     assert fine.verdict is Verdict.IMPROVABLE and abs(fine.score - 0.125) <= fine.score_error
     zero = _result(*_signal_probe(1024, 0.0, torch.bfloat16), batch=256)
     assert zero.verdict is Verdict.SATURATED
-
-
-def test_examples_needed_never_names_a_size_the_probe_exceeds():
-    """``n* = ⌈χ² v̂ / ŝ²_U⌉`` is a probe size to reach: at or below ``n`` it is not shown (sample size is not what
-    is missing)."""
-    base = dict(
-        score=1.0,
-        raw_score=math.nan,
-        ag_rms=4.0,
-        ag_max=3.0,
-        realizability_defect=math.nan,
-        relative_score=0.25,
-        activation_scaled_score=1.0,
-        tangent_rank=4,
-        tangent_dim=4,
-        degenerate=False,
-        saturated=False,
-        tol=1.0,
-        cutoff=0.0,
-        rtol=0.0,
-        units=100,
-        family="linear",
-        unit="row",
-        dtype="bfloat16",
-        gradient=np.zeros(4),
-        noise_threshold=3.0,
-        noise_variance=2.0,
-        score_squared_unbiased=0.375,  # n* = 16
-    )
-    assert SaturationResult(n=10, **base).examples_needed == 16
-    assert SaturationResult(n=16, **base).examples_needed is None
-    assert SaturationResult(n=256, **base).examples_needed is None
-    # a noise-test undetermined verdict whose n* the probe exceeds (float32 products test ŝ − e): the reason says
-    # that more examples alone would not decide, and names no size
-    held = SaturationResult(**{**base, "score": 2.0, "noise_ratio": 2.5, "dtype": "float32"}, n=256)
-    assert held.probe_verdict is Verdict.IMPROVABLE and held.verdict is Verdict.UNDETERMINED
-    assert "would not decide" in held.verdict_reason and "16" not in held.verdict_reason

@@ -313,6 +313,28 @@ def test_significance_and_examples_needed():
     assert _bare(noise_threshold=3.0, noise_variance=0.0, score_squared_unbiased=1.0).examples_needed is None
 
 
+def test_examples_needed_never_names_a_size_the_probe_reaches():
+    """``n*`` is a probe size to reach: at or below ``n`` it is not shown (sample size is not what is missing); a
+    noise-test undetermined verdict with such an ``n*`` (float32 products test ``ŝ − e``) says a larger probe alone
+    would not decide, and names no size."""
+    need = dict(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.375)  # n* = 16
+    assert _bare(**need, n=15).examples_needed == 16
+    assert _bare(**need, n=16).examples_needed is None and _bare(**need, n=256).examples_needed is None
+    held = _bare(**need, n=256, score=2.0, noise_ratio=2.5, dtype="float32")
+    assert held.probe_verdict is Verdict.IMPROVABLE and held.verdict is Verdict.UNDETERMINED
+    assert "would not decide" in held.verdict_reason and "16" not in held.verdict_reason
+
+
+def test_a_significant_score_inside_the_rounding_bound_is_undetermined():
+    """``ŝ ≤ tol`` with the noise test rejecting ``s = 0``: below the dtype's resolution, never saturated; the reason
+    names the finer dtype that decides (bfloat16, float16 → float32; float32 → float64)."""
+    for dtype, finer in (("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64")):
+        res = _bare(score=0.5, tol=1.0, noise_ratio=5.0, noise_threshold=3.0, dtype=dtype)
+        assert res.probe_verdict is Verdict.SATURATED and res.verdict is Verdict.UNDETERMINED
+        assert f"below {dtype} resolution: rerun in {finer}" in res.verdict_reason
+    assert _bare(score=0.5, tol=1.0, noise_ratio=3.0, noise_threshold=3.0).verdict is Verdict.SATURATED
+
+
 # ----------------------------------------------------------------------------- closed forms of the error model
 U64 = U[torch.float64]
 
