@@ -143,3 +143,17 @@ def test_bfloat16_signal_within_the_rounding_bound_but_significant_is_undetermin
     assert fine.verdict is Verdict.IMPROVABLE and abs(fine.score - 0.125) <= fine.score_error
     zero = _result(*_signal_probe(1024, 0.0, torch.bfloat16), batch=256)
     assert zero.verdict is Verdict.SATURATED
+
+
+def test_a_state_saved_before_the_features_dtype_was_kept_loads_with_the_coarser_dtype():
+    """A checkpoint without ``feature_eps`` (written before it existed) loads; its features take the coarser dtype of
+    ``z`` and ``g`` (``forward_eps``), the former reading, and the verdict is the one it had then."""
+    z, g = walsh_probe(256, 8, 2.0**-24, 2.0**-5, torch.float64, torch.float32)
+    stats = statistics_for(parse_family("linear"), (8,), "vector")
+    stats.update(z, g)
+    assert stats.feature_dtype == torch.float64 and stats.dtype == torch.float32
+    old = {k: v for k, v in stats.state_dict().items() if k != "feature_eps"}
+    fresh = statistics_for(parse_family("linear"), (8,), "vector")
+    fresh.load_state_dict(old)
+    assert fresh.feature_dtype == torch.float32 and fresh.n == 256
+    assert fresh.result().tangent_rank < fresh.result().tangent_dim  # float32 resolution: the planted direction dropped

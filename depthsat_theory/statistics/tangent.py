@@ -173,14 +173,16 @@ class TangentStatistics(StreamingStatistic):
         return _EPS_DTYPES.get(float(self.states["feature_eps"]))
 
     def load_state_dict(self, state, *, strict: bool = True) -> None:
-        """Replace the state; a state written before ``feature_eps`` existed takes ``forward_eps`` for it.
+        """:meth:`StreamingStatistic.load_state_dict`, also for a state saved before ``feature_eps`` existed.
+
+        Such a state gets ``feature_eps = forward_eps``: the coarser dtype, which set the features' resolution then.
 
         Args:
-            state: name → tensor, as written by :meth:`state_dict`.
-            strict: see :meth:`StreamingStatistic.load_state_dict`.
+            state: name → tensor (a checkpoint's statistic).
+            strict: require every declared field, ``feature_eps`` excepted as above.
 
         Raises:
-            KeyError, ValueError: as :meth:`StreamingStatistic.load_state_dict`.
+            KeyError: a missing field under ``strict``; ValueError: a field of the wrong size.
         """
         if "feature_eps" not in state and "forward_eps" in state:
             state = {**state, "feature_eps": state["forward_eps"]}  # the coarser dtype: the former, safe reading
