@@ -323,6 +323,8 @@ def test_examples_needed_never_names_a_size_the_probe_reaches():
     held = _bare(**need, n=256, score=2.0, noise_ratio=2.5, dtype="float32")
     assert held.probe_verdict is Verdict.IMPROVABLE and held.verdict is Verdict.UNDETERMINED
     assert "would not decide" in held.verdict_reason and "16" not in held.verdict_reason
+    lower = _bare(score=2.0, noise_ratio=2.5, noise_threshold=3.0, unresolved=2)  # ŝ only a lower bound
+    assert lower.verdict is Verdict.UNDETERMINED and "2 dropped direction(s) could carry more" in lower.verdict_reason
 
 
 def test_a_significant_score_inside_the_rounding_bound_is_undetermined():

@@ -232,6 +232,16 @@ class SaturationResult:
 
     def _noise_hint(self) -> str:
         """What would decide a verdict the noise test left undetermined (:attr:`verdict_reason`)."""
+        hint = self._sample_hint()
+        if self.unresolved:  # ŝ is a lower bound: the dropped directions may hold the signal the test misses
+            hint += (
+                f"; and {self.unresolved} dropped direction(s) could carry more score than ŝ shows "
+                f"(lem-dropped-score: a finer dtype, or --gram units at float64 sites of more than 1024 features)"
+            )
+        return hint
+
+    def _sample_hint(self) -> str:
+        """The noise test's part of :meth:`_noise_hint`: how many examples, or why more would not decide."""
         need = self.examples_needed
         if need:
             return f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}"
