@@ -30,6 +30,13 @@ Checks:
   ratios ``10¹³`` to ``10¹⁷``: the engine's ``v̂`` equals the exact ``tr(Σ⁺ Q)`` of the stored arrays (rational
   Gauss–Jordan) to ``10⁻⁶`` relative and never exceeds ``v̂_up``; pure-noise probes at ``n = 400`` and ratios
   ``10¹⁵``–``10¹⁶`` are "improvable" no more often than rate ``α`` allows (one-sided binomial, 1%).
+- ``num-dropped-score`` (numeric, ``lem-dropped-score``): Walsh probes (exact orthogonal ``±1`` columns, one nearly
+  duplicated at a dyadic ``ε``, the gradient ``a h_w`` along the planted direction plus an orthogonal part), float64,
+  float32 and float16, planted amplitudes from below the rounding level to far above the cutoff: on the float64 Gram
+  of the stored features, every dropped direction whose exact amplitude (rationals) exceeds ``ρ = ε_M`` is marked
+  possibly real and its exact score on its own span (rationals) is at most ``c_v``; when the planted amplitude exceeds
+  ``ρ`` (rounding cannot have created it) the engine never says "saturated" with the exact score ``|a|`` above
+  ``tol + e``.  (Below ``ρ`` the direction is outside the resolvable tangent space by ``def-resolution``.)
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from torch import Tensor
 
 from depthsat_theory.families import FeatureFamily, parse_family
 from depthsat_theory.statistics import NOISE_ALPHA, resolve_spectrum, statistics_for
+from depthsat_theory.statistics.linalg import FEATURE_ROUNDING_FACTOR, dropped_score, unit_roundoff
 from depthsat_theory.vocabulary import Verdict
 
 from ._registry import Context, Outcome, check
@@ -151,6 +159,56 @@ def collinear_signal(eps: float, dtype: torch.dtype, n: int = 1000, seed: int = 
     v = zs[:, 1] - zs[:, 0]
     g = np.stack([v, v], 1) / np.sqrt(np.mean(2 * v * v))
     return z, torch.from_numpy(g).to(dtype)
+
+
+def walsh_probe(n: int, d: int, eps: float, a: float, dtype_z, dtype_g, b: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Walsh columns with a planted direction: exact score ``|a|`` of the stored arrays, in closed form.
+
+    ``z`` holds ``d`` Walsh (Sylvester–Hadamard) columns ``h₁ … h_d`` with ``z₂ = z₁ + ε h_w`` (``ε`` a power of two:
+    stored exactly), ``g₁ = a h_w + b h_junk`` and ``g_j = 0`` otherwise, where ``h_w, h_junk`` are further Walsh
+    columns.  The columns are exactly orthogonal and ``h_junk`` is orthogonal to every feature (the constant included),
+    so the span of the features holds ``h_w`` and the exact score is ``s = |a|``, ``AG_rms = sqrt(a² + b²)``; the
+    planted direction's amplitude on the unit-diagonal Gram is :func:`planted_amplitude` ``≈ ε/√2``.
+
+    Raises:
+        AssertionError: when ``dtype_z``/``dtype_g`` cannot store the construction exactly.
+    """
+    from scipy.linalg import hadamard
+
+    h = hadamard(n).astype(np.float64)  # column 0 is the constant: the bias feature's direction
+    z = h[:, 1 : d + 1].copy()
+    z[:, 1] = z[:, 0] + eps * h[:, d + 1]
+    g = np.zeros((n, d))
+    g[:, 0] = a * h[:, d + 1] + b * h[:, d + 2]
+    zt, gt = torch.from_numpy(z).to(dtype_z), torch.from_numpy(g).to(dtype_g)
+    assert np.array_equal(zt.double().numpy(), z) and np.array_equal(gt.double().numpy(), g), "not stored exactly"
+    cols = h[:, : d + 3]
+    assert np.array_equal(cols.T @ cols, n * np.eye(d + 3))  # integer sums below 2^53: exact in any order
+    return zt, gt
+
+
+def planted_amplitude(eps: float) -> float:
+    """The planted direction's amplitude on the unit-diagonal Gram of :func:`walsh_probe` (closed form).
+
+    The pair block is ``[[1, ρ], [ρ, 1]]`` with ``ρ = 1/sqrt(1 + ε²)``; its small eigenvalue ``1 − ρ`` is written
+    without cancellation as ``ε² / (sqrt(1 + ε²)(sqrt(1 + ε²) + 1))``; the other eigenvalues are ``1`` and ``1 + ρ``.
+    """
+    root = math.sqrt(1 + eps * eps)
+    return math.sqrt(eps * eps / (root * (root + 1)))
+
+
+def _span_score(phi: np.ndarray, g: np.ndarray, u: np.ndarray) -> tuple[float, float]:
+    """``(score on span(Φ̃u), amplitude sqrt(E (Φ̃u)²))`` of the stored arrays, in rationals (no engine code)."""
+    n = phi.shape[0]
+    uq = [Fraction(float(x)) for x in u]
+    proj = [sum((Fraction(float(p)) * c for p, c in zip(row, uq, strict=True)), Fraction(0)) for row in phi]
+    amp2 = sum((p * p for p in proj), Fraction(0)) / n
+    if amp2 == 0:
+        return 0.0, 0.0
+    num = sum(
+        (sum((Fraction(float(g[i, j])) * proj[i] for i in range(n)), Fraction(0)) / n) ** 2 for j in range(g.shape[1])
+    )
+    return math.sqrt(float(num / amp2)), math.sqrt(float(amp2))
 
 
 def near_threshold_probe(rng: np.random.Generator, eps: float, n_pairs: int, dtype: torch.dtype):
@@ -476,4 +534,47 @@ def noise_factor(ctx: Context) -> Outcome:
         bad,
         detail=f"max |v̂ − v|/v = {fmt(worst)} at ratios to 1e17; pure noise improvable {counts} of {reps} "
         f"(ε 3e-8, 1e-8)",
+    )
+
+
+@check("NUM", "lem-dropped-score", "num-dropped-score", "numeric")
+def dropped_score_bound(ctx: Context) -> Outcome:
+    """``c_v`` bounds what a possibly real dropped direction adds; never "saturated" above ``tol + e``."""
+    rng = ctx.rng("num-dropped-score")
+    exponents = {torch.float64: (24, 48), torch.float32: (17, 22), torch.float16: (5, 8)}
+    bad = n_inst = checked = saturated_zero = zero = 0
+    for _ in range(ctx.count(36, 12)):
+        dtype = [torch.float64, torch.float32, torch.float16][int(rng.integers(3))]
+        n, d = int(rng.choice([64, 256])), 8
+        eps = 2.0 ** -int(rng.integers(*exponents[dtype]))
+        a = 0.0 if rng.random() < 0.3 else 2.0 ** -int(rng.integers(1, 10 if dtype == torch.float16 else 12))
+        z, g = walsh_probe(n, d, eps, a, dtype, dtype)
+        phi = np.concatenate([z.double().numpy(), np.ones((n, 1))], 1)
+        gs = g.double().numpy()
+        ag = math.sqrt(float((gs**2).sum()) / n)
+        spec = resolve_spectrum(phi.T @ phi / n, dtype=dtype)  # the float64 Gram path
+        mass = np.linalg.norm(((gs.T @ phi / n) * spec.scale) @ spec.dropped, axis=0)
+        c, real = dropped_score(spec, mass, ag_rms=ag, dtype=dtype, summands=n + 1)
+        rho = FEATURE_ROUNDING_FACTOR * unit_roundoff(dtype) * math.sqrt(d + 1)
+        ok = True
+        for j in range(spec.dropped.shape[1]):
+            contribution, amplitude = _span_score(phi, gs, spec.scale * spec.dropped[:, j])
+            if amplitude > rho:
+                checked += 1
+                ok &= bool(real[j]) and contribution <= c[j] * (1 + 1e-9)
+        res = statistics_for(parse_family("linear"), (d,), "vector")
+        res.update(z, g)
+        out = res.result()
+        if planted_amplitude(eps) > rho and math.isfinite(out.tol) and abs(a) > out.tol + out.score_error:
+            ok &= out.verdict is not Verdict.SATURATED and out.probe_verdict is not Verdict.SATURATED
+        if a == 0.0:
+            zero += 1
+            saturated_zero += out.verdict is Verdict.SATURATED
+        n_inst += 1
+        bad += not ok
+    return Outcome(
+        n_inst,
+        bad,
+        detail=f"{n_inst} Walsh probes, {checked} possibly real dropped directions bounded by c_v; "
+        f"exact s = 0 decided saturated on {saturated_zero}/{zero}",
     )

@@ -302,11 +302,39 @@ def test_significance_and_examples_needed():
     assert _bare().significant is None
     assert _bare(noise_ratio=3.0, noise_threshold=3.0).significant is False
     assert _bare(noise_ratio=3.5, noise_threshold=3.0).significant is True
-    assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.375).examples_needed == 16  # 6/0.375
-    assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.3125).examples_needed == 20  # ⌈19.2⌉
+    need = dict(noise_threshold=3.0, noise_variance=2.0, n=10)
+    assert _bare(**need, score_squared_unbiased=0.375).examples_needed == 16  # 6/0.375
+    assert _bare(**need, score_squared_unbiased=0.3125).examples_needed == 20  # ⌈19.2⌉
+    assert (
+        _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.375).examples_needed is None
+    )  # n = 100
     assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.0).examples_needed is None
     assert _bare(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=-1.0).examples_needed is None
     assert _bare(noise_threshold=3.0, noise_variance=0.0, score_squared_unbiased=1.0).examples_needed is None
+
+
+def test_examples_needed_never_names_a_size_the_probe_reaches():
+    """``n*`` is a probe size to reach: at or below ``n`` it is not shown (sample size is not what is missing); a
+    noise-test undetermined verdict with such an ``n*`` (float32 products test ``ŝ − e``) says a larger probe alone
+    would not decide, and names no size."""
+    need = dict(noise_threshold=3.0, noise_variance=2.0, score_squared_unbiased=0.375)  # n* = 16
+    assert _bare(**need, n=15).examples_needed == 16
+    assert _bare(**need, n=16).examples_needed is None and _bare(**need, n=256).examples_needed is None
+    held = _bare(**need, n=256, score=2.0, noise_ratio=2.5, dtype="float32")
+    assert held.probe_verdict is Verdict.IMPROVABLE and held.verdict is Verdict.UNDETERMINED
+    assert "would not decide" in held.verdict_reason and "16" not in held.verdict_reason
+    lower = _bare(score=2.0, noise_ratio=2.5, noise_threshold=3.0, unresolved=2)  # ŝ only a lower bound
+    assert lower.verdict is Verdict.UNDETERMINED and "2 dropped direction(s) could carry more" in lower.verdict_reason
+
+
+def test_a_significant_score_inside_the_rounding_bound_is_undetermined():
+    """``ŝ ≤ tol`` with the noise test rejecting ``s = 0``: below the dtype's resolution, never saturated; the reason
+    names the finer dtype that decides (bfloat16, float16 → float32; float32 → float64)."""
+    for dtype, finer in (("bfloat16", "float32"), ("float16", "float32"), ("float32", "float64")):
+        res = _bare(score=0.5, tol=1.0, noise_ratio=5.0, noise_threshold=3.0, dtype=dtype)
+        assert res.probe_verdict is Verdict.SATURATED and res.verdict is Verdict.UNDETERMINED
+        assert f"below {dtype} resolution: rerun in {finer}" in res.verdict_reason
+    assert _bare(score=0.5, tol=1.0, noise_ratio=3.0, noise_threshold=3.0).verdict is Verdict.SATURATED
 
 
 # ----------------------------------------------------------------------------- closed forms of the error model
@@ -757,7 +785,8 @@ def test_an_explicit_rtol_has_no_band(rtol, dropped):
 
 
 def _hand_spectrum(k: int, band: list[bool]) -> Spectrum:
-    """Spectrum of ``I_k`` whose last ``m`` coordinate axes are declared dropped (``band`` for each)."""
+    """Spectrum of ``I_k`` whose last ``m`` coordinate axes are declared dropped (``band`` for each), as a factor
+    with those amplitudes computed zero (below the data's rounding level: only the rounding-level rules apply)."""
     m = len(band)
     eye = np.eye(k)
     return Spectrum(
@@ -770,6 +799,8 @@ def _hand_spectrum(k: int, band: list[bool]) -> Spectrum:
         unresolved=0,
         dropped=eye[:, k - m :],
         band=np.array(band, dtype=bool),
+        factored=True,
+        dropped_values=np.zeros(m),
     )
 
 

@@ -1034,6 +1034,7 @@ def test_state_fields_are_declared_with_their_reductions():
         "z_sq": Reduction.SUM,
         "g_max": Reduction.MAX,
         "forward_eps": Reduction.MAX,
+        "feature_eps": Reduction.MAX,
         "batches": Reduction.SUM,
         "batch_units_max": Reduction.MAX,
         "sigma": Reduction.SUM,

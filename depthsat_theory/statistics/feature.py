@@ -606,7 +606,7 @@ class FeatureStatistics(TangentStatistics):
             weight = keep.reshape(z.shape[0], -1, 1).to(phi.dtype)
             phi_x, g_x = phi_x * weight, g_x * weight
         kept = _KeptBatch(phi_x, g_x, keep, None if mask is not None else g_norm2, False)
-        kept.factor = z.dtype == g.dtype == self._product_dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K
+        kept.factor = z.dtype == self._product_dtype == torch.float64 and self.k <= TRIANGULAR_FACTOR_MAX_K
         phi2, rows2 = kept.rows()
         if self._product_dtype != torch.float64:  # the unit path: G in float32 (the kept rows stay float64)
             self._note_product_sum(phi2.shape[0])
@@ -867,11 +867,11 @@ class FeatureStatistics(TangentStatistics):
         """
         self._flush()
         factor = self.factor.r.numpy() / np.sqrt(self.n) if self._factored() else None
-        dtype, summands, fast = self._rounding_inputs()
+        _, summands, fast = self._rounding_inputs()
         eta = gram_error(k=self.k, summands=summands, product_summands=fast) if fast and factor is None else 0.0
         return resolve_spectrum(
             self.feature_gram(),
-            dtype=dtype,
+            dtype=self._features_dtype(),
             rtol=rtol,
             factor=factor,
             device=self.states["sigma"].device,
@@ -880,8 +880,8 @@ class FeatureStatistics(TangentStatistics):
         )
 
     def _factored(self) -> bool:
-        """Whether :meth:`spectrum` uses the streamed triangular factor (every batch float64)."""
-        return self.factor.rows == self.units and self.factor.rows > 0 and self.dtype == torch.float64
+        """Whether :meth:`spectrum` uses the streamed triangular factor (every batch's ``z`` float64)."""
+        return self.factor.rows == self.units and self.factor.rows > 0 and self.feature_dtype == torch.float64
 
     def eigh_input(self) -> np.ndarray | None:
         """The unit-diagonal Gram ``Σ̃`` that :meth:`result` would eigendecompose, for :func:`eigh_batched`.
@@ -1034,7 +1034,7 @@ class FeatureStatistics(TangentStatistics):
         self._check_finite(big_g, diag.cpu().numpy())
         spec = resolve_spectrum(
             None,
-            dtype=self.dtype or torch.float64,
+            dtype=self._features_dtype(),
             rtol=rtol,
             factor=(phi / math.sqrt(self.n)).cpu().numpy(),
             diag=diag.cpu().numpy(),

@@ -170,7 +170,7 @@ class GeneralStatistics(TangentStatistics):
         self._require_examples()
         kmat, b = self.tangent_gram(), self.gradient()
         self._check_finite(kmat, b)
-        spec = resolve_spectrum(kmat, dtype=self.dtype or torch.float64, rtol=rtol)
+        spec = resolve_spectrum(kmat, dtype=self._features_dtype(), rtol=rtol)
         inv = spec.pinv()
         self._coef = torch.from_numpy(inv @ b)  # Π g (u) = A(u) K⁻ b
         moment = self.noise_moment()

@@ -39,10 +39,12 @@ __all__ = [
     "Spectrum",
     "default_rtol",
     "default_tol",
+    "dropped_score",
     "eigh_batched",
     "gradient_rounding",
     "gram_error",
     "noise_threshold",
+    "over_budget",
     "pinv_quadratic",
     "resolve_spectrum",
     "scaled_gram",
@@ -132,6 +134,10 @@ class Spectrum:
             data resolution only, so they may be real directions of tiny amplitude.
         factored: whether the spectrum came from a triangular factor (backward stable in the data)
             rather than from the Gram.
+        dropped_values: ``(m,)`` the computed eigenvalues ``λ̃`` of the :attr:`dropped` directions.
+        eig_error: what the arithmetic resolves, absolute on ``Σ̃`` (the float64 Gram's ``C_res k̃ u64 λ̃_max``, or
+            ``2η`` for a Gram accumulated with error ``η``); ``0`` for a factor, whose backward error is counted
+            in the data instead (``thm-score-error``).
     """
 
     scale: np.ndarray
@@ -144,6 +150,8 @@ class Spectrum:
     dropped: np.ndarray
     factored: bool = False
     band: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    dropped_values: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    eig_error: float = 0.0
 
     @property
     def rank(self) -> int:
@@ -301,6 +309,8 @@ def resolve_spectrum(
         dropped=dropped,
         factored=factor is not None,
         band=band,
+        dropped_values=dropped_lam,
+        eig_error=0.0 if factor is not None else float(arith),
     )
 
 
@@ -425,6 +435,80 @@ def gradient_rounding(*, ag_rms: float, dtype: torch.dtype, summands: int, k: in
     return ag_rms * (eps_m + _gamma_acc(summands, product_summands) * math.sqrt(k))
 
 
+def dropped_score(
+    spec: Spectrum,
+    mass: np.ndarray,
+    *,
+    ag_rms: float,
+    dtype: torch.dtype,
+    summands: int,
+    product_summands: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""What each dropped direction could add to the score, and which of them rounding cannot have created.
+
+    theory/numerics.md, ``lem-dropped-score``.  A dropped direction ``v`` (unit, scaled coordinates) of computed
+    eigenvalue ``λ̂`` has an amplitude ``σ`` in ``[σ_lo, σ_hi] = [sqrt((λ̂ − δλ)₊), sqrt(λ̂ + δλ)]`` with ``δλ`` what the
+    arithmetic resolves (:attr:`Spectrum.eig_error`, at least ``η`` of :func:`gram_error`; ``0`` for a factor, whose
+    backward error joins the data's). Below the data's rounding level ``ρ = ε_M = C_φ u_in sqrt(k̃)`` (plus
+    ``C_res sqrt(k̃) u64`` for a factor) rounding can create or remove a direction (Weyl); above it the direction is
+    the probe's own, and it adds ``‖G̃v‖/σ`` to the score, at most
+
+    .. math::
+
+        c_v = \min\Bigl(A,\; \frac{\lVert\hat{\tilde G} v\rVert + A\,γ_{acc}\sqrt{k̃}}{\max(σ_{lo}, ρ)}\Bigr).
+
+    Args:
+        spec: the resolved spectrum (:attr:`Spectrum.dropped`, :attr:`Spectrum.dropped_values`).
+        mass: ``‖G̃ v‖`` for each dropped direction ``(m,)`` (computed).
+        ag_rms: ``A = AG_rms``.
+        dtype: the dtype of the features (the site tensor ``z``'s, or float32 with float32 products).
+        summands: the length ``L`` of the float64 sums.
+        product_summands: ``L_32`` (``0``: float64 products).
+
+    Returns:
+        ``(c, real)``: ``c`` ``(m,)`` the bound ``c_v`` (``0`` where ``σ_hi ≤ ρ``), in the units of ``ag_rms``, and
+        ``real`` ``(m,)`` bool, ``σ_hi > ρ`` (the direction may lie above the rounding level).
+    """
+    k = spec.scale.size
+    u64 = unit_roundoff(torch.float64)
+    rho = FEATURE_ROUNDING_FACTOR * unit_roundoff(dtype) * math.sqrt(k)
+    lam = np.asarray(spec.dropped_values, dtype=np.float64)
+    if lam.shape != np.shape(mass):  # a hand-built spectrum without the dropped eigenvalues: amplitude 0 computed
+        lam = np.zeros(np.shape(mass))
+    if spec.factored:
+        rho += RESOLUTION_FACTOR * math.sqrt(k) * u64
+        err = 0.0
+    else:
+        err = max(spec.eig_error, gram_error(k=k, summands=summands, product_summands=product_summands))
+    lo, hi = np.sqrt(np.clip(lam - err, 0.0, None)), np.sqrt(np.clip(lam + err, 0.0, None))
+    real = hi > rho
+    slack = ag_rms * _gamma_acc(summands, product_summands) * math.sqrt(k)
+    c = np.where(real, np.minimum(ag_rms, (np.asarray(mass) + slack) / np.maximum(lo, rho)), 0.0)
+    return c, real
+
+
+def over_budget(c: np.ndarray, budget: float) -> np.ndarray:
+    """Which dropped directions must be resolved before the rest fit in ``budget`` (``lem-dropped-score``).
+
+    The fewest directions, largest ``c_v`` first, whose removal leaves ``Σ c_v² ≤ budget²``.
+
+    Args:
+        c: the bounds ``c_v`` ``(m,)`` of :func:`dropped_score`.
+        budget: the score the verdict can still absorb (``≥ 0``).
+
+    Returns:
+        ``(m,)`` bool.
+    """
+    c = np.asarray(c, dtype=np.float64)
+    order = np.argsort(-c)
+    c2 = c[order] ** 2
+    tail = np.concatenate([np.cumsum(c2[::-1])[::-1], [0.0]])  # tail[i] = Σ_{j ≥ i} c2[j]
+    count = int(np.argmax(tail <= budget * budget))
+    flagged = np.zeros(c.shape, dtype=bool)
+    flagged[order[:count]] = True
+    return flagged
+
+
 def score_error(
     spec: Spectrum,
     *,
@@ -434,6 +518,7 @@ def score_error(
     summands: int,
     k: int | None = None,
     product_summands: int = 0,
+    feature_dtype: torch.dtype | None = None,
 ) -> float:
     r"""Rounding bound on ``|ŝ − s|`` (theory/numerics.md, ``thm-score-error``).
 
@@ -460,10 +545,12 @@ def score_error(
         spec: the resolved spectrum.
         score: ``ŝ``.
         ag_rms: ``AG_rms``.
-        dtype: the forward dtype (coarsest of the site tensors and gradients).
+        dtype: the forward dtype (coarsest of the site tensors and gradients): ``u_in`` of the gradient's rounding.
         summands: the length ``L`` of the float64 sums (largest batch in units + number of batches).
         k: the Gram's size ``k̃`` (default: that of ``spec``).
         product_summands: ``L_32``, the length of the float32 per-batch products (``0``: none).
+        feature_dtype: the features' dtype, ``u_in`` of ``ε_M`` (default ``dtype``): a float64 ``z`` with a float32
+            ``g`` has float64 features.
 
     Returns:
         The bound, in the units of ``s`` (e.g. nats per example per unit step); ``0`` for an
@@ -473,7 +560,7 @@ def score_error(
         return 0.0
     kk = int(k if k is not None else spec.scale.size)
     u_in, u64 = unit_roundoff(dtype), unit_roundoff(torch.float64)
-    eps_m = FEATURE_ROUNDING_FACTOR * u_in * math.sqrt(kk)
+    eps_m = FEATURE_ROUNDING_FACTOR * unit_roundoff(feature_dtype or dtype) * math.sqrt(kk)
     gamma_acc = _gamma_acc(summands, product_summands)
     if spec.factored:  # Householder QR: a backward error C_res sqrt(k̃) u64 in the data, no Gram rounding
         eps_m += RESOLUTION_FACTOR * math.sqrt(kk) * u64

@@ -11,6 +11,13 @@ from depthsat_theory.vocabulary import Verdict
 
 __all__ = ["SaturationResult", "StatisticsError"]
 
+#: What decides a signal below a probe dtype's resolution (:attr:`SaturationResult.verdict_reason`).
+_FINER = {
+    "bfloat16": "rerun in float32",
+    "float16": "rerun in float32",
+    "float32": "rerun in float64",
+}
+
 
 class StatisticsError(ValueError):
     """Bad input to the statistics (shape mismatch, NaN/Inf, empty probe)."""
@@ -166,20 +173,29 @@ class SaturationResult:
         constant on a probe that misses them).  A finite-sample guarantee for every law with
         ``‖g‖ ≤ γ`` is the interval of :mod:`depthsat_theory.bounds` with given ``γ`` and ``L``
         ("certified improvable" at level ``δ``).  ``SATURATED`` states saturation of the probe's
-        measure within :attr:`tol`; the population needs that interval too.
+        measure within :attr:`tol`; the population needs that interval too.  A probe whose ``ŝ`` is within
+        :attr:`tol` while its noise test rejects ``s = 0`` is ``UNDETERMINED``: the signal lies below the
+        probe's resolution (theory/numerics.md, *Verdict on the probe*), and a finer dtype decides it.
         """
         pv = self.probe_verdict
         if pv is Verdict.IMPROVABLE and (self.significant is False or self.noise_unusable):
             return Verdict.UNDETERMINED
+        if pv is Verdict.SATURATED and self.significant:
+            return Verdict.UNDETERMINED  # a signal the noise test sees, inside the rounding bound: below resolution
         return pv
 
     @property
     def examples_needed(self) -> int | None:
-        """Probe size at which the noise test would reject ``s = 0`` if ``s² = ŝ²_U`` (``None``: no signal)."""
+        """Probe size at which the noise test would reject ``s = 0`` if ``s² = ŝ²_U``.
+
+        ``None`` when there is no signal, or when that size is not above :attr:`n`: the probe is already that
+        large, so its size is not what is missing (the rounding bound or an unresolved direction is).
+        """
         # ŝ²_U cancels n ŝ² against v̂: below ~1e-8 of their scale its sign is rounding
         if not (self.noise_variance > 0 and self.score_squared_unbiased > 1e-8 * self.noise_variance / self.n):
             return None
-        return math.ceil(self.noise_threshold * self.noise_variance / self.score_squared_unbiased)
+        need = math.ceil(self.noise_threshold * self.noise_variance / self.score_squared_unbiased)
+        return need if need > self.n else None
 
     @property
     def verdict_reason(self) -> str:
@@ -213,9 +229,17 @@ class SaturationResult:
             )
         if self.probe_verdict is Verdict.UNDETERMINED:
             return (
-                f"{self.unresolved} dropped direction(s) of the Gram are unresolved (below what float64 resolves, "
-                f"or carrying activation gradient beyond rounding): s = {self.score:.3g} is only a lower bound "
-                f"(use fewer or better-conditioned features, or a higher-precision probe)"
+                f"{self.unresolved} dropped direction(s) of the Gram could carry more score than the rounding bound "
+                f"allows (real directions below what this probe's arithmetic resolves, or carrying activation "
+                f"gradient beyond rounding): s = {self.score:.3g} is only a lower bound (use fewer or "
+                f"better-conditioned features, a finer probe dtype, or at float64 sites of more than 1024 features "
+                f"--gram units, which factors the rows)"
+            )
+        if self.probe_verdict is Verdict.SATURATED:
+            return (
+                f"s = {self.score:.3g} is within the rounding bound {self.tol:.3g}, yet the noise test finds signal "
+                f"(n ŝ²/v̂ = {self.noise_ratio:.3g} > {self.noise_threshold:.3g}): below {self.dtype} resolution: "
+                f"{_FINER.get(self.dtype, 'rerun with better-conditioned features (or a rescaled probe)')}"
             )
         if self.noise_unusable:
             return (
@@ -224,16 +248,33 @@ class SaturationResult:
                 f"directions is below the arithmetic's resolution, so the noise test cannot run (a float64 probe "
                 f"with k̃ ≤ 1024 computes v̂ from its triangular factor; or use better-conditioned features)"
             )
-        need = self.examples_needed
-        more = (
-            f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}"
-            if need
-            else ("the unbiased estimate of s² is not positive: no evidence of signal")
-        )
         return (
             f"n ŝ²/v̂ = {self.noise_ratio:.3g} ≤ {self.noise_threshold:.3g} (noise test, α = {self.alpha:g}): "
-            f"the score is within sampling noise on {self.n} example{'s' if self.n != 1 else ''}; {more}"
+            f"the score is within sampling noise on {self.n} example{'s' if self.n != 1 else ''}; {self._noise_hint()}"
         )
+
+    def _noise_hint(self) -> str:
+        """What would decide a verdict the noise test left undetermined (:attr:`verdict_reason`)."""
+        hint = self._sample_hint()
+        if self.unresolved:  # ŝ is a lower bound: the dropped directions may hold the signal the test misses
+            hint += (
+                f"; and {self.unresolved} dropped direction(s) could carry more score than ŝ shows "
+                f"(lem-dropped-score: a finer dtype, or --gram units at float64 sites of more than 1024 features)"
+            )
+        return hint
+
+    def _sample_hint(self) -> str:
+        """The noise test's part of :meth:`_noise_hint`: how many examples, or why more would not decide."""
+        need = self.examples_needed
+        if need:
+            return f"about {need} examples would decide if s² ≈ {self.score_squared_unbiased:.3g}"
+        if self.noise_variance > 0 and self.score_squared_unbiased > 1e-8 * self.noise_variance / self.n:
+            return (
+                "a larger probe alone would not decide: this many examples already suffice for s² ≈ "
+                f"{self.score_squared_unbiased:.3g}, and the test is held back by the rounding bound (float32 "
+                f"products test ŝ − e against an upper bound of v̂): rerun with float64 products"
+            )
+        return "the unbiased estimate of s² is not positive: no evidence of signal"
 
     def to_dict(self, *, with_gradient: bool = False) -> dict:
         """JSON-ready dictionary (``nan`` becomes ``None``), with the ``verdict`` as its string.

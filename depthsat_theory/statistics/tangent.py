@@ -32,8 +32,10 @@ from depthsat_theory.families import ResidualFamily, to_rows
 from depthsat_theory.statistics.linalg import (
     NOISE_ALPHA,
     Spectrum,
+    dropped_score,
     gradient_rounding,
     noise_threshold,
+    over_budget,
     score_error,
     unit_roundoff,
 )
@@ -108,8 +110,9 @@ class TangentStatistics(StreamingStatistic):
     ``n``, ``units``, ``g_sq``, ``z_sq``, ``batches`` (sums), ``g_max``, ``batch_units_max`` (the
     largest batch, in units: with ``batches`` the length of the float64 sums) and ``forward_eps`` (maxima:
     the machine epsilon of the coarsest dtype of the site tensors seen, so float16 wins over
-    float32 and float32 over float64; bfloat16 is coarsest),
-    and the child ``ties`` (:class:`~depthsat_theory.statistics.protocol.TiePool`).
+    float32 and float32 over float64; bfloat16 is coarsest; ``feature_eps`` likewise for the site tensors ``z``
+    alone, which set the features' resolution), and the child ``ties``
+    (:class:`~depthsat_theory.statistics.protocol.TiePool`).
     """
 
     family: ResidualFamily
@@ -125,7 +128,7 @@ class TangentStatistics(StreamingStatistic):
         for name in ("n", "units", "g_sq", "z_sq"):
             self.add_state(name, scalar, Reduction.SUM)
         self.add_state("batches", scalar, Reduction.SUM)
-        for name in ("g_max", "forward_eps", "batch_units_max"):
+        for name in ("g_max", "forward_eps", "batch_units_max", "feature_eps"):
             self.add_state(name, scalar, Reduction.MAX)
         self.ties = TiePool()
         self.add_child("ties", self.ties)
@@ -160,6 +163,30 @@ class TangentStatistics(StreamingStatistic):
     def dtype(self) -> torch.dtype | None:
         """The coarsest dtype of the forward passes seen (``None`` before any batch)."""
         return _EPS_DTYPES.get(float(self.states["forward_eps"]))
+
+    @property
+    def feature_dtype(self) -> torch.dtype | None:
+        """The coarsest dtype of the site tensors ``z`` seen (``None`` before any batch): the features' resolution.
+
+        A float64 ``z`` with a float32 ``g`` keeps float64 features (theory/numerics.md, ``def-resolution``).
+        """
+        return _EPS_DTYPES.get(float(self.states["feature_eps"]))
+
+    def load_state_dict(self, state, *, strict: bool = True) -> None:
+        """:meth:`StreamingStatistic.load_state_dict`, also for a state saved before ``feature_eps`` existed.
+
+        Such a state gets ``feature_eps = forward_eps``: the coarser dtype, which set the features' resolution then.
+
+        Args:
+            state: name → tensor (a checkpoint's statistic).
+            strict: require every declared field, ``feature_eps`` excepted as above.
+
+        Raises:
+            KeyError: a missing field under ``strict``; ValueError: a field of the wrong size.
+        """
+        if "feature_eps" not in state and "forward_eps" in state:
+            state = {**state, "feature_eps": state["forward_eps"]}  # the coarser dtype: the former, safe reading
+        super().load_state_dict(state, strict=strict)
 
     def check_compatible(self, other: StreamingStatistic) -> None:
         """Raise unless ``other`` has the same family, site shape, layout and tie pooling.
@@ -267,6 +294,7 @@ class TangentStatistics(StreamingStatistic):
         st["batches"] += 1
         coarsest = max(torch.finfo(z.dtype).eps, torch.finfo(g.dtype).eps)
         st["forward_eps"] = torch.clamp_min(st["forward_eps"], coarsest)
+        st["feature_eps"] = torch.clamp_min(st["feature_eps"], float(torch.finfo(z.dtype).eps))
         st["g_sq"] += g_sq
         st["g_max"] = torch.clamp_min(st["g_max"], float(per_ex.max().sqrt()))
         st["z_sq"] += z_sq
@@ -337,27 +365,45 @@ class TangentStatistics(StreamingStatistic):
             dtype = torch.float32
         return dtype, self._summands(), fast
 
+    def _features_dtype(self) -> torch.dtype:
+        """The dtype of ``u_in`` for the features (``ε_M`` and the data resolution).
+
+        ``z``'s, at least float32 with float32 products (which round the features to float32).
+        """
+        dtype = self.feature_dtype or torch.float64
+        if self._product_summands() and unit_roundoff(dtype) < unit_roundoff(torch.float32):
+            dtype = torch.float32
+        return dtype
+
     def _product_summands(self) -> int:
         """Length ``L_32`` of the longest float32 sum of the per-batch products (``0``: none)."""
         return round(float(self.states["product_units_max"])) if "product_units_max" in self.states else 0
 
-    def _unresolved(self, spec: Spectrum, grad_rows, noise_moment, ag_rms: float, alpha: float) -> int:
-        """How many dropped directions carry activation gradient beyond rounding (:meth:`_finish`).
+    def _unresolved(
+        self, spec: Spectrum, grad_rows, noise_moment, ag_rms: float, alpha: float, budget: float = 0.0
+    ) -> int:
+        """How many dropped directions could carry score the verdict cannot absorb (:meth:`_finish`).
 
-        A dropped direction matters when it carries activation gradient beyond rounding: one that does not
-        is indistinguishable from the model's or the Gram's rounding (theory/numerics.md).  With float32
+        theory/numerics.md, ``lem-dropped-score``: a dropped direction above the data's rounding level (rounding
+        cannot have created it) could add ``c_v`` (:func:`~depthsat_theory.statistics.linalg.dropped_score`) to the
+        score; the largest of them count until the rest fit in ``budget``.  On a float64 Gram, whose eigenvalues
+        carry errors far above that level, every dropped direction may be such a one.  Below the level a direction
+        counts when it carries activation gradient beyond rounding or passes the noise test on its own.  With float32
         products every dropped direction counts: that Gram cannot tell a real one from its own rounding.
         """
         if grad_rows is None:
             return spec.unresolved
         if not spec.dropped.shape[1]:
             return 0
-        dtype, summands, fast = self._rounding_inputs()
+        _, summands, fast = self._rounding_inputs()
         if fast:
             return int(spec.dropped.shape[1])
-        level = gradient_rounding(ag_rms=ag_rms, dtype=dtype, summands=summands, k=spec.scale.size, product_summands=0)
+        fdtype = self._features_dtype()
         mass = np.linalg.norm((grad_rows * spec.scale) @ spec.dropped, axis=0)
-        flagged = mass > level
+        contribution, real = dropped_score(spec, mass, ag_rms=ag_rms, dtype=fdtype, summands=summands)
+        flagged = over_budget(contribution, budget)
+        level = gradient_rounding(ag_rms=ag_rms, dtype=fdtype, summands=summands, k=spec.scale.size, product_summands=0)
+        flagged |= ~real & (mass > level)
         if noise_moment is not None and spec.band.any():
             flagged |= _significant_dropped(spec, mass, noise_moment, self.n, alpha)
         return int(flagged.sum())
@@ -389,7 +435,9 @@ class TangentStatistics(StreamingStatistic):
             q_trace: ``v̂ = tr(Σ⁻ E[XᵀX])`` of the noise test (``nan``: not streamed).
             alpha: level of the noise test.
             grad_rows: the gradient as rows over the Gram's coordinates (``G`` ``(d, k)`` or ``b``
-                ``(1, p)``): dropped directions carrying more of it than rounding are unresolved.
+                ``(1, p)``): dropped directions that could add more score than ``(tol + e)² − (ŝ + e)²`` allows
+                (``lem-dropped-score``: every dropped direction of a float64 Gram may), or, at rounding-level
+                amplitude, carry more of it than rounding, are unresolved.
             noise_moment: ``E[XᵀX]`` over the Gram's coordinates (``(k, k)`` or ``(p, p)``): a dropped
                 direction the arithmetic resolves (:attr:`Spectrum.band`) whose gradient passes the
                 noise test (Bonferroni over those directions) is unresolved too, however small its
@@ -404,8 +452,15 @@ class TangentStatistics(StreamingStatistic):
         dtype, summands, fast = self._rounding_inputs()
         ag_rms = math.sqrt(self.g_sq / self.n)
         score = math.sqrt(max(score2, 0.0))
-        err = score_error(spec, score=score, ag_rms=ag_rms, dtype=dtype, summands=summands, product_summands=fast)
-        unresolved = self._unresolved(spec, grad_rows, noise_moment, ag_rms, alpha)
+        err = score_error(
+            spec,
+            score=score,
+            ag_rms=ag_rms,
+            dtype=dtype,
+            summands=summands,
+            product_summands=fast,
+            feature_dtype=self._features_dtype(),
+        )
         tol = err if tol is None else float(tol)
         raw = rho = float("nan")
         if self.pool_ties:
@@ -420,6 +475,9 @@ class TangentStatistics(StreamingStatistic):
         # s ≤ r̂ ≤ AG_rms holds exactly on the probe (Π is a contraction; Jensen on tie classes):
         # rounding past these bounds moves ŝ away from the truth, so it is clipped back
         score = min(score, ag_rms, raw) if raw == raw else min(score, ag_rms)
+        # "saturated" promises s ≤ tol + e: the kept part is within ŝ + e, the dropped part may add the rest
+        budget = math.sqrt(max((tol + err) ** 2 - (score + err) ** 2, 0.0)) if math.isfinite(tol + err) else 0.0
+        unresolved = self._unresolved(spec, grad_rows, noise_moment, ag_rms, alpha, budget)
         rank = spec.rank if rank is None else int(rank)
         n = self.n
         v_test = q_trace if q_trace_upper is None else max(q_trace, q_trace_upper)
