@@ -111,9 +111,22 @@ def _per_example(u: np.ndarray, g: np.ndarray, shape: tuple[int, int]) -> float:
 
 
 def _result(
-    probe: _Probe, *, name: str, u: np.ndarray, g_noise: np.ndarray, err: float, spec: Spectrum, k: int
+    probe: _Probe,
+    *,
+    name: str,
+    u: np.ndarray,
+    g_noise: np.ndarray,
+    err: float,
+    spec: Spectrum,
+    k: int,
+    noise_error: float = 0.0,
 ) -> SaturationResult:
-    """A :class:`SaturationResult` for the projection on ``range(U)`` (kernel form of ``thm-unit-gram``)."""
+    """A :class:`SaturationResult` for the projection on ``range(U)`` (kernel form of ``thm-unit-gram``).
+
+    ``noise_error`` bounds ``‖δ‖_F`` of the rounding in the rows ``g_noise`` (a computed residual); then
+    ``v̂_up = (√v̂ + ‖δ‖_F max_x ‖U_x‖₂)²`` bounds the exact ``v̂`` (triangle inequality over examples) and the
+    noise test uses it, so a residual that is all rounding never reads as signal.
+    """
     shape, ag_rms, alpha = probe.shape, probe.ag_rms, probe.alpha
     n = shape[0]
     d = probe.g.shape[1]
@@ -122,10 +135,15 @@ def _result(
     v = _per_example(u, g_noise, shape)
     rank = u.shape[1]
     noise: dict[str, Any] = {"noise_variance": v, "alpha": alpha, "noise_threshold": noise_threshold(alpha)}
+    v_test = v
+    if noise_error > 0 and rank:
+        u_max = float(np.sqrt((u.reshape(n, shape[1], -1) ** 2).sum((1, 2)).max()))
+        v_test = (math.sqrt(v) + noise_error * u_max) ** 2
+        noise["noise_variance_upper"] = v_test
     if v > 0 and n >= 2:
         s2u = (n * score * score - v) / (n - 1)
         noise.update(
-            noise_ratio=n * score * score / v,
+            noise_ratio=n * score * score / v_test,
             score_squared_unbiased=s2u,
             score_squared_se=math.sqrt(4 * v * max(s2u, 0.0) / n + 2 * v * v / (n * (n - 1))),
         )
@@ -239,8 +257,17 @@ def beyond_training(psi, phi, g, *, alpha: float = NOISE_ALPHA, dtype: torch.dty
     joint = _result(probe, name="joint", u=b_joint.u, g_noise=gg, err=err["joint"], spec=b_joint.spec, k=k_old + k_new)
     residual = gg - b_old.u @ (b_old.u.T @ gg)  # g − Π_old g: the influence of prop-beyond-noise-test
     # |ŝ_beyond − s_beyond| ≤ ‖(Π̂_joint − Π_joint) g‖ + ‖(Π̂_old − Π_old) g‖: the two bounds of thm-score-error
+    # its rows' rounding: ‖(Π̂_old − Π_old) g‖_F ≤ √n e_old (thm-score-error), plus the subtraction's u‖g‖_F
+    noise_error = math.sqrt(n) * (err["old"] + float(torch.finfo(torch.float64).eps) * ag_rms)
     beyond = _result(
-        probe, name="beyond", u=u_perp, g_noise=residual, err=err["old"] + err["joint"], spec=b_joint.spec, k=k_new
+        probe,
+        name="beyond",
+        u=u_perp,
+        g_noise=residual,
+        err=err["old"] + err["joint"],
+        spec=b_joint.spec,
+        k=k_new,
+        noise_error=noise_error,
     )
     decision, reason = decide(old, beyond)
     return BeyondTraining(old=old, joint=joint, beyond=beyond, decision=decision, reason=reason)
