@@ -60,6 +60,8 @@ __all__ = [
     "plateau_depth",
     "run_sweep",
     "site_rows",
+    "steepest_fit",
+    "step_change",
 ]
 
 #: The plateau rule's tolerance, as a fraction of the curve's range (see :func:`plateau_depth`).
@@ -227,7 +229,8 @@ def site_rows(model: nn.Module, splits: R.Splits, *, delta: float, probe_batch: 
         ``s_lower``/``s_upper`` (the interval), ``rel_lower``/``rel_upper`` (divided by the probe's
         ``AG_rms``), ``vacuous``, ``n_to_certify``, ``verdict`` (certificate with the interval),
         ``noise_verdict`` (the probe verdict with the noise test), ``examples_needed``,
-        ``noise_ratio``, ``kink_ties``, ``z_rms`` (``activation_scaled_score / s``), ``probe_loss``;
+        ``noise_ratio``, ``s2_unbiased`` (ŝ²_U), ``noise_variance`` (v̂),
+        ``kink_ties``, ``z_rms`` (``activation_scaled_score / s``), ``probe_loss``;
         scores in the loss's units (nats per example or per character) per unit function-space step.
     """
     from depthsat_theory.diagnose import diagnose
@@ -264,6 +267,8 @@ def site_rows(model: nn.Module, splits: R.Splits, *, delta: float, probe_batch: 
                 "noise_verdict": res.verdict.value,
                 "examples_needed": res.examples_needed,
                 "noise_ratio": res.noise_ratio,
+                "s2_unbiased": res.score_squared_unbiased,
+                "noise_variance": res.noise_variance,
                 "kink_ties": res.kink_ties,
                 "z_rms": res.activation_scaled_score / res.score if res.score > 0 else math.nan,
                 "probe_loss": diag.loss,
@@ -300,8 +305,23 @@ def _feature_gram(growth: Any, site: str, model: nn.Module, batches: Sequence[tu
     return gram / n
 
 
-def _steepest_step(growth: Any, site: str, loss_fn: Callable, batches: Sequence[tuple], t: float) -> dict[str, float]:
-    """Predicted ``−t s`` and measured change of the probe loss for the steepest step of size ``t`` at ``site``."""
+def steepest_fit(growth: Any, site: str, loss_fn: Callable, batches: Sequence[tuple]) -> dict[str, Any]:
+    """The steepest direction of the block inserted at ``site``, fitted on ``batches``.
+
+    ``G`` is the block's autograd gradient of the mean loss over ``batches`` and ``Σ`` its feature
+    Gram there; the steepest unit step in function space has coordinates ``−G Σ⁺ / s`` with
+    ``s = tr(G Σ⁺ Gᵀ)^{1/2}`` (``thm-iff``), re-derived here independently of ``diagnose``.
+
+    Args:
+        growth: a :class:`~depthsat_theory.grow.Growth` with a ``linear``-type block at ``site``
+            (float64 model).
+        site: the insertion site.
+        loss_fn: per-example loss ``(output, targets) -> (B,)``.
+        batches: the ``(x, y)`` batches the direction is fitted on.
+
+    Returns:
+        ``{"s_direct": s, "j0": the mean loss on batches, "direction": G Σ⁺ (float64 (d, k̃))}``.
+    """
     model = growth.model
     params = growth.families[site].tangent_parameters(growth.blocks[site])
     j0 = _probe_mean_loss(model, loss_fn, batches)
@@ -315,19 +335,44 @@ def _steepest_step(growth: Any, site: str, loss_fn: Callable, batches: Sequence[
     sigma = _feature_gram(growth, site, model, batches)
     sig_pinv = torch.linalg.pinv(sigma, hermitian=True, rtol=1e-10)
     s_direct = float(torch.sqrt(torch.clamp(torch.trace(g @ sig_pinv @ g.T), min=0.0)))
-    out = {"s_direct": s_direct, "j0": float(j0.detach()), "step_size": t, "predicted": -t * s_direct}
-    if s_direct == 0.0:
-        return {**out, "measured": 0.0}
-    v = -(t / s_direct) * (g @ sig_pinv)
-    k = w_grad.reshape(w_grad.shape[0], -1).shape[1]
+    return {"s_direct": s_direct, "j0": float(j0.detach()), "direction": g @ sig_pinv}
+
+
+def step_change(growth: Any, site: str, coords: Tensor, loss_fn: Callable, batches: Sequence[tuple]) -> float:
+    """``J(θ) − J(0)`` on ``batches`` with the block at ``site`` set to ``coords`` (then reset to zero).
+
+    Args:
+        growth: the grown model (:class:`~depthsat_theory.grow.Growth`).
+        site: the insertion site.
+        coords: ``θ`` as a float64 ``(d, k̃)`` matrix (weight columns, then the bias column).
+        loss_fn: per-example loss.
+        batches: the ``(x, y)`` batches the change is measured on.
+
+    Returns:
+        The change of the mean loss (nats per example, per character for text).
+    """
+    model = growth.model
+    params = growth.families[site].tangent_parameters(growth.blocks[site])
+    k = params[0].reshape(params[0].shape[0], -1).shape[1]
     with torch.no_grad():
-        params[0].copy_(v[:, :k].reshape(params[0].shape))
+        j0 = float(_probe_mean_loss(model, loss_fn, batches))
+        params[0].copy_(coords[:, :k].reshape(params[0].shape))
         if len(params) > 1:
-            params[1].copy_(v[:, k].reshape(params[1].shape))
+            params[1].copy_(coords[:, k].reshape(params[1].shape))
         j1 = float(_probe_mean_loss(model, loss_fn, batches))
         for p in params:
             p.zero_()
-    return {**out, "measured": j1 - out["j0"]}
+    return j1 - j0
+
+
+def _steepest_step(growth: Any, site: str, loss_fn: Callable, batches: Sequence[tuple], t: float) -> dict[str, float]:
+    """Predicted ``−t s`` and measured change of the probe loss for the steepest step of size ``t`` at ``site``."""
+    fit = steepest_fit(growth, site, loss_fn, batches)
+    s_direct = fit["s_direct"]
+    out = {"s_direct": s_direct, "j0": fit["j0"], "step_size": t, "predicted": -t * s_direct}
+    if s_direct == 0.0:
+        return {**out, "measured": 0.0}
+    return {**out, "measured": step_change(growth, site, -(t / s_direct) * fit["direction"], loss_fn, batches)}
 
 
 def insertion_rows(
