@@ -215,14 +215,17 @@ CONFIGS: dict[str, SweepConfig] = {
 # ----------------------------------------------------------------------------
 
 
-def site_rows(model: nn.Module, splits: R.Splits, *, delta: float, probe_batch: int = 256) -> list[dict[str, Any]]:
-    """Diagnose a trained model on the probe: one row per site (float64 copy, ``linear`` family).
+def site_rows(
+    model: nn.Module, splits: R.Splits, *, delta: float, probe_batch: int = 256, family: str = "linear"
+) -> list[dict[str, Any]]:
+    """Diagnose a trained model on the probe: one row per site (float64 copy, ``linear`` family by default).
 
     Args:
         model: the trained model (not modified).
         splits: its data (the probe split is used).
         delta: ``δ`` of the intervals (union-bounded over the sites).
         probe_batch: probe batch size.
+        family: the residual family spec (e.g. ``"linear"``, ``"preln:16"``).
 
     Returns:
         Rows with ``site``, ``site_index``, ``s``, ``s_over_ag_rms``, ``ag_rms``, ``ag_max``,
@@ -240,7 +243,7 @@ def site_rows(model: nn.Module, splits: R.Splits, *, delta: float, probe_batch: 
         md,
         R.loss_function(splits),
         R.probe_batches(splits, probe_batch),
-        family="linear",
+        family=family,
         delta=delta,
         loss_units=splits.loss_units,
     )

@@ -82,6 +82,8 @@ class TeacherConfig:
         delta: ``δ`` of the score intervals (union-bounded over each model's sites).
         step_fraction: the steepest insertion step's size as a fraction of the site's ``z_rms``.
         probe_batch: batch size of the diagnosis.
+        block_family: the students' own block type as a residual family (pre-LN GELU MLP of hidden
+            width ``2·width``, random feature weights), diagnosed and cross-fitted next to ``linear``.
     """
 
     name: str
@@ -99,6 +101,7 @@ class TeacherConfig:
     delta: float = 0.05
     step_fraction: float = 0.01
     probe_batch: int = 1024
+    block_family: str = "preln:16"
 
     def depths(self, teacher_depth: int) -> tuple[int, ...]:
         """The students' depths for a teacher of depth ``L*``: ``1 … 2L*``."""
@@ -116,7 +119,7 @@ class TeacherConfig:
             "ResidualMLP(in_dim, width, L*, n_classes), PyTorch default init from seed 1000*L* + seed, "
             "W2 of every block times block_gain, head divided by temperature; x ~ N(0, I); y ~ softmax(logits)"
         )
-        d["family"] = "linear"
+        d["families"] = ["linear", self.block_family]
         return d
 
 
@@ -133,6 +136,7 @@ CONFIGS: dict[str, TeacherConfig] = {
         n_test=1024,
         budget=R.BudgetRecipe(steps=60, batch_size=64),
         probe_batch=256,
+        block_family="preln:8",
     ),
     "full": TeacherConfig(name="full", teacher_depths=(2, 4), seeds=(0, 1, 2)),
 }
@@ -374,7 +378,11 @@ def _as_splits(data: dict[str, TeacherSample], probe: TeacherSample, cfg: Teache
 
 
 def _crossfit_rows(
-    model: nn.Module, data: dict[str, TeacherSample], sites: list[dict[str, Any]], cfg: TeacherConfig
+    model: nn.Module,
+    data: dict[str, TeacherSample],
+    sites: list[dict[str, Any]],
+    cfg: TeacherConfig,
+    family: str = "linear",
 ) -> list[dict[str, Any]]:
     """C3 cross-fitted: per site, the steepest step fitted on probe half A, measured on A, B and the test."""
     from depthsat_theory.experiments.sweep import steepest_fit, step_change
@@ -397,11 +405,12 @@ def _crossfit_rows(
     rows = []
     for row in sites:
         site = row["site"]
-        growth = insert_blocks(md, {site: "linear"}, seed=0, probe=parts["a"][0][0])
+        growth = insert_blocks(md, {site: family}, seed=0, probe=parts["a"][0][0])
         growth.model.eval()
         fit = steepest_fit(growth, site, classification_loss, parts["a"])
         t = cfg.step_fraction * (row["z_rms"] if math.isfinite(row["z_rms"]) else 0.0)
-        out = {"site": site, "site_index": row["site_index"], "step_size": t, "s_fit": fit["s_direct"]}
+        out = {"family": family, "site": site, "site_index": row["site_index"], "step_size": t}
+        out["s_fit"] = fit["s_direct"]
         out["predicted"] = -t * fit["s_direct"]
         for name, bs in parts.items():
             change = 0.0
@@ -449,11 +458,14 @@ def _one_student(cfg: TeacherConfig, lstar: int, depth: int, seed: int, data: di
         student, data["train"].x, data["train"].y, classification_loss, seed=seed + 1, recipe=cfg.budget
     )
     train_sub = data["train"].subset(slice(0, cfg.n_probe))
-    diag = {}
-    for tag, probe in (("probe", data["probe"]), ("train", train_sub)):
-        rows = site_rows(student, _as_splits(data, probe, cfg), delta=cfg.delta, probe_batch=cfg.probe_batch)
-        diag[tag] = [{"split": tag, **r} for r in rows]
-    cross = _crossfit_rows(student, data, diag["probe"], cfg)
+    diag: dict[str, list[dict[str, Any]]] = {}
+    cross = []
+    for fam, suffix in (("linear", ""), (cfg.block_family, "_block")):
+        for split, probe in (("probe", data["probe"]), ("train", train_sub)):
+            splits = _as_splits(data, probe, cfg)
+            rows = site_rows(student, splits, delta=cfg.delta, probe_batch=cfg.probe_batch, family=fam)
+            diag[split + suffix] = [{"split": split, "family": fam, **r} for r in rows]
+        cross += _crossfit_rows(student, data, diag["probe" + suffix], cfg, fam)
     test, train = excess_loss(student, data["test"]), excess_loss(student, data["train"])
     key = {"teacher_depth": lstar, "depth": depth, "seed": seed}
     run = {
@@ -466,13 +478,12 @@ def _one_student(cfg: TeacherConfig, lstar: int, depth: int, seed: int, data: di
         "bayes_test": test["bayes"],
         "final_running_loss": fit["final_running_loss"],
         "train_wall_s": round(fit["wall_s"], 2),
-        **_summary_of_sites(diag["probe"], "probe", cfg.budget.batch_size),
-        **_summary_of_sites(diag["train"], "train", cfg.budget.batch_size),
+        **{k: v for tag, rows in diag.items() for k, v in _summary_of_sites(rows, tag, cfg.budget.batch_size).items()},
         "model_wall_s": round(time.time() - t0, 2),
     }
     return {
         "runs": [run],
-        "sites": [{**key, **r} for r in diag["probe"] + diag["train"]],
+        "sites": [{**key, **r} for rows in diag.values() for r in rows],
         "crossfit": [{**key, **r} for r in cross],
     }
 
@@ -547,6 +558,13 @@ CURVE_METRICS: tuple[str, ...] = (
     "train_s_last",
     "train_rel_last",
     "train_s2u_last",
+    "probe_block_s_last",
+    "probe_block_s_z_last",
+    "probe_block_rel_last",
+    "probe_block_s2u_last",
+    "probe_block_n_improvable",
+    "train_block_rel_last",
+    "train_block_s2u_last",
 )
 
 
@@ -570,12 +588,14 @@ def _crossfit_curves(lstar: int, cross: list[dict[str, Any]]) -> list[dict[str, 
     for depth in sorted({r["depth"] for r in cross}):
         per: dict[str, list[float]] = {}
         for seed in sorted({r["seed"] for r in cross if r["depth"] == depth}):
-            rs = [r for r in cross if r["depth"] == depth and r["seed"] == seed]
-            last = max(rs, key=lambda r: r["site_index"])
-            for k in ("predicted", "measured_a", "measured_b", "measured_test"):
-                per.setdefault(f"crossfit_last_{k}", []).append(last[k])
-                if last["step_size"] > 0:
-                    per.setdefault(f"crossfit_last_{k}_per_step", []).append(last[k] / last["step_size"])
+            for fam in sorted({r["family"] for r in cross}):
+                rs = [r for r in cross if r["depth"] == depth and r["seed"] == seed and r["family"] == fam]
+                last = max(rs, key=lambda r: r["site_index"])
+                tag = "crossfit_last" if fam == "linear" else "crossfit_block_last"
+                for k in ("predicted", "measured_a", "measured_b", "measured_test"):
+                    per.setdefault(f"{tag}_{k}", []).append(last[k])
+                    if last["step_size"] > 0:
+                        per.setdefault(f"{tag}_{k}_per_step", []).append(last[k] / last["step_size"])
         for k, vals in per.items():
             rows.append({"teacher_depth": lstar, "metric": k, "depth": depth, **summarize(vals)})
     return rows
@@ -596,15 +616,19 @@ def _transitions(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"teacher_depth": lstar, "seed": seed, "depths": " ".join(map(str, depths))}
             row["test_excess_plateau"] = plateau_depth(depths, [r["test_excess"] for r in mine])
             row["train_loss_plateau"] = plateau_depth(depths, [r["train_loss"] for r in mine])
-            for tag in ("probe", "train"):
+            for tag in ("probe", "train", "probe_block", "train_block"):
+                if f"{tag}_verdict_last" not in mine[0]:
+                    continue
                 row[f"{tag}_transition_last"] = verdict_transition_depth(
                     depths, [r[f"{tag}_verdict_last"] == "improvable" for r in mine]
                 )
                 row[f"{tag}_transition_any"] = verdict_transition_depth(
                     depths, [r[f"{tag}_n_improvable"] > 0 for r in mine]
                 )
-            row["probe_verdicts_last"] = " ".join(r["probe_verdict_last"][:3] for r in mine)
-            row["probe_examples_needed_last"] = " ".join(str(r["probe_examples_needed_last"]) for r in mine)
+            for tag in ("probe", "probe_block"):
+                if f"{tag}_verdict_last" in mine[0]:
+                    row[f"{tag}_verdicts_last"] = " ".join(r[f"{tag}_verdict_last"][:3] for r in mine)
+                    row[f"{tag}_examples_needed_last"] = " ".join(str(r[f"{tag}_examples_needed_last"]) for r in mine)
             row["excess_at_lstar"] = at[lstar]["test_excess"] if lstar in at else None
             row["excess_at_1"] = at[depths[0]]["test_excess"]
             row["excess_deepest"] = at[depths[-1]]["test_excess"]
@@ -621,7 +645,7 @@ def _figure(curves_rows: list[dict[str, Any]], lstars: list[int]):
 
     panels = [
         (("test_excess", "train_excess"), "excess loss over Bayes (nats)", True),
-        (("probe_rel_last", "train_rel_last"), "s / AG_rms, deepest site", False),
+        (("probe_rel_last", "train_rel_last", "probe_block_rel_last"), "s / AG_rms, deepest site", False),
         (
             ("probe_ag_max_last", "probe_ag_max_last_z", "probe_s_z_last"),
             "AG_max, AG_max·z_rms, s·z_rms (deepest)",

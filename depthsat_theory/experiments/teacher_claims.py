@@ -40,6 +40,9 @@ C1_CURVES: tuple[str, ...] = (
     "train_ag_rms_last",
     "train_rel_last",
     "train_s2u_last",
+    "probe_block_s_z_last",
+    "probe_block_rel_last",
+    "probe_block_s2u_last",
 )
 
 
@@ -137,14 +140,10 @@ def claims(
         train_pays = _paired(mine, "train_loss", 1, lstar)
         beyond = _paired(mine, "test_excess", lstar, deepest)
         tr = [t for t in transitions if t["teacher_depth"] == lstar]
-        per_seed = [t["probe_transition_last"] for t in tr]
         depth_pays = _positive(pays)
-        if not depth_pays:
-            tverdict = "untestable here (depth does not pay up to L* on the test excess)"
-        elif all(t == lstar for t in per_seed):
-            tverdict = "holds"
-        else:
-            tverdict = f"fails (per seed: {per_seed}, L* = {lstar}; None = still improvable at depth {deepest})"
+        per_seed = [t["probe_transition_last"] for t in tr]
+        tverdict = _transition_verdict(per_seed, lstar, deepest, depth_pays)
+        block = [t.get("probe_block_transition_last") for t in tr]
         perf = [t["test_excess_plateau"] for t in tr]
         out[f"L*={lstar}"] = {
             "precondition": {
@@ -159,12 +158,27 @@ def claims(
                 "train_last_per_seed": [t["train_transition_last"] for t in tr],
                 "test_excess_plateau_per_seed": perf,
                 "verdict": tverdict,
+                "probe_block_last_per_seed": block,
+                "probe_block_any_per_seed": [t.get("probe_block_transition_any") for t in tr],
+                "verdict_block": _transition_verdict(block, lstar, deepest, depth_pays)
+                if "probe_block_transition_last" in (tr[0] if tr else {})
+                else None,
             },
             "c1": _c1(curves_rows, lstar, _plateau_of_mean(curves_rows, lstar), depth_pays),
         }
         if crossfit is not None:
-            out[f"L*={lstar}"]["c3"] = _c3([r for r in crossfit if r["teacher_depth"] == lstar], mine, lstar)
+            for fam in sorted({r["family"] for r in crossfit}):
+                rows = [r for r in crossfit if r["teacher_depth"] == lstar and r["family"] == fam]
+                out[f"L*={lstar}"][f"c3 ({fam})"] = _c3(rows, mine, lstar)
     return out
+
+
+def _transition_verdict(per_seed: list[Any], lstar: int, deepest: int, depth_pays: bool) -> str:
+    if not depth_pays:
+        return "untestable here (depth does not pay up to L* on the test excess)"
+    if per_seed and all(t == lstar for t in per_seed):
+        return "holds"
+    return f"fails (per seed: {per_seed}, L* = {lstar}; None = still improvable at depth {deepest})"
 
 
 def _plateau_of_mean(curves_rows: list[dict[str, Any]], lstar: int) -> int | None:
