@@ -731,7 +731,8 @@ def train_budget(
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=recipe.steps)
     gen = torch.Generator().manual_seed(int(seed))
     n = int(x.shape[0])
-    perm, pos, tail = torch.randperm(n, generator=gen), 0, []
+    perm, pos = torch.randperm(n, generator=gen), 0
+    tail: list[float] = []
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))

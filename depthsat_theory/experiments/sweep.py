@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 from depthsat_theory.experiments import recipe as R
 from depthsat_theory.experiments.record import (
     ExperimentError,
+    ResumeFile,
     default_folder,
     provenance,
     summarize,
@@ -503,7 +503,7 @@ def _one_model(cfg: SweepConfig, curve: Curve, depth: int, seed: int, splits: R.
     return {"runs": [run], "sites": [{**key, **r} for r in sites], "insertion": [{**key, **r} for r in ins]}
 
 
-class _Resume:
+class _Resume(ResumeFile):
     """A JSON-lines file of finished models (one record per line), so that a stopped sweep resumes.
 
     A record is reused only for the same model: data set and its split sizes, architecture, width,
@@ -512,28 +512,8 @@ class _Resume:
     """
 
     def __init__(self, path: str | Path | None, cfg: SweepConfig):
-        self.path = None if path is None else Path(path)
+        super().__init__(path, "finished-model")
         self.cfg = cfg
-        self.done: dict[str, dict] = {}
-        if self.path is not None and self.path.exists() and not self.path.is_file():
-            raise ExperimentError(f"--resume {self.path}: not a file; name a JSON-lines file")
-        if self.path is not None and self.path.is_file():
-            lines = self.path.read_text().splitlines()
-            for i, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    if line.startswith('{"key": '):
-                        continue  # a line cut by a crash
-                    rec = None
-                if not isinstance(rec, dict) or not isinstance(rec.get("record"), dict) or "key" not in rec:
-                    raise ExperimentError(
-                        f"--resume {self.path}: line {i} is not a finished-model record; "
-                        "name a file written by --resume (nothing was appended)"
-                    )
-                self.done[rec["key"]] = rec["record"]
 
     def key(self, curve: Curve, depth: int, seed: int) -> str:
         sizes = self.cfg.sizes.get(curve.dataset)
@@ -549,15 +529,6 @@ class _Resume:
         }
         tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
         return f"{tag}/{curve.name}/{depth}/{seed}"
-
-    def add(self, key: str, record: dict) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps({"key": key, "record": record}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
 
 
 #: the per-run metrics summarised over seeds (curves.csv) and given a plateau depth (plateaus.csv),

@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +41,14 @@ import torch
 from torch import Tensor, nn
 
 from depthsat_theory.experiments import recipe as R
-from depthsat_theory.experiments.record import ExperimentError, default_folder, provenance, summarize, write_results
+from depthsat_theory.experiments.record import (
+    ExperimentError,
+    ResumeFile,
+    default_folder,
+    provenance,
+    summarize,
+    write_results,
+)
 from depthsat_theory.experiments.teacher_claims import claims
 from depthsat_theory.tasks.models import ResidualMLP, classification_loss
 
@@ -176,6 +182,13 @@ class TeacherSample:
         return TeacherSample(self.x[idx], self.y[idx], self.p[idx])
 
 
+def _out_layer(block: nn.Module) -> nn.Linear:
+    """A residual block's output layer ``W2`` (zero output when it is zero)."""
+    layer = block.W2
+    assert isinstance(layer, nn.Linear)
+    return layer
+
+
 def build_teacher(cfg: TeacherConfig, depth: int, seed: int) -> ResidualMLP:
     """The teacher of depth ``L*`` for ``seed``: a scaled :class:`ResidualMLP` (float32, eval mode).
 
@@ -198,9 +211,9 @@ def build_teacher(cfg: TeacherConfig, depth: int, seed: int) -> ResidualMLP:
         torch.manual_seed(1000 * int(depth) + int(seed))
         teacher = ResidualMLP(cfg.in_dim, cfg.width, depth, cfg.n_classes)
     with torch.no_grad():
-        for block in teacher.blocks:
-            block.W2.weight.mul_(cfg.block_gain)
-            block.W2.bias.mul_(cfg.block_gain)
+        for layer in map(_out_layer, teacher.blocks):
+            layer.weight.mul_(cfg.block_gain)
+            layer.bias.mul_(cfg.block_gain)
         teacher.head.weight.div_(cfg.temperature)
         teacher.head.bias.div_(cfg.temperature)
     return teacher.eval()
@@ -301,9 +314,9 @@ def embed_teacher(teacher: ResidualMLP, depth: int) -> ResidualMLP:
     own.update({n: v for n, v in teacher.state_dict().items() if n in own})
     student.load_state_dict(own)
     with torch.no_grad():
-        for block in student.blocks[lstar:]:
-            block.W2.weight.zero_()
-            block.W2.bias.zero_()
+        for layer in map(_out_layer, student.blocks[lstar:]):
+            layer.weight.zero_()
+            layer.bias.zero_()
     return student.eval()
 
 
@@ -493,41 +506,16 @@ def _one_student(cfg: TeacherConfig, lstar: int, depth: int, seed: int, data: di
 # ----------------------------------------------------------------------------
 
 
-class _Resume:
-    """Finished students, one JSON record per line, keyed by the configuration's hash (minus name and seeds)."""
+class _Resume(ResumeFile):
+    """Finished students, keyed by the configuration's hash (minus name, seeds and teacher depths)."""
 
     def __init__(self, path: str | Path | None, cfg: TeacherConfig):
-        self.path = None if path is None else Path(path)
+        super().__init__(path, "finished-student")
         what = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "seeds", "teacher_depths")}
         self.tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-        self.done: dict[str, dict] = {}
-        if self.path is not None and self.path.exists() and not self.path.is_file():
-            raise ExperimentError(f"--resume {self.path}: not a file; name a JSON-lines file")
-        if self.path is not None and self.path.is_file():
-            for i, line in enumerate(self.path.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    if line.startswith('{"key": '):
-                        continue  # a line cut by a crash
-                    rec = None
-                if not isinstance(rec, dict) or not isinstance(rec.get("record"), dict) or "key" not in rec:
-                    raise ExperimentError(f"--resume {self.path}: line {i} is not a finished-student record")
-                self.done[rec["key"]] = rec["record"]
 
     def key(self, lstar: int, depth: int, seed: int) -> str:
         return f"{self.tag}/{lstar}/{depth}/{seed}"
-
-    def add(self, key: str, record: dict) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps({"key": key, "record": record}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
 
 
 # ----------------------------------------------------------------------------
@@ -603,37 +591,32 @@ def _crossfit_curves(lstar: int, cross: list[dict[str, Any]]) -> list[dict[str, 
 
 def _transitions(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per teacher and seed: where test excess plateaus and where the verdicts stop saying improvable."""
-    from depthsat_theory.experiments.sweep import plateau_depth
-
     rows = []
     for lstar in sorted({r["teacher_depth"] for r in runs}):
         for seed in sorted({r["seed"] for r in runs if r["teacher_depth"] == lstar}):
-            mine = sorted(
-                (r for r in runs if r["teacher_depth"] == lstar and r["seed"] == seed), key=lambda r: r["depth"]
-            )
-            depths = [r["depth"] for r in mine]
-            at = {r["depth"]: r for r in mine}
-            row: dict[str, Any] = {"teacher_depth": lstar, "seed": seed, "depths": " ".join(map(str, depths))}
-            row["test_excess_plateau"] = plateau_depth(depths, [r["test_excess"] for r in mine])
-            row["train_loss_plateau"] = plateau_depth(depths, [r["train_loss"] for r in mine])
-            for tag in ("probe", "train", "probe_block", "train_block"):
-                if f"{tag}_verdict_last" not in mine[0]:
-                    continue
-                row[f"{tag}_transition_last"] = verdict_transition_depth(
-                    depths, [r[f"{tag}_verdict_last"] == "improvable" for r in mine]
-                )
-                row[f"{tag}_transition_any"] = verdict_transition_depth(
-                    depths, [r[f"{tag}_n_improvable"] > 0 for r in mine]
-                )
-            for tag in ("probe", "probe_block"):
-                if f"{tag}_verdict_last" in mine[0]:
-                    row[f"{tag}_verdicts_last"] = " ".join(r[f"{tag}_verdict_last"][:3] for r in mine)
-                    row[f"{tag}_examples_needed_last"] = " ".join(str(r[f"{tag}_examples_needed_last"]) for r in mine)
-            row["excess_at_lstar"] = at[lstar]["test_excess"] if lstar in at else None
-            row["excess_at_1"] = at[depths[0]]["test_excess"]
-            row["excess_deepest"] = at[depths[-1]]["test_excess"]
-            rows.append(row)
+            mine = [r for r in runs if r["teacher_depth"] == lstar and r["seed"] == seed]
+            rows.append(_transition_row(lstar, seed, sorted(mine, key=lambda r: r["depth"])))
     return rows
+
+
+def _transition_row(lstar: int, seed: int, mine: list[dict[str, Any]]) -> dict[str, Any]:
+    from depthsat_theory.experiments.sweep import plateau_depth
+
+    depths = [r["depth"] for r in mine]
+    at = {r["depth"]: r for r in mine}
+    row: dict[str, Any] = {"teacher_depth": lstar, "seed": seed, "depths": " ".join(map(str, depths))}
+    row["test_excess_plateau"] = plateau_depth(depths, [r["test_excess"] for r in mine])
+    row["train_loss_plateau"] = plateau_depth(depths, [r["train_loss"] for r in mine])
+    for tag in [t for t in ("probe", "train", "probe_block", "train_block") if f"{t}_verdict_last" in mine[0]]:
+        last = [r[f"{tag}_verdict_last"] == "improvable" for r in mine]
+        row[f"{tag}_transition_last"] = verdict_transition_depth(depths, last)
+        row[f"{tag}_transition_any"] = verdict_transition_depth(depths, [r[f"{tag}_n_improvable"] > 0 for r in mine])
+        row[f"{tag}_verdicts_last"] = " ".join(r[f"{tag}_verdict_last"][:3] for r in mine)
+        row[f"{tag}_examples_needed_last"] = " ".join(str(r.get(f"{tag}_examples_needed_last")) for r in mine)
+    row["excess_at_lstar"] = at[lstar]["test_excess"] if lstar in at else None
+    row["excess_at_1"] = at[depths[0]]["test_excess"]
+    row["excess_deepest"] = at[depths[-1]]["test_excess"]
+    return row
 
 
 def _figure(curves_rows: list[dict[str, Any]], lstars: list[int]):

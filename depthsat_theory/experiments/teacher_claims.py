@@ -135,42 +135,44 @@ def claims(
     out: dict[str, Any] = {}
     for lstar in sorted({r["teacher_depth"] for r in runs}):
         mine = [r for r in runs if r["teacher_depth"] == lstar]
-        deepest = max(r["depth"] for r in mine)
-        pays = _paired(mine, "test_excess", 1, lstar)
-        train_pays = _paired(mine, "train_loss", 1, lstar)
-        beyond = _paired(mine, "test_excess", lstar, deepest)
         tr = [t for t in transitions if t["teacher_depth"] == lstar]
-        depth_pays = _positive(pays)
-        per_seed = [t["probe_transition_last"] for t in tr]
-        tverdict = _transition_verdict(per_seed, lstar, deepest, depth_pays)
-        block = [t.get("probe_block_transition_last") for t in tr]
-        perf = [t["test_excess_plateau"] for t in tr]
-        out[f"L*={lstar}"] = {
-            "precondition": {
-                "depth_pays_test_excess": pays,
-                "depth_pays_train_loss": train_pays,
-                "beyond_lstar_test_excess": beyond,
-                "holds": depth_pays,
-            },
-            "transition": {
-                "probe_last_per_seed": per_seed,
-                "probe_any_per_seed": [t["probe_transition_any"] for t in tr],
-                "train_last_per_seed": [t["train_transition_last"] for t in tr],
-                "test_excess_plateau_per_seed": perf,
-                "verdict": tverdict,
-                "probe_block_last_per_seed": block,
-                "probe_block_any_per_seed": [t.get("probe_block_transition_any") for t in tr],
-                "verdict_block": _transition_verdict(block, lstar, deepest, depth_pays)
-                if "probe_block_transition_last" in (tr[0] if tr else {})
-                else None,
-            },
-            "c1": _c1(curves_rows, lstar, _plateau_of_mean(curves_rows, lstar), depth_pays),
-        }
+        out[f"L*={lstar}"] = _claims_for(lstar, mine, curves_rows, tr)
         if crossfit is not None:
             for fam in sorted({r["family"] for r in crossfit}):
                 rows = [r for r in crossfit if r["teacher_depth"] == lstar and r["family"] == fam]
                 out[f"L*={lstar}"][f"c3 ({fam})"] = _c3(rows, mine, lstar)
     return out
+
+
+def _claims_for(
+    lstar: int, mine: list[dict[str, Any]], curves_rows: list[dict[str, Any]], tr: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Precondition, transition and C1 for one teacher depth."""
+    deepest = max(r["depth"] for r in mine)
+    pays = _paired(mine, "test_excess", 1, lstar)
+    depth_pays = _positive(pays)
+    per_seed = [t["probe_transition_last"] for t in tr]
+    block = [t.get("probe_block_transition_last") for t in tr]
+    has_block = bool(tr) and "probe_block_transition_last" in tr[0]
+    return {
+        "precondition": {
+            "depth_pays_test_excess": pays,
+            "depth_pays_train_loss": _paired(mine, "train_loss", 1, lstar),
+            "beyond_lstar_test_excess": _paired(mine, "test_excess", lstar, deepest),
+            "holds": depth_pays,
+        },
+        "transition": {
+            "probe_last_per_seed": per_seed,
+            "probe_any_per_seed": [t["probe_transition_any"] for t in tr],
+            "train_last_per_seed": [t["train_transition_last"] for t in tr],
+            "test_excess_plateau_per_seed": [t["test_excess_plateau"] for t in tr],
+            "verdict": _transition_verdict(per_seed, lstar, deepest, depth_pays),
+            "probe_block_last_per_seed": block,
+            "probe_block_any_per_seed": [t.get("probe_block_transition_any") for t in tr],
+            "verdict_block": _transition_verdict(block, lstar, deepest, depth_pays) if has_block else None,
+        },
+        "c1": _c1(curves_rows, lstar, _plateau_of_mean(curves_rows, lstar), depth_pays),
+    }
 
 
 def _transition_verdict(per_seed: list[Any], lstar: int, deepest: int, depth_pays: bool) -> str:
