@@ -272,6 +272,16 @@ def test_tiny_teacher_resume_retrains_nothing(tmp_path):
     assert second.exit_code == 0, second.output
     assert log.read_text().splitlines() == lines  # nothing appended: every student was reused
     assert _rows(tmp_path / "a" / "runs.csv") == _rows(tmp_path / "b" / "runs.csv")
+    # --recorded-only trains nothing: seed 1 is not in the file, so it is left out and listed
+    third = runner.invoke(
+        app,
+        [*args[:4], "--seeds", "0,1", "--resume", str(log), "--recorded-only", "--out", str(tmp_path / "c")],
+    )
+    assert third.exit_code == 0, third.output
+    assert log.read_text().splitlines() == lines
+    assert _rows(tmp_path / "c" / "runs.csv") == _rows(tmp_path / "a" / "runs.csv")
+    left = json.loads((tmp_path / "c" / "summary.json").read_text())["summary"]["left_out"]
+    assert left == [{"teacher_depth": 1, "seed": 1, "missing_depths": [1, 2]}]
 
 
 def test_teacher_bad_input_is_one_line_error(tmp_path):

@@ -420,6 +420,11 @@ def teacher_command(
     resume: Path | None = typer.Option(
         None, "--resume", help="JSON-lines file of finished students: reused when present, appended as they finish."
     ),
+    recorded_only: bool = typer.Option(
+        False,
+        "--recorded-only",
+        help="Train nothing: aggregate the teacher/seed pairs complete in --resume (the rest are listed as left out).",
+    ),
 ) -> None:
     """Known-depth benchmark: students of depth 1…2L* fitted to data from a residual teacher of depth L*.
 
@@ -438,6 +443,7 @@ def teacher_command(
         seeds=_seeds(seeds),
         teacher_depths=teacher_depth,
         resume=resume,
+        recorded_only=recorded_only,
     )
 
 

@@ -660,7 +660,8 @@ def _figure(curves_rows: list[dict[str, Any]], lstars: list[int]):
             if log:
                 ax.set_yscale("log")
             ax.set_ylabel(label, fontsize=7)
-            ax.legend(fontsize=5)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=5)
             ax.tick_params(labelsize=7)
         axes[0][j].set_title(f"teacher depth L* = {lstar}", fontsize=9)
         axes[-1][j].set_xlabel("student depth (blocks)", fontsize=8)
@@ -681,6 +682,7 @@ def run_teacher(
     seeds: Sequence[int] | None = None,
     teacher_depths: Sequence[int] | None = None,
     resume: str | Path | None = None,
+    recorded_only: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> Path:
     """Run the known-depth benchmark and write its results atomically.
@@ -692,13 +694,16 @@ def run_teacher(
         seeds: seeds (default: the configuration's).
         teacher_depths: teacher depths ``L*`` (default: the configuration's).
         resume: a JSON-lines file of finished students, reused and appended to.
+        recorded_only: train nothing: aggregate the teacher/seed pairs whose every depth is in
+            ``resume``; the others are left out and listed in the summary (``left_out``).
         log: called with one line after each student.
 
     Returns:
         The result folder.
 
     Raises:
-        ExperimentError: an unknown configuration, no or repeated seeds, a teacher depth below 1.
+        ExperimentError: an unknown configuration, no or repeated seeds, a teacher depth below 1, or
+            ``recorded_only`` with nothing complete in ``resume``.
     """
     started = time.time()
     cfg = _resolve(config)
@@ -714,30 +719,29 @@ def run_teacher(
     sites: list[dict] = []
     cross: list[dict] = []
     oracle: list[dict] = []
+    left_out: list[dict[str, Any]] = []
     for lstar in lstars:
         for seed in seeds:
+            missing = [d for d in cfg.depths(lstar) if done.key(lstar, d, seed) not in done.done]
+            if recorded_only and missing:
+                left_out.append({"teacher_depth": lstar, "seed": seed, "missing_depths": missing})
+                continue
             teacher, data = _data(cfg, lstar, seed)
             embedded = excess_loss(embed_teacher(teacher, 2 * lstar), data["test"])
             oracle.append({"teacher_depth": lstar, "seed": seed, **embedded})
             for depth in cfg.depths(lstar):
-                key = done.key(lstar, depth, seed)
-                record = done.done.get(key)
-                if record is None:
-                    record = _one_student(cfg, lstar, depth, seed, data)
-                    done.add(key, record)
+                record = _student_record(cfg, done, lstar, depth, seed, data)
                 runs.extend(record["runs"])
                 sites.extend(record["sites"])
                 cross.extend(record["crossfit"])
                 if log:
-                    r = record["runs"][0]
-                    log(
-                        f"L*={lstar} depth {depth} seed {seed}: excess {r['test_excess']:.4f} nats, "
-                        f"deepest site {r['probe_verdict_last']} (s/AG_rms {r['probe_rel_last']:.3g}), "
-                        f"{r['model_wall_s']:.1f} s"
-                    )
+                    _log_student(log, record["runs"][0])
+    if not runs:
+        raise ExperimentError(f"--recorded-only: no teacher/seed has every depth in {resume}; left out {left_out}")
     curves_rows = _curves(runs, cross)
     trans = _transitions(runs)
     summary = {
+        "left_out": left_out,
         "oracle": oracle,
         "claims": claims(runs, curves_rows, trans, cross),
         "transitions": trans,
@@ -749,6 +753,24 @@ def run_teacher(
         summary=summary,
         figures={"teacher": _figure(curves_rows, list(lstars))},
         meta=provenance(seeds=seeds, config=cfg.to_dict(), started=started),
+    )
+
+
+def _student_record(
+    cfg: TeacherConfig, done: _Resume, lstar: int, depth: int, seed: int, data: dict[str, TeacherSample]
+) -> dict:
+    key = done.key(lstar, depth, seed)
+    record = done.done.get(key)
+    if record is None:
+        record = _one_student(cfg, lstar, depth, seed, data)
+        done.add(key, record)
+    return record
+
+
+def _log_student(log: Callable[[str], None], r: dict[str, Any]) -> None:
+    log(
+        f"L*={r['teacher_depth']} depth {r['depth']} seed {r['seed']}: excess {r['test_excess']:.4f} nats, "
+        f"deepest site {r['probe_verdict_last']} (s/AG_rms {r['probe_rel_last']:.3g}), {r['model_wall_s']:.1f} s"
     )
 
 
