@@ -302,3 +302,17 @@ def test_teacher_bad_input_is_one_line_error(tmp_path):
         ],
     )
     assert res.exit_code == 2 and "not a finished-student record" in res.output
+
+
+def test_probe_size_changes_the_probe_not_the_students(tiny, tmp_path):
+    out = tmp_path / "big"
+    res = runner.invoke(app, ["experiment", "teacher", "--config", "tiny", "--probe-size", "512", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    a, b = _rows(tiny / "runs.csv"), _rows(out / "runs.csv")
+    for ra, rb in zip(a, b, strict=True):  # the same students: bit-identical test and training losses
+        assert (ra["test_excess"], ra["train_loss"]) == (rb["test_excess"], rb["train_loss"])
+    assert json.loads((out / "summary.json").read_text())["meta"]["config"]["n_probe"] == 512
+    bad = runner.invoke(
+        app, ["experiment", "teacher", "--config", "tiny", "--probe-size", "2", "--out", str(tmp_path / "x")]
+    )
+    assert bad.exit_code == 2 and "--probe-size 2" in bad.output

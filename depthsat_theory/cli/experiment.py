@@ -420,6 +420,9 @@ def teacher_command(
     resume: Path | None = typer.Option(
         None, "--resume", help="JSON-lines file of finished students: reused when present, appended as they finish."
     ),
+    probe_size: int | None = typer.Option(
+        None, "--probe-size", help="Held-out probe examples (default: the configuration's; the students are the same)."
+    ),
     recorded_only: bool = typer.Option(
         False,
         "--recorded-only",
@@ -444,6 +447,7 @@ def teacher_command(
         teacher_depths=teacher_depth,
         resume=resume,
         recorded_only=recorded_only,
+        probe_size=probe_size,
     )
 
 

@@ -683,6 +683,7 @@ def run_teacher(
     teacher_depths: Sequence[int] | None = None,
     resume: str | Path | None = None,
     recorded_only: bool = False,
+    probe_size: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Path:
     """Run the known-depth benchmark and write its results atomically.
@@ -694,6 +695,8 @@ def run_teacher(
         seeds: seeds (default: the configuration's).
         teacher_depths: teacher depths ``L*`` (default: the configuration's).
         resume: a JSON-lines file of finished students, reused and appended to.
+        probe_size: the held-out probe's size (and the training-split diagnosis's) instead of the
+            configuration's ``n_probe``; the students are the same (their data do not depend on it).
         recorded_only: train nothing: aggregate the teacher/seed pairs whose every depth is in
             ``resume``; the others are left out and listed in the summary (``left_out``).
         log: called with one line after each student.
@@ -713,7 +716,9 @@ def run_teacher(
         raise ExperimentError(f"--seeds: give distinct seeds, got {list(seeds)}")
     if not lstars or min(lstars) < 1:
         raise ExperimentError(f"--teacher-depth: give depths >= 1, got {list(lstars)}")
-    cfg = dataclasses.replace(cfg, seeds=seeds, teacher_depths=lstars)
+    if probe_size is not None and probe_size < 4:
+        raise ExperimentError(f"--probe-size {probe_size}: give at least 4 examples (two halves of two)")
+    cfg = dataclasses.replace(cfg, seeds=seeds, teacher_depths=lstars, n_probe=probe_size or cfg.n_probe)
     done = _Resume(resume, cfg)
     runs: list[dict] = []
     sites: list[dict] = []
