@@ -66,7 +66,7 @@ def _mean_curve(curves_rows: list[dict[str, Any]], lstar: int, metric: str) -> t
     return [d for d, _ in pts], [v for _, v in pts]
 
 
-def _c1(curves_rows: list[dict[str, Any]], lstar: int, perf_plateau: int | None, pays: bool) -> dict[str, Any]:
+def _c1(curves_rows: list[dict[str, Any]], lstar: int, perf_plateau: int | None, why_not: str) -> dict[str, Any]:
     from depthsat_theory.experiments.sweep import plateau_depth
 
     out: dict[str, Any] = {}
@@ -77,8 +77,8 @@ def _c1(curves_rows: list[dict[str, Any]], lstar: int, perf_plateau: int | None,
         plateau = plateau_depth(depths, vals)
         falls = vals[depths.index(lstar)] < vals[0]
         near = perf_plateau is not None and abs(plateau - perf_plateau) <= 1
-        if not pays:
-            verdict, why = "untestable here", "test excess does not fall from depth 1 to L* (depth does not pay)"
+        if why_not:
+            verdict, why = "untestable here", why_not
         elif falls and near:
             verdict, why = "holds", f"falls to L* and plateaus at {plateau} (test excess at {perf_plateau})"
         else:
@@ -151,6 +151,7 @@ def _claims_for(
     deepest = max(r["depth"] for r in mine)
     pays = _paired(mine, "test_excess", 1, lstar)
     depth_pays = _positive(pays)
+    why_not = "" if depth_pays else _why_untestable(pays)
     per_seed = [t["probe_transition_last"] for t in tr]
     block = [t.get("probe_block_transition_last") for t in tr]
     has_block = bool(tr) and "probe_block_transition_last" in tr[0]
@@ -166,18 +167,29 @@ def _claims_for(
             "probe_any_per_seed": [t["probe_transition_any"] for t in tr],
             "train_last_per_seed": [t["train_transition_last"] for t in tr],
             "test_excess_plateau_per_seed": [t["test_excess_plateau"] for t in tr],
-            "verdict": _transition_verdict(per_seed, lstar, deepest, depth_pays),
+            "verdict": _transition_verdict(per_seed, lstar, deepest, why_not),
             "probe_block_last_per_seed": block,
             "probe_block_any_per_seed": [t.get("probe_block_transition_any") for t in tr],
-            "verdict_block": _transition_verdict(block, lstar, deepest, depth_pays) if has_block else None,
+            "verdict_block": _transition_verdict(block, lstar, deepest, why_not) if has_block else None,
         },
-        "c1": _c1(curves_rows, lstar, _plateau_of_mean(curves_rows, lstar), depth_pays),
+        "c1": _c1(curves_rows, lstar, _plateau_of_mean(curves_rows, lstar), why_not),
     }
 
 
-def _transition_verdict(per_seed: list[Any], lstar: int, deepest: int, depth_pays: bool) -> str:
-    if not depth_pays:
-        return "untestable here (depth does not pay up to L* on the test excess)"
+def _why_untestable(pays: dict[str, Any]) -> str:
+    """Why the precondition is not established: one seed, or an interval that reaches 0."""
+    stats = next((v for k, v in pays.items() if k != "per_seed" and isinstance(v, dict)), None)
+    if not stats or stats["n"] < 2:
+        return "one seed: no interval for excess(1) − excess(L*)"
+    return (
+        f"depth is not shown to pay up to L*: excess(1) − excess(L*) = {stats['mean']:.4g}, 95 % CI "
+        f"[{stats['ci_low']:.4g}, {stats['ci_high']:.4g}] nats over {stats['n']} seeds (per seed {pays['per_seed']})"
+    )
+
+
+def _transition_verdict(per_seed: list[Any], lstar: int, deepest: int, why_not: str) -> str:
+    if why_not:
+        return f"untestable here ({why_not})"
     if per_seed and all(t == lstar for t in per_seed):
         return "holds"
     return f"fails (per seed: {per_seed}, L* = {lstar}; None = still improvable at depth {deepest})"
