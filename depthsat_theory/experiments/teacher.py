@@ -62,6 +62,7 @@ __all__ = [
     "draw",
     "embed_teacher",
     "excess_loss",
+    "label_distribution",
     "run_teacher",
     "verdict_transition_depth",
 ]
