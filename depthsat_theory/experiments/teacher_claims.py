@@ -181,9 +181,10 @@ def _why_untestable(pays: dict[str, Any]) -> str:
     stats = next((v for k, v in pays.items() if k != "per_seed" and isinstance(v, dict)), None)
     if not stats or stats["n"] < 2:
         return "one seed: no interval for excess(1) − excess(L*)"
+    per_seed = ", ".join(f"{d:.4g}" for d in pays["per_seed"])
     return (
         f"depth is not shown to pay up to L*: excess(1) − excess(L*) = {stats['mean']:.4g}, 95 % CI "
-        f"[{stats['ci_low']:.4g}, {stats['ci_high']:.4g}] nats over {stats['n']} seeds (per seed {pays['per_seed']})"
+        f"[{stats['ci_low']:.4g}, {stats['ci_high']:.4g}] nats over {stats['n']} seeds (per seed {per_seed})"
     )
 
 
