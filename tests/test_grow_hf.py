@@ -192,9 +192,7 @@ def test_expand_bad_input(tmp_path):
         expand_layers(model, [0, 0])
     with pytest.raises(GrowError, match="unknown init"):
         expand_layers(model, [0], init="random")
-    with pytest.raises(
-        GrowError, match=r"does not support Sequential \(supported: Llama-like.*GPT-2.*BERT.*insert_blocks"
-    ):
+    with pytest.raises(GrowError, match=r"Sequential has no \.config: not a Hugging Face model; use .*insert_blocks"):
         expand_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), [0])
     with pytest.raises(GrowError, match="scale_attn_by_inverse_layer_idx"):
         expand_layers(_gpt2(scale_attn_by_inverse_layer_idx=True), [0])

@@ -26,7 +26,7 @@ from torch import nn
 from depthsat_theory.capture.probe import call_model, unpack_batch
 from depthsat_theory.grow.blocks import insert_blocks
 from depthsat_theory.grow.errors import GrowError
-from depthsat_theory.grow.hf import expand_layers, find_architecture
+from depthsat_theory.grow.hf import expand_layers, resolve_architecture
 from depthsat_theory.grow.optim import flat_params, preview_first_step, zero_state_param_groups
 from depthsat_theory.grow.ranking import even_positions, rank_sites
 from depthsat_theory.io import atomic_write
@@ -142,16 +142,16 @@ def parse_positions(text: str, sites: Sequence[str], blocks: int) -> list[int] |
     return sorted(idx)
 
 
-def _expandable(model: nn.Module, sites: list[str]) -> tuple[str, list[int]] | None:
+def _expandable(model: nn.Module, sites: list[str], probe: Any = None) -> tuple[str, list[int]] | None:
     """The layer list and indices when ``model`` is an HF model :func:`expand_layers` grows function-preservingly."""
     if getattr(model, "config", None) is None:
         return None
     try:
-        arch, path = find_architecture(model)
+        arch, path = resolve_architecture(model, probe)
     except GrowError:
         return None
     prefix = path + "."
-    if arch.post_ln or not all(s.startswith(prefix) and s[len(prefix) :].isdigit() for s in sites):
+    if arch.is_post_ln(model.config) or not all(s.startswith(prefix) and s[len(prefix) :].isdigit() for s in sites):
         return None
     return path, [int(s[len(prefix) :]) for s in sites]
 
@@ -329,7 +329,7 @@ def _pick(ranking: Any, sites: list[str], positions: list[int] | str, blocks: in
 def _grow_model(
     model: nn.Module, chosen: list[str], family: str | None, probe: Any, layout: Any
 ) -> tuple[str, str, Any]:
-    expand = _expandable(model, chosen) if family is None else None
+    expand = _expandable(model, chosen, probe) if family is None else None
     if expand is not None:
         exp = expand_layers(model, expand[1], probe=probe)
         return "expand_layers", "zero-output layer copy", exp
