@@ -181,3 +181,48 @@ def test_grow_hf_checkpoint_folder(tmp_path):
     ids = torch.tensor([char_tokenizer()(VERSES[0])["input_ids"]])
     with torch.no_grad():
         assert torch.equal(grown(ids).logits, model(ids).logits)
+
+
+def test_grow_hf_round_trip_closed(tmp_path):
+    """grow --model hf:DIR writes a complete hf: folder (tokenizer, generation config): diagnose and grow accept it."""
+    import transformers
+    from tiny_hf import VERSES, char_tokenizer, save_checkpoint, tiny_causal_lm
+
+    model = tiny_causal_lm("llama")
+    model.generation_config.max_new_tokens = 7  # a non-default setting that must travel
+    save_checkpoint(model, tmp_path / "ckpt")
+    (tmp_path / "probe.txt").write_text("\n".join(VERSES) + "\n")
+    common = ["--text", str(tmp_path / "probe.txt"), "--batches", "1", "--batch-size", "2"]
+    out1, out2 = tmp_path / "g1", tmp_path / "g2"
+    res = runner.invoke(
+        app,
+        [
+            "grow",
+            "--model",
+            f"hf:{tmp_path / 'ckpt'}",
+            *common,
+            "--blocks",
+            "1",
+            "--positions",
+            "0",
+            "--out",
+            str(out1),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    tok = transformers.AutoTokenizer.from_pretrained(str(out1), local_files_only=True)
+    assert tok(VERSES[2])["input_ids"] == char_tokenizer()(VERSES[2])["input_ids"]
+    assert transformers.GenerationConfig.from_pretrained(str(out1)).max_new_tokens == 7
+    res = runner.invoke(app, ["diagnose", "--model", f"hf:{out1}", *common, "--json", str(tmp_path / "d.json")])
+    assert res.exit_code == 0, res.output
+    sites = [r["site"] for r in json.loads((tmp_path / "d.json").read_text())["sites"]]
+    assert sites == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    res = runner.invoke(
+        app, ["grow", "--model", f"hf:{out1}", *common, "--blocks", "1", "--positions", "2", "--out", str(out2)]
+    )
+    assert res.exit_code == 0, res.output
+    grown = transformers.AutoModelForCausalLM.from_pretrained(str(out2)).eval()
+    assert grown.config.num_hidden_layers == 4
+    ids = torch.tensor([char_tokenizer()(VERSES[0])["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(grown(ids).logits, model(ids).logits)

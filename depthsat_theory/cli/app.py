@@ -537,7 +537,7 @@ def grow_cmd(
             diagnose_kwargs={**target.extra, "delta": delta},
             description=target.description,
         )
-        written = write_grown(rep, out)
+        written = write_grown(rep, out, tokenizer=target.tokenizer)
     except (
         UserError,
         GrowError,

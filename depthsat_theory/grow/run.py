@@ -461,18 +461,21 @@ def _notes(method: str, family: str | None) -> list[str]:
     return notes
 
 
-def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
+def write_grown(report: GrowReport, out: str | os.PathLike, *, tokenizer: Any = None) -> list[Path]:
     """Write the grown model and ``grow-report.json`` into the folder ``out``, all or nothing.
 
     Hugging Face models grown by ``expand_layers`` are written with ``save_pretrained`` (reload with
     :func:`~depthsat_theory.grow.load_grown`); others as ``model.safetensors`` (the state dict of
     the grown module; rebuild it with :func:`~depthsat_theory.grow.insert_blocks` and the report's
     sites and family, then ``safetensors.torch.load_model``).  Everything is written to a temporary
-    sibling folder first, then renamed to ``out``.
+    sibling folder first, then renamed to ``out``.  With the source model's ``tokenizer``, the
+    folder of a Hugging Face model is complete: config, weights, generation config (from the
+    model's own ``generation_config``) and tokenizer, so ``--model hf:OUT`` reads it back.
 
     Args:
         report: the :class:`GrowReport`.
         out: a folder that does not exist yet, or an empty one.
+        tokenizer: the source model's Hugging Face tokenizer (written with ``save_pretrained``), or ``None``.
 
     Returns:
         The paths written.
@@ -490,6 +493,8 @@ def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
             from safetensors.torch import save_model
 
             save_model(report.model, str(tmp / "model.safetensors"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         data = json.dumps(report.to_dict(), indent=1, ensure_ascii=False, allow_nan=False)
         atomic_write(tmp / REPORT_NAME, lambda fh: fh.write(data))
         if folder.is_dir():
