@@ -226,3 +226,96 @@ def test_grow_hf_round_trip_closed(tmp_path):
     ids = torch.tensor([char_tokenizer()(VERSES[0])["input_ids"]])
     with torch.no_grad():
         assert torch.equal(grown(ids).logits, model(ids).logits)
+
+
+def _hf_ckpt(tmp_path):
+    from tiny_hf import VERSES, save_checkpoint, tiny_causal_lm
+
+    save_checkpoint(tiny_causal_lm("llama"), tmp_path / "ckpt")
+    (tmp_path / "probe.txt").write_text("\n".join(VERSES) + "\n")
+    (tmp_path / "held.txt").write_text("\n".join(reversed(VERSES)) + "\n")
+    return ["--model", f"hf:{tmp_path / 'ckpt'}", "--text", str(tmp_path / "probe.txt"), "--batch-size", "2"]
+
+
+def test_grow_cli_interrupt_resume_held_out(tmp_path, monkeypatch):
+    """Ctrl-C at training step 2 of 4: exit 130 and how to resume; the rerun equals an uninterrupted run bitwise."""
+    from safetensors.torch import load_file
+
+    from depthsat_theory.cli import render
+
+    base = [*_hf_ckpt(tmp_path), "--blocks", "1", "--positions", "1", "--train-steps", "4", "--lr", "1e-2"]
+    held = ["--eval-text", str(tmp_path / "held.txt")]
+    res = runner.invoke(app, ["grow", *base, *held, "-q", "--out", str(tmp_path / "full")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "full" / "grow-report.json").read_text())
+    assert rep["eval_loss_before"] is not None and rep["eval_loss_after"] is not None
+    assert "held-out loss: before" in res.output and "probe loss (training data)" in res.output
+    real = render.phase_progress
+
+    def interrupting(bar):
+        inner = real(bar)
+
+        def update(phase, done, total):
+            inner(phase, done, total)
+            if phase == "train" and done == 2:
+                raise KeyboardInterrupt
+
+        return update
+
+    monkeypatch.setattr(render, "phase_progress", interrupting)
+    ck = tmp_path / "train.ckpt"
+    argv = ["grow", *base, *held, "--checkpoint", str(ck), "--out", str(tmp_path / "resumed")]
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 130, res.output
+    assert f"interrupted: {ck} keeps training step 2 of 4" in res.output and "rerun the same command" in res.output
+    assert not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(render, "phase_progress", real)
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 0, res.output
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rep2 = json.loads((tmp_path / "resumed" / "grow-report.json").read_text())
+    assert rep2["train_losses"] == rep["train_losses"] and rep2["eval_loss_after"] == rep["eval_loss_after"]
+
+
+def test_grow_cli_interrupt_without_checkpoint(tmp_path, monkeypatch):
+    import depthsat_theory.grow.run as run_mod
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "grow", interrupted)
+    res = runner.invoke(app, ["grow", *_hf_ckpt(tmp_path), "--blocks", "1", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 130
+    assert "interrupted: nothing was kept (no --checkpoint); rerun with --checkpoint PATH" in res.output
+
+
+def test_diagnose_cli_interrupt_says_what_was_kept(tmp_path, monkeypatch):
+    import depthsat_theory.diagnose as diag_mod
+
+    real = diag_mod.diagnose
+
+    def diagnose_then_stop(*a, progress=None, **k):
+        def stop(done, total):
+            progress(done, total)
+            if done == 1:
+                raise KeyboardInterrupt
+
+        return real(*a, progress=stop, **k)
+
+    monkeypatch.setattr(diag_mod, "diagnose", diagnose_then_stop)
+    base = ["diagnose", *_hf_ckpt(tmp_path), "--batches", "3"]
+    res = runner.invoke(app, base)
+    assert res.exit_code == 130
+    assert "interrupted after 1 probe batches: nothing was kept (no --checkpoint)" in res.output
+    ck = tmp_path / "d.ckpt"
+    res = runner.invoke(app, [*base, "--checkpoint", str(ck)])
+    assert res.exit_code == 130 and f"{ck} keeps the statistics as of its last write (every 1 batches)" in res.output
+
+
+def test_grow_eval_text_refused_for_a_model_without_tokenizer(tmp_path):
+    (tmp_path / "held.txt").write_text("a\nb\nc\nd\ne\nf\n")
+    res = _grow("--blocks", "1", "--eval-text", str(tmp_path / "held.txt"), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2
+    assert "--eval-text is for language models with a tokenizer" in res.output

@@ -17,6 +17,7 @@ import torch
 import typer
 
 from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
+from depthsat_theory.capture.probe import unpack_batch
 from depthsat_theory.cli import render
 from depthsat_theory.cli.experiment import experiment_app
 from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
@@ -441,12 +442,18 @@ def diagnose_cmd(
 
     dist.init_from_env()
     main_rank = dist.is_main()
+    done = [0]  # probe batches done (for the interruption message)
     try:
         check_output_path("--json", json_path)
         check_output_path("--plot", plot)
         _check_choice("--gram", gram, GRAM_MODES)
         _check_choice("--products", products, PRODUCT_DTYPES)
         target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
+
+        def advance(k: int, tot: int | None) -> None:
+            done[0] = k
+            bar.update(task, completed=k, total=tot)
+
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
             res = diagnose(
@@ -462,7 +469,7 @@ def diagnose_cmd(
                 description=target.description,
                 checkpoint_every=checkpoint_every,
                 config={"model": model, "seed": seed, "batch_size": batch_size, "device": str(target.device)},
-                progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+                progress=advance,
                 beta=beta,
                 second_order=second_order,
                 curvature=curvature,
@@ -476,6 +483,19 @@ def diagnose_cmd(
                 res.write_json(json_path)
                 written.append(json_path)
             written += res.plot(plot) if plot is not None else []
+    except KeyboardInterrupt:
+        if checkpoint is None:
+            msg = (
+                f"interrupted after {done[0]} probe batches: nothing was kept (no --checkpoint); "
+                f"rerun with --checkpoint PATH to keep partial statistics and resume"
+            )
+        else:
+            msg = (
+                f"interrupted after {done[0]} probe batches: {checkpoint} keeps the statistics as of its last write "
+                f"(every {checkpoint_every} batches); rerun the same command to resume from it"
+            )
+        render.err_console.print(msg, markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except (UserError, DiagnoseError, FamilyError, StatisticsError, SiteError, BoundError, OSError) as exc:
         render.fail(exc)
     if main_rank:
@@ -510,34 +530,57 @@ def grow_cmd(
         None, "--text", help="hf:PATH only: probe text file, one window per 4 consecutive lines (default: the KJV)."
     ),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    eval_text: Path | None = typer.Option(
+        None,
+        "--eval-text",
+        help="Held-out text file (language models): its loss before growth and after training is reported.",
+    ),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="Training checkpoint file: written as training goes, resumed from when it exists."
+    ),
+    checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Training steps between checkpoint writes."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     """Diagnose, pick K sites, insert zero-output blocks there, preview the first step, train, write."""
     from depthsat_theory.capture import NotFunctionPreservingError, SiteError
     from depthsat_theory.diagnose import DiagnoseError
     from depthsat_theory.grow import GrowError
-    from depthsat_theory.grow.run import check_out_dir, grow, write_grown
+    from depthsat_theory.grow.run import check_out_dir, grow, held_out_batches, interrupted_message, write_grown
 
     try:
         check_out_dir(out)
         if family is not None:
             parse_family(family)
         target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
-        rep = grow(
-            target.model,
-            target.loss_fn,
-            target.batches,
-            sites=target.sites,
-            blocks=blocks,
-            family=family,
-            positions=positions,
-            train_steps=train_steps,
-            freeze_old=freeze_old,
-            lr=lr,
-            layout=target.layout,
-            diagnose_kwargs={**target.extra, "delta": delta},
-            description=target.description,
-        )
+        held = None
+        if eval_text is not None:
+            size = int(unpack_batch(target.batches[0])[1].shape[0])
+            n_probe = sum(int(unpack_batch(b)[1].shape[0]) for b in target.batches)
+            held = held_out_batches(target.tokenizer, eval_text, n_probe, size, seed=seed, device=target.device)
+        with render.progress(disable=quiet) as bar:
+            rep = grow(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites=target.sites,
+                blocks=blocks,
+                family=family,
+                positions=positions,
+                train_steps=train_steps,
+                freeze_old=freeze_old,
+                lr=lr,
+                layout=target.layout,
+                diagnose_kwargs={**target.extra, "delta": delta},
+                description=target.description,
+                eval_batches=held,
+                checkpoint=checkpoint,
+                checkpoint_every=checkpoint_every,
+                progress=render.phase_progress(bar),
+            )
         written = write_grown(rep, out, tokenizer=target.tokenizer)
+    except KeyboardInterrupt:
+        render.err_console.print(interrupted_message(checkpoint), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except (
         UserError,
         GrowError,
