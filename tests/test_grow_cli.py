@@ -319,3 +319,32 @@ def test_grow_eval_text_refused_for_a_model_without_tokenizer(tmp_path):
     res = _grow("--blocks", "1", "--eval-text", str(tmp_path / "held.txt"), "--out", str(tmp_path / "o"))
     assert res.exit_code == 2
     assert "--eval-text is for language models with a tokenizer" in res.output
+
+
+def test_prune_candidates_cli(tmp_path):
+    """prune-candidates on an hf: folder: every layer with its removal figures and the growth score; JSON written."""
+    import transformers
+
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    argv = ["prune-candidates", *_hf_ckpt(tmp_path), "--batches", "2", "--measure", "-q"]
+    res = runner.invoke(app, [*argv, "--json", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "p.json").read_text())
+    rows = data["candidates"]
+    assert [r["site"] for r in rows] == ["model.layers.0", "model.layers.1"]
+    assert all(r["growth_relative_score"] is not None and r["removal_change"] is not None for r in rows)
+    assert "ΔJ remove (1st order)" in res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt")).eval()
+    model.config.use_cache = False
+    from depthsat_theory.tasks.custom import resolve_model
+
+    target = resolve_model(f"hf:{tmp_path / 'ckpt'}", n_batches=2, batch_size=2, text=tmp_path / "probe.txt")
+    with torch.no_grad():
+        ells = [token_loss_masked(model(**x), y) for x, y in target.batches]
+    assert data["loss"] == pytest.approx(float(torch.cat(ells).double().mean()), rel=1e-6)
+    del model.model.layers[1]
+    model.config.num_hidden_layers = 1
+    with torch.no_grad():
+        ells = [token_loss_masked(model(**x), y) for x, y in target.batches]
+    assert rows[1]["removal_change"] == pytest.approx(float(torch.cat(ells).double().mean()) - data["loss"], rel=1e-5)

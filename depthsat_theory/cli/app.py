@@ -6,6 +6,7 @@ Errors in user input end with a one-line ``error: …`` on stderr and exit statu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -592,6 +593,68 @@ def grow_cmd(
     ) as exc:
         render.fail(exc)
     render.print_grow(rep.to_dict(), written)
+
+
+# ----------------------------------------------------------------------------- prune-candidates
+@app.command("prune-candidates")
+def prune_candidates_cmd(
+    model: str = typer.Option(..., "--model", help="Model, as for diagnose (mlp, cnn, gpt, a zoo name, hf:PATH, ...)."),
+    measure: bool = typer.Option(False, "--measure", help="Also remove each layer and measure the loss change."),
+    n_batches: int | None = typer.Option(None, "--batches", help="Probe batches (default: the whole probe set)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per probe batch."),
+    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe seed of zoo and hf: models."),
+    text: Path | None = typer.Option(None, "--text", help="hf:PATH only: probe text file."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the ranking as JSON (atomically)."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Which layer to remove: block influence and first-order removal change, next to the growth score."""
+    from depthsat_theory.capture import SiteError
+    from depthsat_theory.diagnose import DiagnoseError, diagnose, discover_sites
+    from depthsat_theory.grow import GrowError
+    from depthsat_theory.grow.prune import prune_candidates
+    from depthsat_theory.io import atomic_write
+
+    try:
+        check_output_path("--json", json_path)
+        target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
+        sites = target.sites or discover_sites(target.model, unpack_batch(target.batches[0])[0])
+        with render.progress(disable=quiet) as bar:
+            task = bar.add_task("probe batches (removal)", total=len(target.batches))
+            ranking = prune_candidates(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites,
+                measure=measure,
+                progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+            )
+            task2 = bar.add_task("probe batches (growth)", total=len(target.batches))
+            diag = diagnose(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites=sites,
+                layout=target.layout,
+                description=target.description,
+                progress=lambda k, tot: bar.update(task2, completed=k, total=tot),
+                **target.extra,
+            )
+        data = ranking.to_dict()
+        growth = {s: diag[s].to_dict().get("relative_score") for s in sites}
+        for row in data["candidates"]:
+            row["growth_relative_score"] = growth[row["site"]]
+        data["description"] = target.description
+        data["loss_units"] = diag.loss_units
+        if json_path is not None:
+            text_out = json.dumps(data, indent=1, ensure_ascii=False, allow_nan=True)
+            atomic_write(json_path, lambda fh: fh.write(text_out))
+    except KeyboardInterrupt:
+        render.err_console.print("interrupted: nothing was kept; rerun the command", markup=False, highlight=False)
+        raise typer.Exit(130) from None
+    except (UserError, GrowError, DiagnoseError, FamilyError, StatisticsError, SiteError, OSError) as exc:
+        render.fail(exc)
+    render.print_prune(data)
 
 
 # ----------------------------------------------------------------------------- proofs

@@ -316,3 +316,34 @@ def print_grow(rep: dict, written: list[Path]) -> None:
         )
     for p in written:
         console.print(f"wrote {p}", markup=False, highlight=False)
+
+
+def print_prune(data: dict) -> None:
+    """The removal table: block influence, first-order and measured removal change, growth score, ranks.
+
+    Args:
+        data: :meth:`PruneRanking.to_dict` with ``growth_relative_score`` per row, ``description``, ``loss_units``.
+    """
+    rows = data["candidates"]
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["first_order_change"])
+    rank = {i: r + 1 for r, i in enumerate(order)}
+    t = Table(title=f"depthsat prune-candidates: {data['description']}")
+    for c in ("site", "block influence", "ΔJ remove (1st order)", "ΔJ remove (measured)", "grow s/AG_rms", "rank"):
+        t.add_column(c, justify="left" if c == "site" else "right")
+    for i, r in enumerate(rows):
+        measured = "-" if r["removal_change"] is None else _cell(r["removal_change"])
+        t.add_row(
+            r["site"],
+            _cell(r["block_influence"]),
+            _cell(r["first_order_change"]),
+            measured,
+            _cell(r["growth_relative_score"]),
+            str(rank[i]),
+        )
+    console.print(t)
+    console.print(
+        f"loss {_cell(data['loss'])} ({data['loss_units']}); rank 1 = smallest predicted loss change of removal; "
+        "the first-order change is a prediction (--measure removes each layer)",
+        markup=False,
+        highlight=False,
+    )
