@@ -190,7 +190,7 @@ def test_expand_bad_input(tmp_path):
         expand_layers(model, [2])
     with pytest.raises(GrowError, match="repeat"):
         expand_layers(model, [0, 0])
-    with pytest.raises(GrowError, match="unknown init"):
+    with pytest.raises(GrowError, match=r"unknown init .random.; use .zero-output-copy. or .first-order."):
         expand_layers(model, [0], init="random")
     with pytest.raises(GrowError, match=r"Sequential has no \.config: not a Hugging Face model; use .*insert_blocks"):
         expand_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), [0])
@@ -309,3 +309,42 @@ def test_zeroed_maps_gradient_is_b_gpt2():
     for name, gr in grads.items():
         if name not in zeroed:
             assert float(gr.abs().max()) == 0.0, name
+
+
+def test_first_order_start_line_search():
+    """init='first-order': θ = −t b/‖b‖ with b the zero-output copy's gradient (autograd, independently);
+    the chosen t has the smallest held-out loss of the search, recomputed here; an empty grid keeps t = 0."""
+    from depthsat_theory.grow.start import first_order_start
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _llama().double()
+
+    def batch(seed):
+        ids = _ids(seed=seed, b=3, t=9)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        return ({"input_ids": ids}, labels)
+
+    train, held = batch(1), batch(1)  # held-out = the gradient batch: a descent direction must help for small t
+    zero = expand_layers(model, [0])
+    names = zero.zeroed["model.layers.1"]
+    params = [zero.model.get_parameter(n) for n in names]
+    b = torch.autograd.grad(token_loss_masked(zero.model(**train[0]), train[1]).mean(), params)
+    norm = float(torch.sqrt(sum((g**2).sum() for g in b)))
+    exp = expand_layers(model, [0], init="first-order", loss_fn=token_loss_masked, batch=train, held_out=held)
+    st = exp.start
+    assert st.gradient_norm == pytest.approx(norm, rel=1e-12) and st.step > 0
+    for n, g in zip(names, b, strict=True):
+        torch.testing.assert_close(exp.model.get_parameter(n).detach(), -st.step * g / norm, rtol=1e-12, atol=0)
+    with torch.no_grad():
+        got = float(token_loss_masked(exp.model(**held[0]), held[1]).mean())
+    assert got == pytest.approx(st.held_out_loss, rel=1e-12)
+    assert st.held_out_loss == min(v for _, v in st.searched) < st.searched[0][1]
+    kept = expand_layers(model, [0])
+    res = first_order_start(kept.model, names, token_loss_masked, train, held, grid=[])
+    assert res.step == 0.0 and all(not kept.model.get_parameter(n).any() for n in names)
+    with pytest.raises(GrowError, match="needs loss_fn, batch"):
+        expand_layers(model, [0], init="first-order")
+    with pytest.raises(GrowError, match="are not zero"):
+        first_order_start(exp.model, names, token_loss_masked, train, held)

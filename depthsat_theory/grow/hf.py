@@ -163,6 +163,8 @@ class Expansion:
         zeroed: the zeroed parameters by site (the tangent coordinates ``θ``), named as in the grown model.
         deviation: ``max |f(x) − f_grown(x)|`` on the probe batch (output units, e.g. logits).
         tolerance: the allowed deviation (``64 u max(1, max |f(x)|)``).
+        start: ``init="first-order"``: the :class:`~depthsat_theory.grow.start.FirstOrderStart`
+            (step, gradient norm, line search); ``None`` for zero-output copies.
     """
 
     model: nn.Module
@@ -174,6 +176,7 @@ class Expansion:
     zeroed: dict[str, list[str]] = field(default_factory=dict)
     deviation: float = 0.0
     tolerance: float = 0.0
+    start: Any = None
 
     @property
     def sites(self) -> list[str]:
@@ -408,6 +411,26 @@ def _refuse_layer_scaled(config: Any) -> None:
         )
 
 
+def _check_init(init: str, loss_fn: Any, batch: Any, held_out: Any) -> None:
+    if init not in ("zero-output-copy", "first-order"):
+        raise GrowError(f"unknown init {init!r}; use 'zero-output-copy' or 'first-order'")
+    if init == "first-order" and (loss_fn is None or batch is None or held_out is None):
+        raise GrowError("init='first-order' needs loss_fn, batch (for the gradient) and held_out (for the line search)")
+
+
+def _zeroed_by_position(model: nn.Module, arch: Architecture, path: str, pos: list[int], probe: Any) -> dict:
+    """The zeroed parameter names (relative) of each copied layer: the table's patterns, or discovered."""
+    layers = _layers(model, path)
+    discovered = arch.name.endswith("(discovered)")
+    names = {
+        i: discover_zeroed(model, i, path, probe) if discovered else zeroed_names(layers[i], arch.zeroed) for i in pos
+    }
+    for i, found in names.items():
+        if not found:
+            raise GrowError(f"{path}.{i} has no parameter matching {list(arch.zeroed)}; {_FALLBACK}")
+    return names
+
+
 def resolve_architecture(model: nn.Module, probe: Any = None) -> tuple[Architecture, str]:
     """The :data:`ARCHITECTURES` row of ``model``, or one discovered by :func:`discover_zeroed`.
 
@@ -446,6 +469,9 @@ def expand_layers(
     init: str = "zero-output-copy",
     probe: Any = None,
     inplace: bool = False,
+    loss_fn: Any = None,
+    batch: Any = None,
+    held_out: Any = None,
 ) -> Expansion:
     r"""Insert a zero-output copy of layer ``i`` after each original layer ``i`` in ``positions`` (LLaMA-Pro).
 
@@ -471,11 +497,17 @@ def expand_layers(
     Args:
         model: a Hugging Face model; not modified unless ``inplace``.
         positions: original layer indices (``0 ≤ i < num_hidden_layers``), each at most once.
-        init: ``"zero-output-copy"`` (the only initialisation).
+        init: ``"zero-output-copy"``, or ``"first-order"``: then the copies' zeroed parameters start
+            at ``−t b/‖b‖`` (``b`` their gradient on ``batch``) with ``t`` from a line search on
+            ``held_out`` that includes ``t = 0`` (:func:`~depthsat_theory.grow.start.first_order_start`);
+            the function-preservation check is made at ``t = 0``, before the step.
         probe: a keyword batch (``{"input_ids": (B, T) long, ...}``) for the function-preservation
             check and the discovery; default: 2 × 8 random token ids (seed 0).
         inplace: grow ``model`` itself (its parameters stay the same objects, so an existing
             optimizer stays valid for them).
+        loss_fn: ``init="first-order"`` only: the per-example loss ``loss_fn(output, targets) -> (B,)``.
+        batch: ``init="first-order"`` only: the batch of the gradient ``b``.
+        held_out: ``init="first-order"`` only: the batch of the line search.
 
     Returns:
         An :class:`Expansion`: the grown model, the new layers' parameters by site, the zeroed
@@ -492,8 +524,7 @@ def expand_layers(
     Source: LLaMA-Pro block expansion (Wu et al., 2024, sec. 3.2); the zero-output insertion of
     theory/definitions.md (``def-family``), T1 and T5.
     """
-    if init != "zero-output-copy":
-        raise GrowError(f"unknown init {init!r}; the only one is 'zero-output-copy'")
+    _check_init(init, loss_fn, batch, held_out)
     config = getattr(model, "config", None)
     if probe is None and config is not None:
         probe = _default_probe(model, config)
@@ -503,13 +534,7 @@ def expand_layers(
     assert isinstance(layers, nn.ModuleList)
     n_layers = len(layers)
     pos = _check_positions(positions, n_layers)
-    discovered = arch.name.endswith("(discovered)")
-    names = {
-        i: discover_zeroed(model, i, path, probe) if discovered else zeroed_names(layers[i], arch.zeroed) for i in pos
-    }
-    for i, found in names.items():
-        if not found:
-            raise GrowError(f"{path}.{i} has no parameter matching {list(arch.zeroed)}; {_FALLBACK}")
+    names = _zeroed_by_position(model, arch, path, pos, probe)
     ref = reference_output(model, probe)
     grown = model if inplace else copy.deepcopy(model)
     glayers = grown.get_submodule(path)
@@ -543,6 +568,11 @@ def expand_layers(
         else ""
     )
     exp.deviation, exp.tolerance = check_preserved(ref, grown, probe, why)
+    if init == "first-order":
+        from depthsat_theory.grow.start import first_order_start
+
+        flat = [n for ns in exp.zeroed.values() for n in ns]
+        exp.start = first_order_start(grown, flat, loss_fn, batch, held_out)
     return exp
 
 
