@@ -348,3 +348,79 @@ def test_first_order_start_line_search():
         expand_layers(model, [0], init="first-order")
     with pytest.raises(GrowError, match="are not zero"):
         first_order_start(exp.model, names, token_loss_masked, train, held)
+
+
+def test_copy_scores_use_the_copy_tangent():
+    """The copy's own family (GPT-2 in float64): G equals the autograd gradient of its zeroed maps (T1); Σ's
+    MLP block equals the Gram of the copy's MLP features computed from its modules; s² = tr(G Σ⁺ Gᵀ) (numpy)."""
+    import numpy as np
+
+    from depthsat_theory.grow.copyscore import copy_scores, copy_statistics
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _gpt2().double()
+    ids = _ids(t=9, b=3)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    labels[0, 5:] = -100
+    batch = ({"input_ids": ids, "attention_mask": mask}, labels)
+    exp = expand_layers(model, [0, 1])
+    stats = copy_statistics(exp, token_loss_masked, [batch])
+    assert sorted(stats) == ["transformer.h.0", "transformer.h.1"]
+    st = stats["transformer.h.0"]
+    names = exp.zeroed["transformer.h.1"]
+    assert [n.split(".", 3)[3] for n in names] == [
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    ]
+    params = [exp.model.get_parameter(n) for n in names]
+    b = torch.autograd.grad(token_loss_masked(exp.model(**batch[0]), labels).mean(), params, allow_unused=True)
+    big_g = np.asarray(st.cross_gradient())
+    d = 32
+    np.testing.assert_allclose(big_g[:d, :d], b[0].numpy().T, rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(big_g[:d, d:-1], b[2].numpy().T, rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(big_g[:d, -1], b[1].numpy(), rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(big_g[:d, -1], b[3].numpy(), rtol=1e-9, atol=1e-13)
+    assert not big_g[d:].any()
+    x = {}
+    h = model.transformer.h[0].register_forward_hook(
+        lambda _m, _a, out: x.__setitem__("h", out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        model(**batch[0])
+    h.remove()
+    new = exp.model.transformer.h[1]
+    with torch.no_grad():
+        phi = new.mlp.act(new.mlp.c_fc(new.ln_2(x["h"])))[mask.bool()]
+    sigma = np.asarray(st.feature_gram())
+    np.testing.assert_allclose(sigma[d:-1, d:-1], (phi.T @ phi).numpy() / 3, rtol=1e-9, atol=1e-12)
+    res = copy_scores(exp, token_loss_masked, [batch])["transformer.h.0"]
+    want = float(np.trace(big_g @ np.linalg.pinv(sigma, rcond=1e-10, hermitian=True) @ big_g.T))
+    assert res.score**2 == pytest.approx(want, rel=1e-6)
+    assert res.score > 0
+
+
+def test_copy_scores_refuse_fused_experts():
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    cfg = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        num_local_experts=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    exp = expand_layers(model, [0])
+    ids = _ids()
+    with pytest.raises(GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map"):
+        copy_scores(exp, token_loss_masked, [({"input_ids": ids}, ids)])
