@@ -424,3 +424,26 @@ def test_copy_scores_refuse_fused_experts():
     ids = _ids()
     with pytest.raises(GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map"):
         copy_scores(exp, token_loss_masked, [({"input_ids": ids}, ids)])
+
+
+def test_grow_auto_ranks_with_the_copy_family():
+    """grow(positions='auto') on a GPT-2: the chosen layer is the one whose copy has the largest own s/AG_rms."""
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.grow.run import grow
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    ids = _ids(b=3, t=10)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+    rep = grow(model, token_loss_masked, [batch], sites=None, blocks=1, positions="auto")
+    scores = copy_scores(expand_layers(model, [0, 1]), token_loss_masked, [batch])
+    best = max(scores, key=lambda s: scores[s].relative_score)
+    assert [c["site"] for c in rep.chosen] == [best]
+    assert "zero-output layer copy" in rep.ranking["by"]
+    assert [r["relative_score"] for r in rep.ranking["sites"]] == sorted(
+        (scores[s].relative_score for s in scores), reverse=True
+    )
+    assert any("inserted family" in n for n in rep.notes)

@@ -486,9 +486,11 @@ def grow(
     diagnosis = diagnose(model, loss_fn, batches, sites=sites, family=diag_family, layout=layout, **kw)
     eval_before = _probe_loss(model, loss_fn, eval_batches, progress) if eval_batches else None
     lap("diagnose")
-    ranking = rank_sites(diagnosis)
-    chosen = _pick(ranking, sites, pos, blocks)
     probe = unpack_batch(batches[0])[0]
+    by_copy = family is None and pos == "auto"
+    ranking, copy_note = _copy_ranking(model, loss_fn, batches, sites, probe) if by_copy else (None, None)
+    ranking = ranking or rank_sites(diagnosis)
+    chosen = _pick(ranking, sites, pos, blocks)
     method, fam_name, res = _grow_model(model, chosen, family, probe, layout)
     grown = res.model
     lap("grow")
@@ -514,7 +516,7 @@ def grow(
         description=description or diagnosis.description,
         versions=_versions(),
         seconds=seconds,
-        notes=_notes(method, family, bool(eval_batches)),
+        notes=_notes(method, family, bool(eval_batches), copy_note),
         eval_loss_before=eval_before,
         train_steps=train_steps,
         checkpoint=None if checkpoint is None else str(checkpoint),
@@ -624,7 +626,36 @@ def interrupted_message(checkpoint: str | os.PathLike | None) -> str:
     )
 
 
-def _notes(method: str, family: str | None, held_out: bool) -> list[str]:
+def _copy_ranking(
+    model: nn.Module, loss_fn: Callable, batches: Sequence, sites: list[str], probe: Any
+) -> tuple[Any, str | None]:
+    """The sites ranked by the zero-output layer copy's own tangent, when ``model``'s layers are copied.
+
+    Returns ``(ranking, note)``; ``(None, note)`` when the copies are not a feature family to score
+    (the linear diagnosis ranks then), ``(None, None)`` when the model is not grown by layer copies.
+    """
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.grow.ranking import BY_POINT, RankedSite, SiteRanking
+
+    expand = _expandable(model, sites, probe)
+    if expand is None:
+        return None, None
+    try:
+        scores = copy_scores(expand_layers(model, expand[1], probe=probe), loss_fn, batches)
+    except GrowError as exc:
+        return None, f"sites ranked with the linear family: the layer copies cannot be scored ({exc})"
+    ranked = []
+    for depth, site in enumerate(sites):
+        r = scores[site]
+        key = r.relative_score if math.isfinite(r.relative_score) and r.verdict.value != "degenerate" else -math.inf
+        ranked.append(RankedSite(site, depth, float(key), float(r.relative_score), None, r.verdict.value))
+    ranked.sort(key=lambda r: (-r.key, r.depth))
+    by = f"{BY_POINT} of the zero-output layer copy (its own tangent: the zeroed projections' features)"
+    note = "sites ranked with the inserted family: the zero-output layer copy's own tangent (ranking.sites)"
+    return SiteRanking(ranked, by, "the inserted family's own score (copy_scores)"), note
+
+
+def _notes(method: str, family: str | None, held_out: bool, copy_note: str | None = None) -> list[str]:
     notes = [
         "first_step: one Adam step from zero state on the new parameters only, on the first probe batch; "
         "predicted_change = -lr <b, P(b)> (first order), observed_change = J(lr) - J(0)",
@@ -633,11 +664,8 @@ def _notes(method: str, family: str | None, held_out: bool) -> list[str]:
     ]
     if held_out:
         notes.append("eval_loss_before/eval_loss_after: mean loss over the held-out batches, never trained on")
-    if method == "expand_layers":
-        notes.append(
-            "sites were ranked with the linear family on the residual stream; the zero-output layer copy's "
-            "tangent space (its zeroed output projections) differs from it"
-        )
+    if copy_note is not None:
+        notes.append(copy_note + "; the chosen rows' score and verdict are the linear family's diagnosis")
     return notes
 
 
