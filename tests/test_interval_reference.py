@@ -746,15 +746,24 @@ def test_eigenvalue_floor_note_on_small_and_on_rank_deficient_gram():
 
 def test_eigenvalue_floor_note_ignores_directions_below_the_cutoff():
     """The μ note uses eigenvalues above ``rtol · λ_max`` only: a resolved-away direction (eigenvalue
-    1e-9 below the cutoff 1.8e-9 of a Gram with λ_max ≈ 7e5) does not trigger it, and a Gram that is
-    exactly zero has no nonzero eigenvalue to compare."""
-    phi, g = _rows(n=2000, seed=20)
-    z = phi[:, 0]
-    near = np.stack([1000 * z, 1000 * z + 4.5e-5 * np.random.default_rng(0).standard_normal(2000), phi[:, 1]], 1)
+    2⁻³² ≈ 2.3e-10, ten times below the cutoff 2.8e-9 of a Gram with λ_max = 2²⁰) does not trigger it,
+    and a Gram that is exactly zero has no nonzero eigenvalue to compare.
+
+    The features are orthogonal ±1 Hadamard columns scaled by powers of two, so every product and
+    partial sum of ``Σ̂`` is a small dyadic number: ``Σ̂ = diag(2²⁰, 2⁻³², 1)`` exactly in any summation
+    order, and the eigenvalues of a diagonal matrix are its entries on any BLAS/LAPACK."""
+    from scipy.linalg import hadamard
+
+    n = 2048
+    h = hadamard(n).astype(np.float64)
+    near = np.stack([1024.0 * h[:, 1], 2.0**-16 * h[:, 2], h[:, 3]], 1)
+    g = _rows(n=n, seed=20)[1]
     m = ProbeMoments.from_arrays(near, g)
+    assert np.array_equal(m.sigma, np.diag([2.0**20, 2.0**-32, 1.0]))  # exact, whatever the BLAS
     ev = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T))
+    assert np.array_equal(ev, [2.0**-32, 1.0, 2.0**20])
     cut = m.rtol * ev.max()
-    assert 10 * m.rtol / ev.max() < ev[0] < 0.9 * cut < ev[1]  # one direction inside (rtol/λ_max, rtol·λ_max)
+    assert 10 * m.rtol / ev.max() < ev[0] < 0.1 * cut and cut < ev[1]  # one direction inside (rtol/λ_max, rtol·λ_max)
     it = interval_from_moments(m, 0.2, ridge=1.0, eig_floor=0.5 * float(ev[1]), grad_max=20.0, leverage_max=90.0)
     assert not any(x.startswith("--eig-floor") for x in it.notes)
     zero = ProbeMoments.from_arrays(np.zeros((5, 3)), np.ones((5, 1)))
