@@ -728,15 +728,21 @@ def test_probe_tension_thresholds_are_exact():
 
 def test_eigenvalue_floor_note_on_small_and_on_rank_deficient_gram():
     """The μ note compares μ with the smallest eigenvalue above the cutoff ``rtol · λ_max``: on a Gram whose
-    eigenvalues are all below 1, and on a rank-deficient Gram whose zero eigenvalue is rounding noise."""
-    phi, g = _rows(n=2000, seed=20)
+    eigenvalues are all below 1, and on a rank-deficient Gram whose zero eigenvalue is rounding noise.
+
+    The features are multiples of 1/16 and ``n = 2048``, so every product and partial sum of ``Σ̂`` is a small
+    dyadic number: the repeated column gives two exactly equal rows of ``Σ̂`` (an exactly singular Gram) on any
+    BLAS, and only ``eigvalsh``'s own rounding (a few ``u · λ_max``, below the cutoff ``24 u · λ_max``) is left."""
+    phi, g = _rows(n=2048, seed=20)
+    phi = np.round(phi * 16) / 16
     small = ProbeMoments.from_arrays(0.1 * phi, g)
     ev = np.linalg.eigvalsh(small.sigma)
     assert ev.max() < 1
     it = interval_from_moments(small, 0.2, ridge=0.01, eig_floor=2 * float(ev.min()), grad_max=20.0, leverage_max=900.0)
     assert any(x.startswith("--eig-floor") for x in it.notes)
-    dup = np.hstack([phi[:, :1], phi[:, :1], phi[:, 1:]]) * 1000.0  # a repeated column, large scale
+    dup = np.hstack([phi[:, :1], phi[:, :1], phi[:, 1:]]) * 1024.0  # a repeated column, large scale
     m = ProbeMoments.from_arrays(dup, g)
+    assert np.array_equal(m.sigma[0], m.sigma[1]) and np.array_equal(m.sigma, np.round(m.sigma))  # exact
     ev = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T))
     real = ev[ev > 1e-6 * ev.max()]
     assert ev.min() < 1e-6 * ev.max() and real.size == 3
