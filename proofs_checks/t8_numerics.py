@@ -15,12 +15,16 @@ Checks:
   ``s = 0`` never "improvable", ``s > 2e`` always "improvable".
 - ``num-lower-bound`` (numeric): dropping kept directions never raises the score
   (``lem-lower-bound``), on random feature Grams.
-- ``num-noise-test`` (coverage): pure-noise probes (``g`` independent of ``z``) at
-  ``n/k̃`` from ``0.1`` to ``100`` for every law of the test's stated domain (symmetric or mildly
-  skewed ``g``): no cell's count of "improvable" is improbable at rate ``α`` (one-sided binomial,
-  family-wise 1%) and the pooled rate is below ``α + 3 sd``; strong signals at
-  ``n = 10 k̃`` are all "improvable". Strongly skewed laws, outside the domain
+- ``num-noise-test`` (coverage, ``rem-noise-test-level``): pure-noise probes (``g`` independent of ``z``) at
+  ``n/k̃`` from ``0.1`` to ``100`` over six laws of ``z`` (centred, constant, nonnegative, heavy-tailed) and
+  four of ``g`` (symmetric and centred exponential), with and without a bias: on the test's stated domain
+  (:func:`in_noise_domain`) no cell's count of "improvable" is improbable at rate ``α`` (one-sided
+  binomial, family-wise 1%) and the pooled rate is below ``α + 3 sd``; strong signals at ``n = 10 k̃`` are
+  all "improvable". The cells outside the domain, and strongly skewed laws
   (``prop-noise-no-uniform-level``: no test can hold ``α`` for them at every ``n``), are reported.
+- ``num-noise-test-constant-feature`` (numeric, ``prop-noise-test-constant-feature``): on a constant feature
+  the engine's rate equals the exact enumeration for Rademacher ``g`` (``1/8`` at ``n = 4``) and the
+  Student-``t`` closed form for Gaussian ``g`` is at most ``α`` (0.05, 0.01) for ``n`` up to ``10⁵``.
 - ``num-unit-gram`` (numeric, ``thm-unit-gram``): random probes with fewer, about as many and more
   rows than features, full-rank and rank-deficient (repeated units, cancelling pairs, a low-rank
   site), float64 and float32: the unit path's ``ŝ`` equals the kernel form ``n⁻¹‖U_Jᵀg‖²`` of a numpy
@@ -51,7 +55,12 @@ from torch import Tensor
 
 from depthsat_theory.families import FeatureFamily, parse_family
 from depthsat_theory.statistics import NOISE_ALPHA, resolve_spectrum, statistics_for
-from depthsat_theory.statistics.linalg import FEATURE_ROUNDING_FACTOR, dropped_score, unit_roundoff
+from depthsat_theory.statistics.linalg import (
+    FEATURE_ROUNDING_FACTOR,
+    dropped_score,
+    noise_threshold,
+    unit_roundoff,
+)
 from depthsat_theory.vocabulary import Verdict
 
 from ._registry import Context, Outcome, check
@@ -284,28 +293,118 @@ def lower_bound(ctx: Context) -> Outcome:
     return Outcome(n, bad, detail=f"{n} truncations of random Grams with amplitudes down to 1e-6")
 
 
-#: Laws of the activation gradient inside the noise test's stated domain (theory/numerics.md,
-#: ``thm-noise-test``): symmetric (Gaussian, Rademacher, Student t₃) and mildly skewed (centred
-#: exponential, skewness 2); each standardised draws ``(n,)`` from a numpy generator
-NOISE_LAWS: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
-    "gaussian": lambda r, n: r.standard_normal(n),
-    "rademacher": lambda r, n: r.choice([-1.0, 1.0], n),
-    "student-t3": lambda r, n: r.standard_t(3, n),
-    "exponential": lambda r, n: r.exponential(1.0, n) - 1.0,
+#: Laws of the activation gradient ``g`` of the Monte Carlo (theory/numerics.md, ``rem-noise-test-level``):
+#: symmetric (Gaussian, Rademacher, Student t₃) and skewed (centred exponential, skewness 2); each
+#: draws an array of the given shape from a numpy generator, with mean 0
+NOISE_LAWS: dict[str, Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]] = {
+    "gaussian": lambda r, s: r.standard_normal(s),
+    "rademacher": lambda r, s: r.choice([-1.0, 1.0], s),
+    "student-t3": lambda r, s: r.standard_t(3, s),
+    "exponential": lambda r, s: r.exponential(1.0, s) - 1.0,
 }
 
-#: Strongly skewed laws outside the domain (``prop-noise-no-uniform-level``): reported, not bounded
-SKEWED_LAWS: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
-    "bernoulli(0.01)": lambda r, n: (r.random(n) < 0.01) - 0.01,
-    "lognormal(1.5)": lambda r, n: r.lognormal(0.0, 1.5, n) - math.exp(1.5**2 / 2),
+#: Laws of the site input ``z`` (one coordinate): centred, constant (``z ≡ 1``: a bias-like feature), nonnegative
+#: (uniform on ``[0, 1)``, a ReLU output ``max(N(0, 1), 0)`` with an atom at 0) and heavy-tailed (Student t₃,
+#: lognormal)
+FEATURE_LAWS: dict[str, Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]] = {
+    "gaussian": lambda r, s: r.standard_normal(s),
+    "constant": lambda r, s: np.ones(s),
+    "uniform(0,1)": lambda r, s: r.random(s),
+    "relu": lambda r, s: np.maximum(r.standard_normal(s), 0.0),
+    "student-t3": lambda r, s: r.standard_t(3, s),
+    "lognormal(1)": lambda r, s: r.lognormal(0.0, 1.0, s),
+}
+
+#: Strongly skewed laws of ``g`` outside the domain (``prop-noise-no-uniform-level``): reported, not bounded
+SKEWED_LAWS: dict[str, Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]] = {
+    "bernoulli(0.01)": lambda r, s: (r.random(s) < 0.01) - 0.01,
+    "lognormal(1.5)": lambda r, s: r.lognormal(0.0, 1.5, s) - math.exp(1.5**2 / 2),
 }
 
 #: ``n/k̃`` of the Monte Carlo (the issue's range, 0.1 to 100)
 NOISE_RATIOS = (0.1, 0.3, 1, 3, 10, 30, 100)
 
 
+def in_noise_domain(bias: bool, z_law: str, g_law: str) -> bool:
+    """Whether ``(family, law of z, law of g)`` lies in the finite-``n`` domain of ``rem-noise-test-level``.
+
+    The domain: a cross-gradient ``X = g φ̃ᵀ`` whose law is symmetric (``g`` symmetric, or no bias and ``z``
+    symmetric about 0, ``g`` independent of ``z``) and has no atom other than 0 (so not a Rademacher ``g`` on a
+    constant feature); and centred exponential ``g`` with a bias and a non-constant ``z``.  Outside it
+    (measured, reported): Rademacher ``g`` on a constant feature (a lattice) and centred exponential ``g`` on
+    one feature direction of nonzero mean (no bias and ``E z ≠ 0``, or a constant ``z``).
+    """
+    symmetric = g_law in ("gaussian", "rademacher", "student-t3") or (not bias and z_law in ("gaussian", "student-t3"))
+    lattice = g_law == "rademacher" and z_law == "constant"
+    if symmetric and not lattice:
+        return True
+    return g_law == "exponential" and bias and z_law != "constant"
+
+
+def noise_ratio_reference(z: np.ndarray, g: np.ndarray, bias: bool) -> np.ndarray:
+    """``n ŝ²/v̂`` of ``R`` probes of the linear family at ``d = 1``, in closed form (no engine code).
+
+    Args:
+        z: inputs ``(R, n)`` float64.
+        g: activation gradients ``(R, n)`` float64.
+        bias: the family has a bias (``φ̃ = (z, 1)``) or not (``φ̃ = z``).
+
+    Returns:
+        ``(R,)``: ``n tr(Ḡ Σ̂⁺ Ḡᵀ) / tr(Σ̂⁺ Ê[XᵀX])`` with ``X = g φ̃ᵀ`` (``0`` where ``v̂ = 0``); without a bias
+        this is the self-normalised sum ``(Σ g z)² / Σ (g z)²``.
+    """
+    n = z.shape[1]
+    if not bias:
+        x = g * z
+        num, den = x.sum(1) ** 2, (x * x).sum(1)
+    else:
+        phi = np.stack([z, np.ones_like(z)], 2)
+        sig = np.einsum("rni,rnj->rij", phi, phi) / n
+        big_g = np.einsum("rn,rni->ri", g, phi) / n
+        q = np.einsum("rn,rni,rnj->rij", g * g, phi, phi) / n
+        sp = np.linalg.pinv(sig, rcond=1e-10, hermitian=True)
+        num = n * n * np.einsum("ri,rij,rj->r", big_g, sp, big_g)
+        den = n * np.einsum("rij,rji->r", sp, q)
+    out = np.zeros_like(num)
+    np.divide(num, den, out=out, where=den > 0)
+    return out
+
+
+def _engine_agrees(z: np.ndarray, g: np.ndarray, bias: bool, ref: np.ndarray, threshold: float) -> int:
+    """How many of the probes ``z``, ``g`` ``(m, n)`` the engine's noise ratio or verdict disagrees on."""
+    bad = 0
+    for zi, gi, ri in zip(z, g, ref, strict=True):
+        stats = statistics_for(parse_family("linear" if bias else "linear-nobias"), (1,), "vector")
+        stats.update(torch.from_numpy(zi[:, None]), torch.from_numpy(gi[:, None]))
+        res = stats.result()
+        if abs(ri - threshold) < 1e-6 * threshold or res.score <= res.score_error:
+            continue  # at the threshold, or below the rounding bound: rounding may decide either way
+        bad += (res.verdict is Verdict.IMPROVABLE) != (ri > threshold)
+        bad += ri > 0 and not abs(res.noise_ratio - ri) <= 1e-8 * ri
+    return bad
+
+
+def _noise_cells(
+    ctx: Context, configs: list[tuple[bool, str, str, Callable]], reps: int, rng: np.random.Generator
+) -> tuple[list[list[int]], int]:
+    """Hits of the noise test (closed form) per config and ``n/k̃``, and the engine's disagreements."""
+    threshold, checked = noise_threshold(NOISE_ALPHA), ctx.count(5, 2)
+    hits, bad = [], 0
+    for bias, z_law, _, draw in configs:
+        row = []
+        for ratio in NOISE_RATIOS:
+            n = max(2, round(ratio * (1 + bias)))
+            z, g = FEATURE_LAWS[z_law](rng, (reps, n)), draw(rng, (reps, n))
+            ref = noise_ratio_reference(z, g, bias)
+            row.append(int((ref > threshold).sum()))
+            if n >= 4:
+                bad += _engine_agrees(z[:checked], g[:checked], bias, ref[:checked], threshold)
+        hits.append(row)
+    return hits, bad
+
+
 def noise_rate(spec: str, d: int, law, ratio: float, reps: int, rng: np.random.Generator) -> tuple[int, float]:
-    """``(n, rate)``: the share of "improvable" verdicts on ``reps`` pure-noise probes.
+    """``(n, rate)``: the share of "improvable" verdicts of the engine on ``reps`` pure-noise probes.
 
     ``z`` is standard normal ``(n, d)`` and ``g`` has i.i.d. coordinates from ``law`` (mean 0),
     independent of ``z``: the population cross-gradient is ``E[g] E[φ̃]ᵀ = 0``, so ``s = 0``.
@@ -315,75 +414,175 @@ def noise_rate(spec: str, d: int, law, ratio: float, reps: int, rng: np.random.G
     hits = 0
     for _ in range(reps):
         z = rng.standard_normal((n, d))
-        g = np.stack([law(rng, n) for _ in range(d)], 1)
+        g = law(rng, (n, d))
         stats = statistics_for(parse_family(spec), (d,), "vector")
         stats.update(torch.from_numpy(z), torch.from_numpy(g))
         hits += stats.result().verdict is Verdict.IMPROVABLE
     return n, hits / reps
 
 
-@check("NUM", "thm-noise-test", "num-noise-test", "coverage")
+@check("NUM", ("thm-noise-test", "rem-noise-test-level"), "num-noise-test", "coverage")
 def noise_test(ctx: Context) -> Outcome:
-    """Pure noise: "improvable" at most at rate ``α`` for ``n/k̃`` in [0.1, 100], laws of the domain.
+    """Pure noise: "improvable" at most at rate ``α`` for ``n/k̃`` in [0.1, 100] on the laws of the domain.
 
-    Configurations: linear with a bias at ``d = 1`` (``k̃ = 2``: the mean of a skewed gradient lies in
-    the bias direction), linear without a bias at ``d = 1`` (one χ² weight, the extremal law of the
-    test) for every law of :data:`NOISE_LAWS`, and linear at ``d = 8`` for the Gaussian; strong
-    signals at ``n = 10 k̃`` must all be improvable. The strongly skewed laws of
-    :data:`SKEWED_LAWS` are run too and reported in the table ("outside the domain"), not bounded.
+    Grid: the linear family at ``d = 1`` with and without a bias (without: one χ² weight, the extremal law
+    of the test), every law of ``z`` in :data:`FEATURE_LAWS` and of ``g`` in :data:`NOISE_LAWS`
+    (independent), ``n/k̃`` in :data:`NOISE_RATIOS`.  The rate is that of the statistic ``n ŝ²/v̂`` in closed
+    form (:func:`noise_ratio_reference`, many probes per cell); on the first probes of each cell with
+    ``n ≥ 4`` the engine's ``noise_ratio`` must equal it and its verdict must be "improvable" exactly when
+    it exceeds ``χ²₁,₁₋α``.  Cells in :func:`in_noise_domain` must not be significantly above ``α``
+    (one-sided binomial, family-wise 1%) and pool to at most ``α + 3 sd``; the other cells, and the strongly
+    skewed laws of :data:`SKEWED_LAWS`, are reported with 99% Clopper–Pearson intervals, not bounded.  The
+    engine itself is run on linear ``d = 8`` with Gaussian ``z`` and ``g`` (200 probes per cell), and on
+    strong signals at ``n = 10 k̃``, which must all be improvable.
     """
+    from scipy.stats import beta, binom
+
     rng = ctx.rng("num-noise-test")
     gen = ctx.torch_generator("num-noise-test")
-    reps = ctx.count(200, 60)
-    from scipy.stats import binom
-
-    rows, bad, n_inst = [], 0, 0
-    configs = [(spec, 1, law) for spec in ("linear", "linear-nobias") for law in NOISE_LAWS] + [
-        ("linear", 8, "gaussian")
-    ]
-    cells = len(configs) * len(NOISE_RATIOS)
-    # a cell fails when its count of "improvable" is improbable under rate α (one-sided binomial
-    # p-value below 0.01/cells: family-wise 1%); the pooled rate over every cell must be ≤ α + 3 sd
-    hits_all = 0
-    for spec, dd, law in configs:
-        rates = [noise_rate(spec, dd, NOISE_LAWS[law], ratio, reps, rng) for ratio in NOISE_RATIOS]
-        n_inst += reps * len(rates)
-        for _, rate in rates:
-            hits = round(rate * reps)
-            hits_all += hits
-            bad += bool(binom.sf(hits - 1, reps, NOISE_ALPHA) < 0.01 / cells)
-        rows.append([f"{spec} d={dd}", law, "yes", *(f"{rate:.3f}" for _, rate in rates)])
-    pooled = hits_all / (cells * reps)
+    reps = ctx.count(4000, 400)
+    configs = [(b, zl, gl, NOISE_LAWS[gl]) for b in (True, False) for zl in FEATURE_LAWS for gl in NOISE_LAWS]
+    configs += [(True, "gaussian", gl, draw) for gl, draw in SKEWED_LAWS.items()]
+    hits, bad = _noise_cells(ctx, configs, reps, rng)
+    inside = [in_noise_domain(b, zl, gl) for b, zl, gl, _ in configs]
+    cells = sum(inside) * len(NOISE_RATIOS)
+    rows, hits_in, worst_out = [], 0, 0.0
+    for (b, zl, gl, _), row, dom in zip(configs, hits, inside, strict=True):
+        cell_text = []
+        for h in row:
+            lo = float(beta.ppf(0.005, h, reps - h + 1)) if h else 0.0
+            hi = float(beta.ppf(0.995, h + 1, reps - h)) if h < reps else 1.0
+            cell_text.append(f"{h / reps:.3f} [{lo:.3f}, {hi:.3f}]")
+            if dom:
+                hits_in += h
+                bad += bool(binom.sf(h - 1, reps, NOISE_ALPHA) < 0.01 / cells)
+            else:
+                worst_out = max(worst_out, h / reps)
+        rows.append(["linear" if b else "linear-nobias", zl, gl, "yes" if dom else "no", *cell_text])
+    pooled = hits_in / (cells * reps)
     slack = 3 * math.sqrt(NOISE_ALPHA * (1 - NOISE_ALPHA) / (cells * reps))
     bad += pooled > NOISE_ALPHA + slack
-    for law, draw in SKEWED_LAWS.items():
-        rates = [noise_rate("linear", 1, draw, ratio, reps, rng) for ratio in NOISE_RATIOS]
-        rows.append(["linear d=1", law, "no", *(f"{rate:.3f}" for _, rate in rates)])
-    d = 8
-    k = d + 1
+    n_inst = len(configs) * len(NOISE_RATIOS) * reps
+    engine_reps = ctx.count(200, 60)
+    d8 = [noise_rate("linear", 8, NOISE_LAWS["gaussian"], ratio, engine_reps, rng) for ratio in NOISE_RATIOS]
+    n_inst += engine_reps * len(d8)
+    for _, rate in d8:
+        bad += bool(binom.sf(round(rate * engine_reps) - 1, engine_reps, NOISE_ALPHA) < 0.01 / len(d8))
+    rows.append(["linear d=8", "gaussian", "gaussian", "yes (engine)", *(f"{rate:.3f}" for _, rate in d8)])
+    d, n_strong = 8, ctx.count(20, 5)
     strong = 0
-    for _ in range(ctx.count(20, 5)):
-        n = 10 * k
+    for _ in range(n_strong):
+        n = 10 * (d + 1)
         z = torch.randn(n, d, generator=gen, dtype=torch.float64)
         g = z @ torch.randn(d, d, generator=gen, dtype=torch.float64) + torch.randn(n, d, generator=gen)
         stats = statistics_for(parse_family("linear"), (d,), "vector")
         stats.update(z, g.double())
         strong += stats.result().verdict is Verdict.IMPROVABLE
-        n_inst += 1
-    n_strong = ctx.count(20, 5)
+    n_inst += n_strong
     bad += n_strong - strong
     return Outcome(
         n_inst,
         bad,
         detail=(
-            f"pure-noise 'improvable' rate: pooled {pooled:.4f} ≤ {NOISE_ALPHA} + {slack:.4f}, no cell above α "
-            f"(binomial, family-wise 1%) on {len(configs)} (family, law) pairs × {len(NOISE_RATIOS)} n/k̃ from "
-            f"0.1 to 100; strong signals {strong}/{n_strong}"
+            f"pure-noise 'improvable' rate in the domain: pooled {pooled:.4f} ≤ {NOISE_ALPHA} + {slack:.4f}, no cell "
+            f"above α (binomial, family-wise 1%) on {sum(inside)} (family, law of z, law of g) triples × "
+            f"{len(NOISE_RATIOS)} n/k̃ from 0.1 to 100 ({reps} probes per cell); outside the domain up to "
+            f"{worst_out:.3f}; strong signals {strong}/{n_strong}"
         ),
         table=(
-            f"noise test: rate of 'improvable' on pure noise ({reps} probes per cell, α = {NOISE_ALPHA})",
-            ["family", "law of g", "in domain", *(f"n/k̃={r:g}" for r in NOISE_RATIOS)],
+            f"noise test: rate of 'improvable' on pure noise (α = {NOISE_ALPHA}; {reps} probes per cell, "
+            f"99% Clopper–Pearson interval; d = 8: the engine on {engine_reps} probes)",
+            ["family", "law of z", "law of g", "in domain", *(f"n/k̃={r:g}" for r in NOISE_RATIOS)],
             rows,
+        ),
+    )
+
+
+def rademacher_constant_rate(n: int, c: float) -> Fraction:
+    """``Pr((Σ g)²/Σ g² > c)`` for ``n`` Rademacher ``g`` (``prop-noise-test-constant-feature``, part 2), exactly.
+
+    ``Σ g = 2K − n`` and ``Σ g² = n`` with ``K ~ Binomial(n, 1/2)``: ``2⁻ⁿ Σ_{k : (2k−n)² > c n} C(n, k)``.
+    """
+    total, binom_k = 0, 1  # binom_k = C(n, k), updated along the row
+    for k in range(n + 1):
+        total += binom_k if (2 * k - n) ** 2 > c * n else 0
+        binom_k = binom_k * (n - k) // (k + 1)
+    return Fraction(total, 2**n)
+
+
+def gaussian_constant_rate(n: np.ndarray, c: float) -> np.ndarray:
+    """``Pr((Σ g)²/Σ g² > c)`` for ``n`` standard normal ``g`` (``prop-noise-test-constant-feature``, part 1).
+
+    ``0`` for ``n ≤ c``; else ``Pr(|t_{n−1}| > √((n−1)c/(n−c)))`` (Student's ``t``, scipy).
+    """
+    from scipy.stats import t as student
+
+    n = np.asarray(n, dtype=np.float64)
+    big = n > c
+    out = np.zeros_like(n)
+    m = n[big]
+    out[big] = 2 * student.sf(np.sqrt((m - 1) * c / (m - c)), m - 1)
+    return out
+
+
+def _constant_feature_probe(g: np.ndarray):
+    """The engine's result on the linear family without a bias, ``z ≡ 1``, gradients ``g`` ``(n,)``."""
+    stats = statistics_for(parse_family("linear-nobias"), (1,), "vector")
+    stats.update(torch.ones(g.size, 1, dtype=torch.float64), torch.from_numpy(g[:, None]))
+    return stats.result()
+
+
+@check("NUM", "prop-noise-test-constant-feature", "num-noise-test-constant-feature", "numeric")
+def noise_test_constant_feature(ctx: Context) -> Outcome:
+    """Exact rates of the noise test on a constant feature (Rademacher enumeration, Gaussian closed form).
+
+    Rademacher: for every ``n`` enumerated and every count ``k`` of ``+1`` the engine's noise ratio equals
+    ``(2k − n)²/n`` and its verdict is "improvable" exactly when that exceeds ``χ²₁,₀.₉₅`` (every probe with
+    ``k`` plus signs has the same sums, exact integers), so its rate is :func:`rademacher_constant_rate`;
+    the rate at ``n = 4`` is ``1/8`` (2 of 16 sign vectors) and is above ``α`` at 29 sizes from 4 to 64.
+    Gaussian: the engine's ratio equals ``(Σ g)²/Σ g²`` on random probes and the closed form of
+    :func:`gaussian_constant_rate` is at most ``α`` for every ``n`` from 2 to ``10⁵`` (``10⁴`` quick) at
+    ``α`` = 0.05 and 0.01, above it at ``α = 0.1`` for every ``n ≥ 13``.
+    """
+    rng = ctx.rng("num-noise-test-constant-feature")
+    c = noise_threshold(NOISE_ALPHA)
+    bad = n_inst = 0
+    top = ctx.count(32, 12)
+    for n in range(4, top + 1):
+        engine_rate = Fraction(0)
+        for k in range(n + 1):
+            res = _constant_feature_probe(np.array([1.0] * k + [-1.0] * (n - k)))
+            truth = Fraction((2 * k - n) ** 2, n)
+            bad += not math.isclose(res.noise_ratio, float(truth), rel_tol=1e-12, abs_tol=1e-300)
+            hit = res.verdict is Verdict.IMPROVABLE
+            bad += hit != (truth > c)
+            engine_rate += hit * Fraction(math.comb(n, k), 2**n)
+            n_inst += 1
+        bad += engine_rate != rademacher_constant_rate(n, c)
+    rates = {n: rademacher_constant_rate(n, c) for n in range(4, 1001)}
+    over = [n for n in range(4, 65) if rates[n] > NOISE_ALPHA]
+    bad += rates[4] != Fraction(1, 8) or rates[5] != Fraction(1, 16) or len(over) != 29
+    for _ in range(ctx.count(40, 10)):
+        g = rng.standard_normal(int(rng.integers(4, 200)))
+        res = _constant_feature_probe(g)
+        t2 = g.sum() ** 2 / (g * g).sum()
+        bad += not abs(res.noise_ratio - t2) <= 1e-12 * max(t2, 1.0)
+        bad += (res.verdict is Verdict.IMPROVABLE) != (t2 > c) and abs(t2 - c) > 1e-9
+        n_inst += 1
+    ns = np.arange(2, ctx.count(100_000, 10_000) + 1)
+    worst = {a: float(gaussian_constant_rate(ns, noise_threshold(a)).max()) for a in (0.05, 0.01)}
+    bad += sum(worst[a] > a for a in worst)
+    r10 = gaussian_constant_rate(ns, noise_threshold(0.1))
+    bad += not bool((r10[ns >= 13] > 0.1).all())
+    n_inst += 3 * ns.size
+    return Outcome(
+        n_inst,
+        bad,
+        detail=(
+            f"Rademacher g on z ≡ 1: engine = enumeration for n = 4..{top}; exact rate 1/8 at n = 4, "
+            f"{float(rates[100]):.4f} at n = 100, {float(rates[1000]):.4f} at n = 1000, above α at "
+            f"{len(over)} n in 4..64; Gaussian g: largest rate {worst[0.05]:.8f} (α = 0.05), "
+            f"{worst[0.01]:.8f} (α = 0.01) over n = 2..{ns[-1]}, above α = 0.1 for every n ≥ 13"
         ),
     )
 

@@ -180,9 +180,9 @@ def test_grow_prints_its_results_when_the_out_write_fails_after_training(read_on
     monkeypatch.setattr(cli, "check_output_path", lambda *a, **k: None)
     real = grow_run.write_grown
 
-    def write_as_nobody(rep, out):
+    def write_as_nobody(rep, out, **kwargs):
         with _unprivileged():
-            return real(rep, out)
+            return real(rep, out, **kwargs)
 
     monkeypatch.setattr(grow_run, "write_grown", write_as_nobody)
     dest = read_only / "grown"

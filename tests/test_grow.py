@@ -278,3 +278,75 @@ def test_even_positions():
     assert even_positions(5, 5) == [0, 1, 2, 3, 4]
     with pytest.raises(GrowError):
         even_positions(3, 4)
+
+
+def _two_group_adam():
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    c = nn.Parameter(torch.randn(2, dtype=torch.float64))
+    opt = torch.optim.AdamW(
+        [{"params": [a], "lr": 0.5, "betas": (0.75, 0.875), "weight_decay": 0.25}, {"params": [c], "lr": 0.25}],
+        lr=1.0,
+        eps=2.0**-20,
+    )
+    return a, c, opt
+
+
+def _step(opt, params):
+    opt.zero_grad()
+    sum((p * p).sum() for p in params).backward()
+    opt.step()
+
+
+def test_zero_state_group_copies_hyperparameters_and_lambda_schedule():
+    """The new group is group 0's twin: same hyperparameters; LambdaLR gives it 0.5 · 2^-e, as group 0 (exact)."""
+    a, c, opt = _two_group_adam()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda e: 0.5**e, lambda e: 1.0])
+    for _ in range(3):
+        _step(opt, [a, c])
+        sched.step()
+    new = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    group = zero_state_param_groups(opt, [new], like=0, schedulers=[sched])
+    assert {k: v for k, v in group.items() if k != "params"} == {
+        k: v for k, v in opt.param_groups[0].items() if k != "params"
+    }
+    assert group["betas"] == (0.75, 0.875) and group["weight_decay"] == 0.25 and group["eps"] == 2.0**-20
+    assert group["lr"] == 0.5 * 2.0**-3
+    for e in range(4, 9):
+        _step(opt, [a, c, new])
+        sched.step()
+        assert group["lr"] == 0.5 * 2.0**-e and opt.param_groups[1]["lr"] == 0.25
+    assert sched.get_last_lr()[-1] == 0.5 * 2.0**-8
+    assert float(new.detach().abs().max()) == 0.0  # (zero gradient of Σ p² at 0, weight decay of 0: stays 0)
+
+
+def test_zero_state_group_cosine_schedule_and_lr_override():
+    """CosineAnnealingLR: the new group follows η_t = η_min + (η_0 − η_min)(1 + cos(π t/T))/2 with its own η_0."""
+    import math
+
+    a, c, opt = _two_group_adam()
+    T = 10
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=T, eta_min=0.0)
+    for _ in range(2):
+        _step(opt, [a, c])
+        sched.step()
+    twin = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    zero_state_param_groups(opt, [twin], like=1, schedulers=[sched])
+    for t in range(3, T + 1):
+        _step(opt, [a, c, twin])
+        sched.step()
+        want = 0.25 * (1 + math.cos(math.pi * t / T)) / 2
+        assert opt.param_groups[2]["lr"] == pytest.approx(want, rel=1e-12, abs=1e-15)
+        assert opt.param_groups[2]["lr"] == pytest.approx(opt.param_groups[1]["lr"], rel=1e-12, abs=1e-15)
+    with pytest.raises(GrowError, match=r"like=5 is not a parameter group index \(the optimizer has 3 groups\)"):
+        zero_state_param_groups(opt, [nn.Parameter(torch.zeros(1))], like=5)
+    with pytest.raises(GrowError, match="not a torch LR scheduler"):
+        zero_state_param_groups(opt, [nn.Parameter(torch.zeros(1))], schedulers=[object()])
+    a, c, opt = _two_group_adam()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    sched.step()
+    new = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    zero_state_param_groups(opt, [new], like=0, lr=0.125, schedulers=[sched])
+    _step(opt, [a, c, new])
+    sched.step()
+    assert opt.param_groups[2]["lr"] == 0.125 * 0.25 and opt.param_groups[0]["lr"] == 0.5 * 0.25

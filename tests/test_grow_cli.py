@@ -181,3 +181,170 @@ def test_grow_hf_checkpoint_folder(tmp_path):
     ids = torch.tensor([char_tokenizer()(VERSES[0])["input_ids"]])
     with torch.no_grad():
         assert torch.equal(grown(ids).logits, model(ids).logits)
+
+
+def test_grow_hf_round_trip_closed(tmp_path):
+    """grow --model hf:DIR writes a complete hf: folder (tokenizer, generation config): diagnose and grow accept it."""
+    import transformers
+    from tiny_hf import VERSES, char_tokenizer, save_checkpoint, tiny_causal_lm
+
+    model = tiny_causal_lm("llama")
+    model.generation_config.max_new_tokens = 7  # a non-default setting that must travel
+    save_checkpoint(model, tmp_path / "ckpt")
+    (tmp_path / "probe.txt").write_text("\n".join(VERSES) + "\n")
+    common = ["--text", str(tmp_path / "probe.txt"), "--batches", "1", "--batch-size", "2"]
+    out1, out2 = tmp_path / "g1", tmp_path / "g2"
+    res = runner.invoke(
+        app,
+        [
+            "grow",
+            "--model",
+            f"hf:{tmp_path / 'ckpt'}",
+            *common,
+            "--blocks",
+            "1",
+            "--positions",
+            "0",
+            "--out",
+            str(out1),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    tok = transformers.AutoTokenizer.from_pretrained(str(out1), local_files_only=True)
+    assert tok(VERSES[2])["input_ids"] == char_tokenizer()(VERSES[2])["input_ids"]
+    assert transformers.GenerationConfig.from_pretrained(str(out1)).max_new_tokens == 7
+    res = runner.invoke(app, ["diagnose", "--model", f"hf:{out1}", *common, "--json", str(tmp_path / "d.json")])
+    assert res.exit_code == 0, res.output
+    sites = [r["site"] for r in json.loads((tmp_path / "d.json").read_text())["sites"]]
+    assert sites == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    res = runner.invoke(
+        app, ["grow", "--model", f"hf:{out1}", *common, "--blocks", "1", "--positions", "2", "--out", str(out2)]
+    )
+    assert res.exit_code == 0, res.output
+    grown = transformers.AutoModelForCausalLM.from_pretrained(str(out2)).eval()
+    assert grown.config.num_hidden_layers == 4
+    ids = torch.tensor([char_tokenizer()(VERSES[0])["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(grown(ids).logits, model(ids).logits)
+
+
+def _hf_ckpt(tmp_path):
+    from tiny_hf import VERSES, save_checkpoint, tiny_causal_lm
+
+    save_checkpoint(tiny_causal_lm("llama"), tmp_path / "ckpt")
+    (tmp_path / "probe.txt").write_text("\n".join(VERSES) + "\n")
+    (tmp_path / "held.txt").write_text("\n".join(reversed(VERSES)) + "\n")
+    return ["--model", f"hf:{tmp_path / 'ckpt'}", "--text", str(tmp_path / "probe.txt"), "--batch-size", "2"]
+
+
+def test_grow_cli_interrupt_resume_held_out(tmp_path, monkeypatch):
+    """Ctrl-C at training step 2 of 4: exit 130 and how to resume; the rerun equals an uninterrupted run bitwise."""
+    from safetensors.torch import load_file
+
+    from depthsat_theory.cli import render
+
+    base = [*_hf_ckpt(tmp_path), "--blocks", "1", "--positions", "1", "--train-steps", "4", "--lr", "1e-2"]
+    held = ["--eval-text", str(tmp_path / "held.txt")]
+    res = runner.invoke(app, ["grow", *base, *held, "-q", "--out", str(tmp_path / "full")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "full" / "grow-report.json").read_text())
+    assert rep["eval_loss_before"] is not None and rep["eval_loss_after"] is not None
+    assert "held-out loss: before" in res.output and "probe loss (training data)" in res.output
+    real = render.phase_progress
+
+    def interrupting(bar):
+        inner = real(bar)
+
+        def update(phase, done, total):
+            inner(phase, done, total)
+            if phase == "train" and done == 2:
+                raise KeyboardInterrupt
+
+        return update
+
+    monkeypatch.setattr(render, "phase_progress", interrupting)
+    ck = tmp_path / "train.ckpt"
+    argv = ["grow", *base, *held, "--checkpoint", str(ck), "--out", str(tmp_path / "resumed")]
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 130, res.output
+    assert f"interrupted: {ck} keeps training step 2 of 4" in res.output and "rerun the same command" in res.output
+    assert not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(render, "phase_progress", real)
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 0, res.output
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rep2 = json.loads((tmp_path / "resumed" / "grow-report.json").read_text())
+    assert rep2["train_losses"] == rep["train_losses"] and rep2["eval_loss_after"] == rep["eval_loss_after"]
+
+
+def test_grow_cli_interrupt_without_checkpoint(tmp_path, monkeypatch):
+    import depthsat_theory.grow.run as run_mod
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "grow", interrupted)
+    res = runner.invoke(app, ["grow", *_hf_ckpt(tmp_path), "--blocks", "1", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 130
+    assert "interrupted: nothing was kept (no --checkpoint); rerun with --checkpoint PATH" in res.output
+
+
+def test_diagnose_cli_interrupt_says_what_was_kept(tmp_path, monkeypatch):
+    import depthsat_theory.diagnose as diag_mod
+
+    real = diag_mod.diagnose
+
+    def diagnose_then_stop(*a, progress=None, **k):
+        def stop(done, total):
+            progress(done, total)
+            if done == 1:
+                raise KeyboardInterrupt
+
+        return real(*a, progress=stop, **k)
+
+    monkeypatch.setattr(diag_mod, "diagnose", diagnose_then_stop)
+    base = ["diagnose", *_hf_ckpt(tmp_path), "--batches", "3"]
+    res = runner.invoke(app, base)
+    assert res.exit_code == 130
+    assert "interrupted after 1 probe batches: nothing was kept (no --checkpoint)" in res.output
+    ck = tmp_path / "d.ckpt"
+    res = runner.invoke(app, [*base, "--checkpoint", str(ck)])
+    assert res.exit_code == 130 and f"{ck} keeps the statistics as of its last write (every 1 batches)" in res.output
+
+
+def test_grow_eval_text_refused_for_a_model_without_tokenizer(tmp_path):
+    (tmp_path / "held.txt").write_text("a\nb\nc\nd\ne\nf\n")
+    res = _grow("--blocks", "1", "--eval-text", str(tmp_path / "held.txt"), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2
+    assert "--eval-text is for language models with a tokenizer" in res.output
+
+
+def test_prune_candidates_cli(tmp_path):
+    """prune-candidates on an hf: folder: every layer with its removal figures and the growth score; JSON written."""
+    import transformers
+
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    argv = ["prune-candidates", *_hf_ckpt(tmp_path), "--batches", "2", "--measure", "-q"]
+    res = runner.invoke(app, [*argv, "--json", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "p.json").read_text())
+    rows = data["candidates"]
+    assert [r["site"] for r in rows] == ["model.layers.0", "model.layers.1"]
+    assert all(r["growth_relative_score"] is not None and r["removal_change"] is not None for r in rows)
+    assert "ΔJ remove (1st order)" in res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt")).eval()
+    model.config.use_cache = False
+    from depthsat_theory.tasks.custom import resolve_model
+
+    target = resolve_model(f"hf:{tmp_path / 'ckpt'}", n_batches=2, batch_size=2, text=tmp_path / "probe.txt")
+    with torch.no_grad():
+        ells = [token_loss_masked(model(**x), y) for x, y in target.batches]
+    assert data["loss"] == pytest.approx(float(torch.cat(ells).double().mean()), rel=1e-6)
+    del model.model.layers[1]
+    model.config.num_hidden_layers = 1
+    with torch.no_grad():
+        ells = [token_loss_masked(model(**x), y) for x, y in target.batches]
+    assert rows[1]["removal_change"] == pytest.approx(float(torch.cat(ells).double().mean()) - data["loss"], rel=1e-5)

@@ -190,11 +190,9 @@ def test_expand_bad_input(tmp_path):
         expand_layers(model, [2])
     with pytest.raises(GrowError, match="repeat"):
         expand_layers(model, [0, 0])
-    with pytest.raises(GrowError, match="unknown init"):
+    with pytest.raises(GrowError, match=r"unknown init .random.; use .zero-output-copy. or .first-order."):
         expand_layers(model, [0], init="random")
-    with pytest.raises(
-        GrowError, match=r"does not support Sequential \(supported: Llama-like.*GPT-2.*BERT.*insert_blocks"
-    ):
+    with pytest.raises(GrowError, match=r"Sequential has no \.config: not a Hugging Face model; use .*insert_blocks"):
         expand_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), [0])
     with pytest.raises(GrowError, match="scale_attn_by_inverse_layer_idx"):
         expand_layers(_gpt2(scale_attn_by_inverse_layer_idx=True), [0])
@@ -311,3 +309,141 @@ def test_zeroed_maps_gradient_is_b_gpt2():
     for name, gr in grads.items():
         if name not in zeroed:
             assert float(gr.abs().max()) == 0.0, name
+
+
+def test_first_order_start_line_search():
+    """init='first-order': θ = −t b/‖b‖ with b the zero-output copy's gradient (autograd, independently);
+    the chosen t has the smallest held-out loss of the search, recomputed here; an empty grid keeps t = 0."""
+    from depthsat_theory.grow.start import first_order_start
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _llama().double()
+
+    def batch(seed):
+        ids = _ids(seed=seed, b=3, t=9)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        return ({"input_ids": ids}, labels)
+
+    train, held = batch(1), batch(1)  # held-out = the gradient batch: a descent direction must help for small t
+    zero = expand_layers(model, [0])
+    names = zero.zeroed["model.layers.1"]
+    params = [zero.model.get_parameter(n) for n in names]
+    b = torch.autograd.grad(token_loss_masked(zero.model(**train[0]), train[1]).mean(), params)
+    norm = float(torch.sqrt(sum((g**2).sum() for g in b)))
+    exp = expand_layers(model, [0], init="first-order", loss_fn=token_loss_masked, batch=train, held_out=held)
+    st = exp.start
+    assert st.gradient_norm == pytest.approx(norm, rel=1e-12) and st.step > 0
+    for n, g in zip(names, b, strict=True):
+        torch.testing.assert_close(exp.model.get_parameter(n).detach(), -st.step * g / norm, rtol=1e-12, atol=0)
+    with torch.no_grad():
+        got = float(token_loss_masked(exp.model(**held[0]), held[1]).mean())
+    assert got == pytest.approx(st.held_out_loss, rel=1e-12)
+    assert st.held_out_loss == min(v for _, v in st.searched) < st.searched[0][1]
+    kept = expand_layers(model, [0])
+    res = first_order_start(kept.model, names, token_loss_masked, train, held, grid=[])
+    assert res.step == 0.0 and all(not kept.model.get_parameter(n).any() for n in names)
+    with pytest.raises(GrowError, match="needs loss_fn, batch"):
+        expand_layers(model, [0], init="first-order")
+    with pytest.raises(GrowError, match="are not zero"):
+        first_order_start(exp.model, names, token_loss_masked, train, held)
+
+
+def test_copy_scores_use_the_copy_tangent():
+    """The copy's own family (GPT-2 in float64): G equals the autograd gradient of its zeroed maps (T1); Σ's
+    MLP block equals the Gram of the copy's MLP features computed from its modules; s² = tr(G Σ⁺ Gᵀ) (numpy)."""
+    import numpy as np
+
+    from depthsat_theory.grow.copyscore import copy_scores, copy_statistics
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _gpt2().double()
+    ids = _ids(t=9, b=3)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    labels[0, 5:] = -100
+    batch = ({"input_ids": ids, "attention_mask": mask}, labels)
+    exp = expand_layers(model, [0, 1])
+    stats = copy_statistics(exp, token_loss_masked, [batch])
+    assert sorted(stats) == ["transformer.h.0", "transformer.h.1"]
+    st = stats["transformer.h.0"]
+    names = exp.zeroed["transformer.h.1"]
+    assert [n.split(".", 3)[3] for n in names] == [
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    ]
+    params = [exp.model.get_parameter(n) for n in names]
+    b = torch.autograd.grad(token_loss_masked(exp.model(**batch[0]), labels).mean(), params, allow_unused=True)
+    big_g = np.asarray(st.cross_gradient())
+    d = 32
+    np.testing.assert_allclose(big_g[:d, :d], b[0].numpy().T, rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(big_g[:d, d:-1], b[2].numpy().T, rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(big_g[:d, -1], b[1].numpy(), rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(big_g[:d, -1], b[3].numpy(), rtol=1e-9, atol=1e-13)
+    assert not big_g[d:].any()
+    x = {}
+    h = model.transformer.h[0].register_forward_hook(
+        lambda _m, _a, out: x.__setitem__("h", out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        model(**batch[0])
+    h.remove()
+    new = exp.model.transformer.h[1]
+    with torch.no_grad():
+        phi = new.mlp.act(new.mlp.c_fc(new.ln_2(x["h"])))[mask.bool()]
+    sigma = np.asarray(st.feature_gram())
+    np.testing.assert_allclose(sigma[d:-1, d:-1], (phi.T @ phi).numpy() / 3, rtol=1e-9, atol=1e-12)
+    res = copy_scores(exp, token_loss_masked, [batch])["transformer.h.0"]
+    want = float(np.trace(big_g @ np.linalg.pinv(sigma, rcond=1e-10, hermitian=True) @ big_g.T))
+    assert res.score**2 == pytest.approx(want, rel=1e-6)
+    assert res.score > 0
+
+
+def test_copy_scores_refuse_fused_experts():
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    cfg = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        num_local_experts=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    exp = expand_layers(model, [0])
+    ids = _ids()
+    with pytest.raises(GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map"):
+        copy_scores(exp, token_loss_masked, [({"input_ids": ids}, ids)])
+
+
+def test_grow_auto_ranks_with_the_copy_family():
+    """grow(positions='auto') on a GPT-2: the chosen layer is the one whose copy has the largest own s/AG_rms."""
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.grow.run import grow
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    torch.manual_seed(0)
+    model = _gpt2()
+    ids = _ids(b=3, t=10)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+    rep = grow(model, token_loss_masked, [batch], sites=None, blocks=1, positions="auto")
+    scores = copy_scores(expand_layers(model, [0, 1]), token_loss_masked, [batch])
+    best = max(scores, key=lambda s: scores[s].relative_score)
+    assert [c["site"] for c in rep.chosen] == [best]
+    assert "zero-output layer copy" in rep.ranking["by"]
+    assert [r["relative_score"] for r in rep.ranking["sites"]] == sorted(
+        (scores[s].relative_score for s in scores), reverse=True
+    )
+    assert any("inserted family" in n for n in rep.notes)

@@ -728,15 +728,21 @@ def test_probe_tension_thresholds_are_exact():
 
 def test_eigenvalue_floor_note_on_small_and_on_rank_deficient_gram():
     """The μ note compares μ with the smallest eigenvalue above the cutoff ``rtol · λ_max``: on a Gram whose
-    eigenvalues are all below 1, and on a rank-deficient Gram whose zero eigenvalue is rounding noise."""
-    phi, g = _rows(n=2000, seed=20)
+    eigenvalues are all below 1, and on a rank-deficient Gram whose zero eigenvalue is rounding noise.
+
+    The features are multiples of 1/16 and ``n = 2048``, so every product and partial sum of ``Σ̂`` is a small
+    dyadic number: the repeated column gives two exactly equal rows of ``Σ̂`` (an exactly singular Gram) on any
+    BLAS, and only ``eigvalsh``'s own rounding (a few ``u · λ_max``, below the cutoff ``24 u · λ_max``) is left."""
+    phi, g = _rows(n=2048, seed=20)
+    phi = np.round(phi * 16) / 16
     small = ProbeMoments.from_arrays(0.1 * phi, g)
     ev = np.linalg.eigvalsh(small.sigma)
     assert ev.max() < 1
     it = interval_from_moments(small, 0.2, ridge=0.01, eig_floor=2 * float(ev.min()), grad_max=20.0, leverage_max=900.0)
     assert any(x.startswith("--eig-floor") for x in it.notes)
-    dup = np.hstack([phi[:, :1], phi[:, :1], phi[:, 1:]]) * 1000.0  # a repeated column, large scale
+    dup = np.hstack([phi[:, :1], phi[:, :1], phi[:, 1:]]) * 1024.0  # a repeated column, large scale
     m = ProbeMoments.from_arrays(dup, g)
+    assert np.array_equal(m.sigma[0], m.sigma[1]) and np.array_equal(m.sigma, np.round(m.sigma))  # exact
     ev = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T))
     real = ev[ev > 1e-6 * ev.max()]
     assert ev.min() < 1e-6 * ev.max() and real.size == 3
@@ -746,15 +752,24 @@ def test_eigenvalue_floor_note_on_small_and_on_rank_deficient_gram():
 
 def test_eigenvalue_floor_note_ignores_directions_below_the_cutoff():
     """The μ note uses eigenvalues above ``rtol · λ_max`` only: a resolved-away direction (eigenvalue
-    1e-9 below the cutoff 1.8e-9 of a Gram with λ_max ≈ 7e5) does not trigger it, and a Gram that is
-    exactly zero has no nonzero eigenvalue to compare."""
-    phi, g = _rows(n=2000, seed=20)
-    z = phi[:, 0]
-    near = np.stack([1000 * z, 1000 * z + 4.5e-5 * np.random.default_rng(0).standard_normal(2000), phi[:, 1]], 1)
+    2⁻³² ≈ 2.3e-10, ten times below the cutoff 2.8e-9 of a Gram with λ_max = 2²⁰) does not trigger it,
+    and a Gram that is exactly zero has no nonzero eigenvalue to compare.
+
+    The features are orthogonal ±1 Hadamard columns scaled by powers of two, so every product and
+    partial sum of ``Σ̂`` is a small dyadic number: ``Σ̂ = diag(2²⁰, 2⁻³², 1)`` exactly in any summation
+    order, and the eigenvalues of a diagonal matrix are its entries on any BLAS/LAPACK."""
+    from scipy.linalg import hadamard
+
+    n = 2048
+    h = hadamard(n).astype(np.float64)
+    near = np.stack([1024.0 * h[:, 1], 2.0**-16 * h[:, 2], h[:, 3]], 1)
+    g = _rows(n=n, seed=20)[1]
     m = ProbeMoments.from_arrays(near, g)
+    assert np.array_equal(m.sigma, np.diag([2.0**20, 2.0**-32, 1.0]))  # exact, whatever the BLAS
     ev = np.linalg.eigvalsh(0.5 * (m.sigma + m.sigma.T))
+    assert np.array_equal(ev, [2.0**-32, 1.0, 2.0**20])
     cut = m.rtol * ev.max()
-    assert 10 * m.rtol / ev.max() < ev[0] < 0.9 * cut < ev[1]  # one direction inside (rtol/λ_max, rtol·λ_max)
+    assert 10 * m.rtol / ev.max() < ev[0] < 0.1 * cut and cut < ev[1]  # one direction inside (rtol/λ_max, rtol·λ_max)
     it = interval_from_moments(m, 0.2, ridge=1.0, eig_floor=0.5 * float(ev[1]), grad_max=20.0, leverage_max=90.0)
     assert not any(x.startswith("--eig-floor") for x in it.notes)
     zero = ProbeMoments.from_arrays(np.zeros((5, 3)), np.ones((5, 1)))

@@ -6,6 +6,7 @@ Errors in user input end with a one-line ``error: …`` on stderr and exit statu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -17,6 +18,7 @@ import torch
 import typer
 
 from depthsat_theory.bounds import BoundError, interval_from_probe, plan_bound
+from depthsat_theory.capture.probe import unpack_batch
 from depthsat_theory.cli import render
 from depthsat_theory.cli.experiment import experiment_app
 from depthsat_theory.cli.flags import BOUND_OPTION_DEFAULTS, CHECK_FLAGS, FLAGS, respell
@@ -452,6 +454,7 @@ def diagnose_cmd(
 
     dist.init_from_env()
     main_rank = dist.is_main()
+    done = [0]  # probe batches done (for the interruption message)
     try:
         check_output_path("--json", json_path)
         check_output_path("--plot", plot, stdout=False)
@@ -459,6 +462,11 @@ def diagnose_cmd(
         _check_choice("--gram", gram, GRAM_MODES)
         _check_choice("--products", products, PRODUCT_DTYPES)
         target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
+
+        def advance(k: int, tot: int | None) -> None:
+            done[0] = k
+            bar.update(task, completed=k, total=tot)
+
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
             res = diagnose(
@@ -474,7 +482,7 @@ def diagnose_cmd(
                 description=target.description,
                 checkpoint_every=checkpoint_every,
                 config={"model": model, "seed": seed, "batch_size": batch_size, "device": str(target.device)},
-                progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+                progress=advance,
                 beta=beta,
                 second_order=second_order,
                 curvature=curvature,
@@ -482,6 +490,19 @@ def diagnose_cmd(
                 products=products,
                 **target.extra,
             )
+    except KeyboardInterrupt:
+        if checkpoint is None:
+            msg = (
+                f"interrupted after {done[0]} probe batches: nothing was kept (no --checkpoint); "
+                f"rerun with --checkpoint PATH to keep partial statistics and resume"
+            )
+        else:
+            msg = (
+                f"interrupted after {done[0]} probe batches: {checkpoint} keeps the statistics as of its last write "
+                f"(every {checkpoint_every} batches); rerun the same command to resume from it"
+            )
+        render.err_console.print(msg, markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except (UserError, DiagnoseError, FamilyError, StatisticsError, SiteError, BoundError, OSError) as exc:
         render.fail(exc)
     if main_rank:
@@ -540,12 +561,22 @@ def grow_cmd(
         None, "--text", help="hf:PATH only: probe text file, one window per 4 consecutive lines (default: the KJV)."
     ),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    eval_text: Path | None = typer.Option(
+        None,
+        "--eval-text",
+        help="Held-out text file (language models): its loss before growth and after training is reported.",
+    ),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="Training checkpoint file: written as training goes, resumed from when it exists."
+    ),
+    checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Training steps between checkpoint writes."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     """Diagnose, pick K sites, insert zero-output blocks there, preview the first step, train, write."""
     from depthsat_theory.capture import NotFunctionPreservingError, SiteError
     from depthsat_theory.diagnose import DiagnoseError
     from depthsat_theory.grow import GrowError
-    from depthsat_theory.grow.run import check_out_dir, grow, write_grown
+    from depthsat_theory.grow.run import check_out_dir, grow, held_out_batches, interrupted_message, write_grown
 
     try:
         check_output_path("--out", out, folder=True)
@@ -553,21 +584,34 @@ def grow_cmd(
         if family is not None:
             parse_family(family)
         target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
-        rep = grow(
-            target.model,
-            target.loss_fn,
-            target.batches,
-            sites=target.sites,
-            blocks=blocks,
-            family=family,
-            positions=positions,
-            train_steps=train_steps,
-            freeze_old=freeze_old,
-            lr=lr,
-            layout=target.layout,
-            diagnose_kwargs={**target.extra, "delta": delta},
-            description=target.description,
-        )
+        held = None
+        if eval_text is not None:
+            size = int(unpack_batch(target.batches[0])[1].shape[0])
+            n_probe = sum(int(unpack_batch(b)[1].shape[0]) for b in target.batches)
+            held = held_out_batches(target.tokenizer, eval_text, n_probe, size, seed=seed, device=target.device)
+        with render.progress(disable=quiet) as bar:
+            rep = grow(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites=target.sites,
+                blocks=blocks,
+                family=family,
+                positions=positions,
+                train_steps=train_steps,
+                freeze_old=freeze_old,
+                lr=lr,
+                layout=target.layout,
+                diagnose_kwargs={**target.extra, "delta": delta},
+                description=target.description,
+                eval_batches=held,
+                checkpoint=checkpoint,
+                checkpoint_every=checkpoint_every,
+                progress=render.phase_progress(bar),
+            )
+    except KeyboardInterrupt:
+        render.err_console.print(interrupted_message(checkpoint), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except (
         UserError,
         GrowError,
@@ -580,7 +624,7 @@ def grow_cmd(
         render.fail(exc)
     failure, written = None, []
     try:
-        written = write_grown(rep, out)
+        written = write_grown(rep, out, tokenizer=target.tokenizer)
     except GrowError as exc:  # the folder changed during the run: print the results, then say so
         failure = f"{exc}; the grown model was not saved"
     except OSError as exc:
@@ -588,6 +632,68 @@ def grow_cmd(
     render.print_grow(rep.to_dict(), written)
     if failure is not None:
         render.fail(failure)
+
+
+# ----------------------------------------------------------------------------- prune-candidates
+@app.command("prune-candidates")
+def prune_candidates_cmd(
+    model: str = typer.Option(..., "--model", help="Model, as for diagnose (mlp, cnn, gpt, a zoo name, hf:PATH, ...)."),
+    measure: bool = typer.Option(False, "--measure", help="Also remove each layer and measure the loss change."),
+    n_batches: int | None = typer.Option(None, "--batches", help="Probe batches (default: the whole probe set)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Examples per probe batch."),
+    seed: int = typer.Option(0, "--seed", help="Training seed of mlp/cnn/gpt; probe seed of zoo and hf: models."),
+    text: Path | None = typer.Option(None, "--text", help="hf:PATH only: probe text file."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the ranking as JSON (atomically)."),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Which layer to remove: block influence and first-order removal change, next to the growth score."""
+    from depthsat_theory.capture import SiteError
+    from depthsat_theory.diagnose import DiagnoseError, diagnose, discover_sites
+    from depthsat_theory.grow import GrowError
+    from depthsat_theory.grow.prune import prune_candidates
+    from depthsat_theory.io import atomic_write
+
+    try:
+        check_output_path("--json", json_path)
+        target = diagnose_target(model, seed, n_batches, batch_size, device=device, text=text)
+        sites = target.sites or discover_sites(target.model, unpack_batch(target.batches[0])[0])
+        with render.progress(disable=quiet) as bar:
+            task = bar.add_task("probe batches (removal)", total=len(target.batches))
+            ranking = prune_candidates(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites,
+                measure=measure,
+                progress=lambda k, tot: bar.update(task, completed=k, total=tot),
+            )
+            task2 = bar.add_task("probe batches (growth)", total=len(target.batches))
+            diag = diagnose(
+                target.model,
+                target.loss_fn,
+                target.batches,
+                sites=sites,
+                layout=target.layout,
+                description=target.description,
+                progress=lambda k, tot: bar.update(task2, completed=k, total=tot),
+                **target.extra,
+            )
+        data = ranking.to_dict()
+        growth = {s: diag[s].to_dict().get("relative_score") for s in sites}
+        for row in data["candidates"]:
+            row["growth_relative_score"] = growth[row["site"]]
+        data["description"] = target.description
+        data["loss_units"] = diag.loss_units
+        if json_path is not None:
+            text_out = json.dumps(data, indent=1, ensure_ascii=False, allow_nan=True)
+            atomic_write(json_path, lambda fh: fh.write(text_out))
+    except KeyboardInterrupt:
+        render.err_console.print("interrupted: nothing was kept; rerun the command", markup=False, highlight=False)
+        raise typer.Exit(130) from None
+    except (UserError, GrowError, DiagnoseError, FamilyError, StatisticsError, SiteError, OSError) as exc:
+        render.fail(exc)
+    render.print_prune(data)
 
 
 # ----------------------------------------------------------------------------- proofs

@@ -414,6 +414,58 @@ def _fixed_depth_runner(config: str, out: Path, log) -> Path:
 EXPERIMENTS["fixed-depth"] = _fixed_depth_runner
 
 
+# ----------------------------------------------------------------------------- known-depth benchmark
+@experiment_app.command("teacher")
+def teacher_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/teacher)."),
+    seeds: str | None = _SEEDS,
+    teacher_depth: list[int] | None = typer.Option(
+        None, "--teacher-depth", help="Teacher depth L* (repeatable; default: the configuration's)."
+    ),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished students: reused when present, appended as they finish."
+    ),
+    probe_size: int | None = typer.Option(
+        None, "--probe-size", help="Held-out probe examples (default: the configuration's; the students are the same)."
+    ),
+    recorded_only: bool = typer.Option(
+        False,
+        "--recorded-only",
+        help="Train nothing: aggregate the teacher/seed pairs complete in --resume (the rest are listed as left out).",
+    ),
+) -> None:
+    """Known-depth benchmark: students of depth 1…2L* fitted to data from a residual teacher of depth L*.
+
+    Labels are drawn from the teacher's tempered softmax, so the Bayes loss is known and each
+    student's excess loss is measured without label noise. Each student (fixed budget, cosine
+    schedule) is diagnosed on a held-out probe and on as many training examples, and probed by a
+    cross-fitted steepest insertion at every site; the summary says whether the verdicts' turn from
+    improvable lands at L*, per seed.
+    """
+    from depthsat_theory.experiments.teacher import run_teacher
+
+    _run(
+        lambda log, **kw: run_teacher(log=log, **kw),
+        config=config,
+        out=out,
+        seeds=_seeds(seeds),
+        teacher_depths=teacher_depth,
+        resume=resume,
+        recorded_only=recorded_only,
+        probe_size=probe_size,
+    )
+
+
+def _teacher_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.teacher import run_teacher
+
+    return run_teacher(config, out=out, log=log)
+
+
+EXPERIMENTS["teacher"] = _teacher_runner
+
+
 @experiment_app.command("all")
 def all_command(
     config: str = _CONFIG,

@@ -76,6 +76,29 @@ def progress(*, disable: bool) -> Progress:
     )
 
 
+_PHASES = {"probe": "probe batches", "train": "training steps", "eval": "evaluation batches"}
+
+
+def phase_progress(bar: Progress) -> Any:
+    """A ``progress(phase, done, total)`` callback that keeps one bar per phase (probe, train, eval) on ``bar``.
+
+    Args:
+        bar: a started ``rich.progress.Progress`` (:func:`progress`).
+
+    Returns:
+        The callback; a phase that restarts (a second evaluation) starts a new bar.
+    """
+    tasks: dict[str, Any] = {}
+
+    def update(phase: str, done: int, total: int | None) -> None:
+        task = tasks.get(phase)
+        if task is None or done <= bar.tasks[task].completed:
+            task = tasks[phase] = bar.add_task(_PHASES.get(phase, phase), total=total)
+        bar.update(task, completed=done, total=total)
+
+    return update
+
+
 def print_json(obj: Any) -> None:
     """Write ``obj`` as indented JSON (UTF-8 symbols kept) on stdout.
 
@@ -286,7 +309,51 @@ def print_grow(rep: dict, written: list[Path]) -> None:
     after = "not trained" if rep["loss_after"] is None else _cell(rep["loss_after"])
     steps = len(rep["train_losses"])
     console.print(
-        f"probe loss: before {_cell(rep['loss_before'])}, after {steps} steps {after}", markup=False, highlight=False
+        f"probe loss (training data): before {_cell(rep['loss_before'])}, after {steps} steps {after}",
+        markup=False,
+        highlight=False,
     )
+    if rep.get("eval_loss_before") is not None:
+        held = "not trained" if rep.get("eval_loss_after") is None else _cell(rep["eval_loss_after"])
+        console.print(
+            f"held-out loss: before {_cell(rep['eval_loss_before'])}, after {held}", markup=False, highlight=False
+        )
+    elif steps:
+        console.print(
+            "no held-out text (--eval-text): the fall above is on the training batches and can be memorisation",
+            markup=False,
+            highlight=False,
+        )
     for p in written:
         console.print(f"wrote {p}", markup=False, highlight=False)
+
+
+def print_prune(data: dict) -> None:
+    """The removal table: block influence, first-order and measured removal change, growth score, ranks.
+
+    Args:
+        data: :meth:`PruneRanking.to_dict` with ``growth_relative_score`` per row, ``description``, ``loss_units``.
+    """
+    rows = data["candidates"]
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["first_order_change"])
+    rank = {i: r + 1 for r, i in enumerate(order)}
+    t = Table(title=f"depthsat prune-candidates: {data['description']}")
+    for c in ("site", "block influence", "ΔJ remove (1st order)", "ΔJ remove (measured)", "grow s/AG_rms", "rank"):
+        t.add_column(c, justify="left" if c == "site" else "right")
+    for i, r in enumerate(rows):
+        measured = "-" if r["removal_change"] is None else _cell(r["removal_change"])
+        t.add_row(
+            r["site"],
+            _cell(r["block_influence"]),
+            _cell(r["first_order_change"]),
+            measured,
+            _cell(r["growth_relative_score"]),
+            str(rank[i]),
+        )
+    console.print(t)
+    console.print(
+        f"loss {_cell(data['loss'])} ({data['loss_units']}); rank 1 = smallest predicted loss change of removal; "
+        "the first-order change is a prediction (--measure removes each layer)",
+        markup=False,
+        highlight=False,
+    )

@@ -63,6 +63,7 @@ __all__ = [
     "DATASETS",
     "FASHION_DIR",
     "RECIPE",
+    "BudgetRecipe",
     "DatasetUnavailable",
     "Recipe",
     "Sizes",
@@ -76,6 +77,7 @@ __all__ = [
     "loss_function",
     "probe_batches",
     "train",
+    "train_budget",
 ]
 
 #: The data sets :func:`load_splits` knows.
@@ -658,3 +660,99 @@ def train(
         history=history,
         wall_s=time.perf_counter() - t0,
     )
+
+
+# ----------------------------------------------------------------------------
+# Fixed-budget training with a cosine schedule
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetRecipe:
+    """A fixed training budget with a cosine learning-rate schedule (no early stopping).
+
+    Every model of an experiment that uses it takes exactly ``steps`` Adam steps of ``batch_size``
+    examples, the learning rate falling from ``lr`` to 0 on a cosine (``torch.optim.lr_scheduler.
+    CosineAnnealingLR``), batches drawn without replacement within each pass over the training set.
+
+    Attributes:
+        lr: Adam's initial learning rate.
+        batch_size: examples per step.
+        steps: optimizer steps in all (the budget).
+        eval_batch_size: batch size of evaluations (no effect on the numbers).
+    """
+
+    lr: float = 3e-3
+    batch_size: int = 256
+    steps: int = 4000
+    eval_batch_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and self.batch_size >= 1 and self.steps >= 1):
+            raise ValueError(f"BudgetRecipe needs lr > 0, batch_size >= 1, steps >= 1; got {self}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dictionary (with ``"optimizer": "Adam"`` and ``"schedule": "cosine to 0"``).
+
+        Returns:
+            The fields plus the optimizer and schedule names.
+        """
+        return {"optimizer": "Adam", "schedule": "cosine to 0", **dataclasses.asdict(self)}
+
+
+def train_budget(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    *,
+    seed: int,
+    recipe: BudgetRecipe,
+) -> dict[str, Any]:
+    """Train ``model`` in place for ``recipe.steps`` Adam steps with a cosine schedule (no early stopping).
+
+    Args:
+        model: a float32 model.
+        x: training inputs ``(n, …)`` (float32 or long).
+        y: training targets ``(n, …)``.
+        loss_fn: per-example loss ``(output, targets) -> (B,)`` in nats.
+        seed: seed of the batch order (the caller's global RNG is untouched).
+        recipe: the budget.
+
+    Returns:
+        ``{"steps", "examples_seen", "wall_s", "final_running_loss"}`` (the mean loss of the last
+        ``min(100, steps)`` batches, nats per example).
+
+    Raises:
+        ValueError: a non-finite training loss (the message names the step).
+    """
+    t0 = time.perf_counter()
+    opt = torch.optim.Adam(model.parameters(), lr=recipe.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=recipe.steps)
+    gen = torch.Generator().manual_seed(int(seed))
+    n = int(x.shape[0])
+    perm, pos = torch.randperm(n, generator=gen), 0
+    tail: list[float] = []
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        for step in range(1, recipe.steps + 1):
+            if pos + recipe.batch_size > n:
+                perm, pos = torch.randperm(n, generator=gen), 0
+            idx = perm[pos : pos + recipe.batch_size]
+            pos += recipe.batch_size
+            loss = loss_fn(model(x[idx]), y[idx]).mean()
+            if not torch.isfinite(loss):
+                raise ValueError(f"training diverged at step {step} (non-finite loss); lower the learning rate")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            tail = [*tail[-99:], float(loss.detach())]
+    model.eval()
+    return {
+        "steps": recipe.steps,
+        "examples_seen": recipe.steps * recipe.batch_size,
+        "wall_s": time.perf_counter() - t0,
+        "final_running_loss": sum(tail) / len(tail),
+    }

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExperimentError", "default_folder", "provenance", "summarize", "write_results"]
+__all__ = ["ExperimentError", "ResumeFile", "default_folder", "provenance", "summarize", "write_results"]
 
 #: where ``depthsat experiment`` writes by default (relative to the working directory)
 DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
@@ -31,6 +31,59 @@ DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
 
 class ExperimentError(ValueError):
     """A bad experiment configuration or output folder (the CLI prints it in one line, exit 2)."""
+
+
+class ResumeFile:
+    """A JSON-lines file of finished models (``{"key": …, "record": …}`` per line), so a stopped run resumes.
+
+    Records are read when the file exists and appended (flushed and synced) as models finish; a
+    last line cut by a crash is skipped.
+
+    Args:
+        path: the file (``None``: remember nothing).
+        what: what a record is, for error messages (e.g. ``"finished-model"``).
+
+    Raises:
+        ExperimentError: ``path`` is a folder, or a line is neither a record nor a cut record.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, what: str = "finished-model"):
+        self.path = None if path is None else Path(path)
+        self.done: dict[str, dict] = {}
+        if self.path is not None and self.path.exists() and not self.path.is_file():
+            raise ExperimentError(f"--resume {self.path}: not a file; name a JSON-lines file")
+        if self.path is None or not self.path.is_file():
+            return
+        for i, line in enumerate(self.path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                if line.startswith('{"key": '):
+                    continue  # a line cut by a crash
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("record"), dict) or "key" not in rec:
+                raise ExperimentError(
+                    f"--resume {self.path}: line {i} is not a {what} record; "
+                    "name a file written by --resume (nothing was appended)"
+                )
+            self.done[rec["key"]] = rec["record"]
+
+    def add(self, key: str, record: dict) -> None:
+        """Append one finished model's record (nothing when there is no file).
+
+        Args:
+            key: the model's key.
+            record: its JSON-serialisable rows.
+        """
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"key": key, "record": record}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 def default_folder(name: str, config: str) -> Path:

@@ -15,10 +15,12 @@ from depthsat_theory.grow.hf import (
     ARCHITECTURES,
     Architecture,
     Expansion,
+    discover_zeroed,
     drop_gguf_marker,
     expand_layers,
     find_architecture,
     load_grown,
+    resolve_architecture,
 )
 from depthsat_theory.grow.optim import FirstStepPreview, preview_first_step, zero_state_param_groups
 from depthsat_theory.grow.ranking import BY_CERTIFIED, BY_POINT, RankedSite, SiteRanking, even_positions, rank_sites
@@ -35,6 +37,7 @@ __all__ = [
     "NotFunctionPreservingError",
     "RankedSite",
     "SiteRanking",
+    "discover_zeroed",
     "drop_gguf_marker",
     "even_positions",
     "expand_layers",
@@ -43,5 +46,6 @@ __all__ = [
     "load_grown",
     "preview_first_step",
     "rank_sites",
+    "resolve_architecture",
     "zero_state_param_groups",
 ]

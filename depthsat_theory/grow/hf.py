@@ -8,25 +8,33 @@ trained values; the zeroed maps are the tangent coordinates :math:`\theta`, so t
 at the origin is the criterion's :math:`b = E[g\,\phi^\top]` (T1, ``thm-gradient``) and the
 other parameters of the copy get zero gradient (T5, ``thm-zero-output``).
 
-Supported (:data:`ARCHITECTURES`): Llama-like decoders (``LlamaForCausalLM``, SmolLM2, and any
-model whose layers have ``self_attn.o_proj`` and ``mlp.down_proj``), GPT-2
-(``GPT2LMHeadModel``, ``GPT2Model``), BERT (``BertModel``, ``BertFor*``).  BERT's layers are
-post-LN (a LayerNorm after each residual sum), so a zeroed copy computes ``LN(LN(x)) ≠ x``:
-the expansion is refused by the function-preservation check with that explanation; use
-:func:`~depthsat_theory.grow.insert_blocks` there.
+Architectures are data (:data:`ARCHITECTURES`, one row per family, matched by
+``config.model_type``): where the layer list lives, which parameters of a layer are its residual
+output projections (``fnmatch`` patterns: every expert's and the shared expert's down projection
+in a mixture of experts), and which config lists follow the layers.  Rows: Llama-like decoders
+(Llama, SmolLM2, Qwen2/3, Mistral, Gemma, StableLM, OLMo), Gemma-2/3, Starcoder2, Mixtral,
+Qwen2/3-MoE, GPT-NeoX (Pythia), Phi, OPT, Falcon, GPT-2 and BERT.  Any other model with a layer
+list is grown when :func:`discover_zeroed` finds parameters whose zeroing makes each copied layer
+the identity on a random input, and refused in one line when none do.  Post-LN layers (BERT, OPT
+with ``do_layer_norm_before=False``) have a LayerNorm after each residual sum, so a zeroed copy
+computes ``LN(LN(x)) ≠ x``: the function-preservation check refuses them with that explanation;
+use :func:`~depthsat_theory.grow.insert_blocks` there.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from depthsat_theory.capture.insertion import first_output
+from depthsat_theory.capture.probe import call_model
 from depthsat_theory.grow._check import check_preserved, reference_output
 from depthsat_theory.grow.errors import GrowError
 
@@ -34,45 +42,107 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "Expansion",
+    "discover_zeroed",
     "drop_gguf_marker",
     "expand_layers",
     "find_architecture",
     "load_grown",
+    "resolve_architecture",
+    "zeroed_names",
 ]
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """A family of Hugging Face models that :func:`expand_layers` can grow.
+    """A family of Hugging Face models that :func:`expand_layers` can grow, as data (one row of :data:`ARCHITECTURES`).
 
     Attributes:
         name: its name in messages.
+        model_types: the ``config.model_type`` values of the family (the row is matched by them).
         layer_lists: where the layer ``nn.ModuleList`` lives, tried in order (per model class).
-        zeroed: the output projections of a layer (relative module names) zeroed in the copy.
+        zeroed: the residual output projections of a layer: ``fnmatch`` patterns of parameter names
+            relative to the layer (weights, biases, every expert's and the shared expert's), zeroed in the copy.
         post_ln: whether a LayerNorm follows the residual sum (then a zeroed copy is not the identity).
+        pre_ln_flag: a config flag that is false for the post-LN variant of the family (OPT's
+            ``do_layer_norm_before``); ``""`` when there is none.
+        per_layer: config lists with one entry per layer (``layer_types``): the copy's entry is duplicated.
+        index_lists: config lists of layer indices (Qwen2-MoE's ``mlp_only_layers``): renumbered.
+        sparse_step: a config field ``s`` that makes every ``s``-th layer sparse (``decoder_sparse_step``);
+            when ``s > 1`` the dense layers are listed explicitly in ``index_lists[0]`` and ``s`` set to 1.
     """
 
     name: str
+    model_types: tuple[str, ...]
     layer_lists: tuple[str, ...]
     zeroed: tuple[str, ...]
     post_ln: bool = False
+    pre_ln_flag: str = ""
+    per_layer: tuple[str, ...] = ("layer_types",)
+    index_lists: tuple[str, ...] = ()
+    sparse_step: str = ""
+
+    def is_post_ln(self, config: Any) -> bool:
+        """Whether this model's layers are post-LN (a LayerNorm after each residual sum).
+
+        Args:
+            config: the model's config.
+
+        Returns:
+            ``post_ln``, or the negation of the config's ``pre_ln_flag`` when the row has one.
+        """
+        return self.post_ln or bool(self.pre_ln_flag and not getattr(config, self.pre_ln_flag, True))
 
 
+_ATTN_MLP = ("self_attn.o_proj.*", "mlp.down_proj.*")
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
-        "Llama-like decoder (LlamaForCausalLM, SmolLM2)",
+        "Llama-like decoder (Llama, SmolLM2, Qwen2, Qwen3, Mistral, Gemma, StableLM, OLMo)",
+        ("llama", "qwen2", "qwen3", "mistral", "gemma", "stablelm", "olmo", "olmo2", "granite", "cohere"),
         ("model.layers", "layers"),
-        ("self_attn.o_proj", "mlp.down_proj"),
+        _ATTN_MLP,
     ),
-    Architecture("GPT-2 (GPT2LMHeadModel, GPT2Model)", ("transformer.h", "h"), ("attn.c_proj", "mlp.c_proj")),
+    Architecture("Gemma-2/3 (sandwich norms)", ("gemma2", "gemma3_text"), ("model.layers", "layers"), _ATTN_MLP),
+    Architecture("Starcoder2", ("starcoder2",), ("model.layers", "layers"), ("self_attn.o_proj.*", "mlp.c_proj.*")),
+    Architecture(
+        "Mixtral (mixture of experts)",
+        ("mixtral",),
+        ("model.layers", "layers"),
+        ("self_attn.o_proj.*", "mlp.experts.down_proj", "mlp.experts.*.w2.*"),
+    ),
+    Architecture(
+        "Qwen2-MoE / Qwen3-MoE (mixture of experts with a shared expert)",
+        ("qwen2_moe", "qwen3_moe"),
+        ("model.layers", "layers"),
+        (*_ATTN_MLP, "mlp.experts.down_proj", "mlp.experts.*.down_proj.*", "mlp.shared_expert.down_proj.*"),
+        index_lists=("mlp_only_layers",),
+        sparse_step="decoder_sparse_step",
+    ),
+    Architecture(
+        "GPT-NeoX (Pythia)",
+        ("gpt_neox",),
+        ("gpt_neox.layers", "layers"),
+        ("attention.dense.*", "mlp.dense_4h_to_h.*"),
+    ),
+    Architecture("Phi", ("phi",), ("model.layers", "layers"), ("self_attn.dense.*", "mlp.fc2.*")),
+    Architecture(
+        "OPT",
+        ("opt",),
+        ("model.decoder.layers", "decoder.layers"),
+        ("self_attn.out_proj.*", "fc2.*"),
+        pre_ln_flag="do_layer_norm_before",
+    ),
+    Architecture("Falcon", ("falcon",), ("transformer.h", "h"), ("self_attention.dense.*", "mlp.dense_4h_to_h.*")),
+    Architecture("GPT-2", ("gpt2",), ("transformer.h", "h"), ("attn.c_proj.*", "mlp.c_proj.*")),
     Architecture(
         "BERT (BertModel, BertFor*)",
+        ("bert",),
         ("bert.encoder.layer", "encoder.layer"),
-        ("attention.output.dense", "output.dense"),
+        ("attention.output.dense.*", "output.dense.*"),
         post_ln=True,
     ),
 )
-"""The supported architectures, matched by :func:`find_architecture`."""
+"""The architectures :func:`expand_layers` knows, matched by ``config.model_type`` (:func:`find_architecture`);
+any other model with a layer list goes through :func:`discover_zeroed` (the generic fallback)."""
 
 _FALLBACK = "use depthsat_theory.grow.insert_blocks(model, {site: family}, probe=batch), which grows any nn.Module"
 
@@ -83,7 +153,8 @@ class Expansion:
 
     Attributes:
         model: the grown model (a copy unless ``inplace``), in the original's train/eval mode.
-        architecture: the matched :class:`Architecture`.
+        architecture: the matched :class:`Architecture` (for a discovered one, ``zeroed`` are the
+            discovered parameter names of the first copied layer).
         layer_list: the module name of the layer list (``"model.layers"``, ...).
         positions: the original indices copied, ascending.
         new_indices: the indices of the new layers in the grown model, one per position.
@@ -92,6 +163,8 @@ class Expansion:
         zeroed: the zeroed parameters by site (the tangent coordinates ``θ``), named as in the grown model.
         deviation: ``max |f(x) − f_grown(x)|`` on the probe batch (output units, e.g. logits).
         tolerance: the allowed deviation (``64 u max(1, max |f(x)|)``).
+        start: ``init="first-order"``: the :class:`~depthsat_theory.grow.start.FirstOrderStart`
+            (step, gradient norm, line search); ``None`` for zero-output copies.
     """
 
     model: nn.Module
@@ -103,6 +176,7 @@ class Expansion:
     zeroed: dict[str, list[str]] = field(default_factory=dict)
     deviation: float = 0.0
     tolerance: float = 0.0
+    start: Any = None
 
     @property
     def sites(self) -> list[str]:
@@ -110,37 +184,159 @@ class Expansion:
         return list(self.new_params)
 
 
+def _layer_list(model: nn.Module, paths: Sequence[str]) -> str | None:
+    for path in paths:
+        try:
+            layers = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return path
+    return None
+
+
+def _largest_layer_list(model: nn.Module) -> str | None:
+    """The module name of the longest ``nn.ModuleList`` whose length is ``config.num_hidden_layers``."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    best, size = None, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > size and (n is None or len(mod) == n):
+            best, size = name, len(mod)
+    return best
+
+
+def _layers(model: nn.Module, path: str) -> nn.ModuleList:
+    layers = model.get_submodule(path)
+    if not isinstance(layers, nn.ModuleList):
+        raise GrowError(f"{path} is a {type(layers).__name__}, not the nn.ModuleList of layers; {_FALLBACK}")
+    return layers
+
+
+def zeroed_names(layer: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The parameter names of ``layer`` (relative) that match any of ``patterns`` (``fnmatch``), in order.
+
+    Args:
+        layer: one layer of the layer list.
+        patterns: :attr:`Architecture.zeroed`.
+
+    Returns:
+        The matching names in ``named_parameters()`` order.
+    """
+    return [n for n, _ in layer.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
 def find_architecture(model: nn.Module) -> tuple[Architecture, str]:
-    """The supported architecture of ``model`` and the name of its layer list.
+    """The known architecture of ``model`` (by ``config.model_type``) and the name of its layer list.
 
     Args:
         model: the model to match against :data:`ARCHITECTURES`.
 
     Returns:
-        ``(architecture, path)``: the first :class:`Architecture` whose layer list at ``path``
-        (e.g. ``"model.layers"``) is a non-empty ``nn.ModuleList`` whose first layer has all the
-        modules it zeroes.
+        ``(architecture, path)``: the row whose ``model_types`` has ``config.model_type`` and whose
+        layer list at ``path`` (e.g. ``"model.layers"``) is a non-empty ``nn.ModuleList`` whose first
+        layer has a parameter the row zeroes.
 
     Raises:
-        GrowError: for any other model (the message names the supported ones and the fallback).
+        GrowError: no row matches (the message names the known families; :func:`expand_layers`
+            then tries :func:`discover_zeroed`).
     """
+    mtype = getattr(getattr(model, "config", None), "model_type", None)
     for arch in ARCHITECTURES:
-        for path in arch.layer_lists:
-            try:
-                layers = model.get_submodule(path)
-            except AttributeError:
-                continue
-            if isinstance(layers, nn.ModuleList) and len(layers) and _has_all(layers[0], arch.zeroed):
-                return arch, path
+        if mtype not in arch.model_types:
+            continue
+        path = _layer_list(model, arch.layer_lists)
+        if path is not None and zeroed_names(_layers(model, path)[0], arch.zeroed):
+            return arch, path
     names = "; ".join(a.name for a in ARCHITECTURES)
-    raise GrowError(f"expand_layers does not support {type(model).__name__} (supported: {names}); {_FALLBACK}")
+    raise GrowError(f"{type(model).__name__} (model_type {mtype!r}) is not in the architecture table ({names})")
 
 
-def _has_all(layer: nn.Module, names: Sequence[str]) -> bool:
+def _layer_call(model: nn.Module, layer: nn.Module, probe: Any) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of ``layer``'s call during a forward pass of ``model`` on ``probe``."""
+    seen: dict[str, Any] = {}
+
+    def pre(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault("call", (args, dict(kwargs)))
+
+    h = layer.register_forward_pre_hook(pre, with_kwargs=True)
     try:
-        return all(isinstance(layer.get_submodule(n), nn.Module) for n in names)
-    except AttributeError:
-        return False
+        with torch.no_grad():
+            call_model(model, probe)
+    finally:
+        h.remove()
+    if "call" not in seen:
+        raise GrowError(f"the layer {type(layer).__name__} was not called on the probe batch; {_FALLBACK}")
+    return seen["call"]
+
+
+def _residual_input(args: tuple, kwargs: dict) -> Tensor:
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(x, Tensor):
+        raise GrowError(f"the layer's first input is not a tensor (got {type(x).__name__}); {_FALLBACK}")
+    return x
+
+
+def _is_identity(layer: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> bool:
+    if args:
+        args = (x, *args[1:])
+    else:
+        kwargs = {**kwargs, "hidden_states": x}
+    with torch.no_grad():
+        out = first_output(layer(*args, **kwargs))
+    return out.shape == x.shape and torch.equal(out, x)
+
+
+def discover_zeroed(model: nn.Module, layer_index: int, path: str, probe: Any) -> list[str]:
+    """The residual output projections of a layer, found by making it the identity (generic fallback).
+
+    The layer is called on a random input (standard normal, seed 0, the shape of its input on
+    ``probe``) with the keyword arguments it gets on ``probe`` (masks, rotary embeddings).  First
+    every parameter is zeroed (the layer must then be the identity ``x ↦ x``: exactly equal
+    outputs); then each parameter gets its value back unless that breaks the identity: first the
+    one-dimensional non-bias parameters (norm scales), then the others in definition order (input
+    side first, so that an input projection is restored before the output projection it feeds).
+    The parameters left at zero are a minimal set whose zeroing makes the layer the
+    identity: on a pre-LN residual layer, the output projections and their biases.
+
+    Args:
+        model: a Hugging Face model (or any model ``probe`` can be fed to).
+        layer_index: which layer of the list.
+        path: the module name of the layer list.
+        probe: a batch ``model`` accepts.
+
+    Returns:
+        The zeroed parameter names, relative to the layer, in ``named_parameters()`` order.
+
+    Raises:
+        GrowError: the layer is not the identity even with every parameter zeroed (post-LN, or not a
+            residual layer), or it was not called on the probe.
+    """
+    layer = _layers(model, path)[layer_index]
+    args, kwargs = _layer_call(model, layer, probe)
+    x0 = _residual_input(args, kwargs)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(x0.shape, generator=gen, dtype=torch.float64).to(x0)
+    trial = copy.deepcopy(layer)
+    params = dict(trial.named_parameters())
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    if not _is_identity(trial, x, args, kwargs):
+        raise GrowError(
+            f"{path}.{layer_index} ({type(layer).__name__}) is not the identity even with every parameter zeroed "
+            f"(a post-LN or non-residual layer): no zero-output copy exists; {_FALLBACK}"
+        )
+    keep = []
+    scales = [n for n, p in params.items() if p.dim() == 1 and not n.endswith("bias")]  # norm scales first
+    for name in scales + [n for n in params if n not in scales]:
+        with torch.no_grad():
+            params[name].copy_(saved[name])
+        if not _is_identity(trial, x, args, kwargs):
+            with torch.no_grad():
+                params[name].zero_()
+            keep.append(name)
+    return [n for n in params if n in keep]
 
 
 def _check_positions(positions: Sequence[int], n_layers: int) -> list[int]:
@@ -160,10 +356,10 @@ def _check_positions(positions: Sequence[int], n_layers: int) -> list[int]:
 
 def _zero_output_copy(layer: nn.Module, zeroed: Sequence[str]) -> nn.Module:
     new = copy.deepcopy(layer)
+    params = dict(new.named_parameters())
     with torch.no_grad():
         for name in zeroed:
-            for p in new.get_submodule(name).parameters(recurse=False):
-                p.zero_()
+            params[name].zero_()
     mod: Any
     for mod in new.modules():  # transformers' initialisation skips flagged modules and parameters
         mod._is_hf_initialized = True
@@ -181,16 +377,22 @@ def _renumber(layers: nn.ModuleList) -> None:
                 mod.layer_idx = i
 
 
-def _update_config(config: Any, positions: list[int], n_layers: int) -> None:
-    config.num_hidden_layers = n_layers + len(positions)
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(types) == n_layers:
-        new = []
-        for i, t in enumerate(types):
-            new.append(t)
-            if i in positions:
-                new.append(t)
-        config.layer_types = type(types)(new)
+def _update_config(config: Any, arch: Architecture, origin: list[int], n_layers: int) -> None:
+    """Config fields after the expansion; ``origin[j]`` is the original index of grown layer ``j``."""
+    config.num_hidden_layers = len(origin)  # n_layer / num_layers through the config's attribute_map
+    for name in arch.per_layer:
+        vals = getattr(config, name, None)
+        if isinstance(vals, (list, tuple)) and len(vals) == n_layers:
+            setattr(config, name, type(vals)(vals[o] for o in origin))
+    step = int(getattr(config, arch.sparse_step, 1) or 1) if arch.sparse_step else 1
+    if step > 1 and arch.index_lists:
+        dense = set(getattr(config, arch.index_lists[0], None) or [])
+        setattr(config, arch.index_lists[0], sorted(dense | {i for i in range(n_layers) if (i + 1) % step}))
+        setattr(config, arch.sparse_step, 1)
+    for name in arch.index_lists:
+        idx = getattr(config, name, None)
+        if isinstance(idx, (list, tuple)):
+            setattr(config, name, [j for j, o in enumerate(origin) if o in set(idx)])
 
 
 def _default_probe(model: nn.Module, config: Any) -> dict:
@@ -209,6 +411,57 @@ def _refuse_layer_scaled(config: Any) -> None:
         )
 
 
+def _check_init(init: str, loss_fn: Any, batch: Any, held_out: Any) -> None:
+    if init not in ("zero-output-copy", "first-order"):
+        raise GrowError(f"unknown init {init!r}; use 'zero-output-copy' or 'first-order'")
+    if init == "first-order" and (loss_fn is None or batch is None or held_out is None):
+        raise GrowError("init='first-order' needs loss_fn, batch (for the gradient) and held_out (for the line search)")
+
+
+def _zeroed_by_position(model: nn.Module, arch: Architecture, path: str, pos: list[int], probe: Any) -> dict:
+    """The zeroed parameter names (relative) of each copied layer: the table's patterns, or discovered."""
+    layers = _layers(model, path)
+    discovered = arch.name.endswith("(discovered)")
+    names = {
+        i: discover_zeroed(model, i, path, probe) if discovered else zeroed_names(layers[i], arch.zeroed) for i in pos
+    }
+    for i, found in names.items():
+        if not found:
+            raise GrowError(f"{path}.{i} has no parameter matching {list(arch.zeroed)}; {_FALLBACK}")
+    return names
+
+
+def resolve_architecture(model: nn.Module, probe: Any = None) -> tuple[Architecture, str]:
+    """The :data:`ARCHITECTURES` row of ``model``, or one discovered by :func:`discover_zeroed`.
+
+    Args:
+        model: a Hugging Face model.
+        probe: a batch for the discovery (default: 2 × 8 random token ids, seed 0).
+
+    Returns:
+        ``(architecture, path)``; a discovered row is named ``"<Class> (discovered)"`` and zeroes the
+        names found on layer 0 (each copied layer is searched again by :func:`expand_layers`).
+
+    Raises:
+        GrowError: no ``.config``, no layer list of ``config.num_hidden_layers`` layers, or a layer
+            that no zeroing makes the identity.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise GrowError(f"{type(model).__name__} has no .config: not a Hugging Face model; {_FALLBACK}")
+    try:
+        return find_architecture(model)
+    except GrowError as exc:
+        path = _largest_layer_list(model)
+        if path is None:
+            raise GrowError(f"{exc}, and it has no layer list (nn.ModuleList) to grow; {_FALLBACK}") from None
+    if probe is None:
+        probe = _default_probe(model, config)
+    names = discover_zeroed(model, 0, path, probe)
+    mtype = str(getattr(config, "model_type", ""))
+    return Architecture(f"{type(model).__name__} (discovered)", (mtype,), (path,), tuple(names)), path
+
+
 def expand_layers(
     model: nn.Module,
     positions: Sequence[int],
@@ -216,61 +469,72 @@ def expand_layers(
     init: str = "zero-output-copy",
     probe: Any = None,
     inplace: bool = False,
+    loss_fn: Any = None,
+    batch: Any = None,
+    held_out: Any = None,
 ) -> Expansion:
     r"""Insert a zero-output copy of layer ``i`` after each original layer ``i`` in ``positions`` (LLaMA-Pro).
 
-    The copy's output projections (Llama ``self_attn.o_proj`` and ``mlp.down_proj``; GPT-2
-    ``attn.c_proj`` and ``mlp.c_proj``; BERT ``attention.output.dense`` and ``output.dense``)
-    and their biases are zero, so on a pre-LN residual stream it adds exactly zero:
+    The copy's residual output projections (:attr:`Architecture.zeroed`: Llama ``self_attn.o_proj``
+    and ``mlp.down_proj``, every expert's and the shared expert's down projection in a mixture of
+    experts, ...) and their biases are zero, so on a pre-LN (or parallel) residual stream it adds
+    exactly zero:
 
     .. math::
 
         x \mapsto x + W_o\,\mathrm{attn}(x) + W_d\,\phi(\cdot) = x \quad (W_o = W_d = 0).
 
-    Every ``layer_idx`` is renumbered (the KV cache is indexed by it), ``config.num_hidden_layers``
-    and ``config.layer_types`` (where present) are updated, and the new modules and parameters are
-    flagged ``_is_hf_initialized`` so that ``post_init()`` / ``from_pretrained`` do not re-randomise
-    them.  The grown model round-trips through ``save_pretrained`` / ``from_pretrained``; a model read
-    from a GGUF file (de-quantized to float by transformers, as SmolLM2 in the zoo) loses its GGUF
-    marker (:func:`drop_gguf_marker`), so that it can be trained and saved.
+    A model whose ``config.model_type`` is not in :data:`ARCHITECTURES` is grown when
+    :func:`discover_zeroed` finds, for each copied layer, parameters whose zeroing makes it the identity.
+    Every ``layer_idx`` is renumbered (the KV cache is indexed by it), ``config.num_hidden_layers``,
+    the per-layer lists (``layer_types``) and layer-index lists (``mlp_only_layers``) are updated, and
+    the new modules and parameters are flagged ``_is_hf_initialized`` so that ``post_init()`` /
+    ``from_pretrained`` do not re-randomise them.  The grown model round-trips through
+    ``save_pretrained`` / ``from_pretrained``; a model read from a GGUF file (de-quantized to float by
+    transformers, as SmolLM2 in the zoo) loses its GGUF marker (:func:`drop_gguf_marker`), so that it
+    can be trained and saved.
 
     Args:
-        model: a supported Hugging Face model (:data:`ARCHITECTURES`); not modified unless ``inplace``.
+        model: a Hugging Face model; not modified unless ``inplace``.
         positions: original layer indices (``0 ≤ i < num_hidden_layers``), each at most once.
-        init: ``"zero-output-copy"`` (the only initialisation).
+        init: ``"zero-output-copy"``, or ``"first-order"``: then the copies' zeroed parameters start
+            at ``−t b/‖b‖`` (``b`` their gradient on ``batch``) with ``t`` from a line search on
+            ``held_out`` that includes ``t = 0`` (:func:`~depthsat_theory.grow.start.first_order_start`);
+            the function-preservation check is made at ``t = 0``, before the step.
         probe: a keyword batch (``{"input_ids": (B, T) long, ...}``) for the function-preservation
-            check; default: 2 × 8 random token ids (seed 0).
+            check and the discovery; default: 2 × 8 random token ids (seed 0).
         inplace: grow ``model`` itself (its parameters stay the same objects, so an existing
             optimizer stays valid for them).
+        loss_fn: ``init="first-order"`` only: the per-example loss ``loss_fn(output, targets) -> (B,)``.
+        batch: ``init="first-order"`` only: the batch of the gradient ``b``.
+        held_out: ``init="first-order"`` only: the batch of the line search.
 
     Returns:
         An :class:`Expansion`: the grown model, the new layers' parameters by site, the zeroed
         parameters, the measured output deviation (logit units) and its tolerance.
 
     Raises:
-        GrowError: an unsupported architecture (the message names the supported ones and the
-            :func:`~depthsat_theory.grow.insert_blocks` fallback), a position outside the layer
-            list, a repeated position, an unknown ``init``, or a GPT-2 config with
+        GrowError: no ``.config`` or layer list, a layer that no zeroing makes the identity (one
+            line, naming the :func:`~depthsat_theory.grow.insert_blocks` fallback), a position outside
+            the layer list, a repeated position, an unknown ``init``, or a GPT-2 config with
             ``scale_attn_by_inverse_layer_idx``.
         NotFunctionPreservingError: the grown model's output moved on the probe by more than the
-            dtype-scaled tolerance (always for post-LN BERT layers: ``LN(LN(x)) ≠ x``).
+            dtype-scaled tolerance (always for post-LN layers: ``LN(LN(x)) ≠ x``).
 
     Source: LLaMA-Pro block expansion (Wu et al., 2024, sec. 3.2); the zero-output insertion of
     theory/definitions.md (``def-family``), T1 and T5.
     """
-    if init != "zero-output-copy":
-        raise GrowError(f"unknown init {init!r}; the only one is 'zero-output-copy'")
-    arch, path = find_architecture(model)
+    _check_init(init, loss_fn, batch, held_out)
     config = getattr(model, "config", None)
-    if config is None:
-        raise GrowError(f"{type(model).__name__} has no .config: not a Hugging Face model; {_FALLBACK}")
+    if probe is None and config is not None:
+        probe = _default_probe(model, config)
+    arch, path = resolve_architecture(model, probe)
     _refuse_layer_scaled(config)
     layers = model.get_submodule(path)
     assert isinstance(layers, nn.ModuleList)
     n_layers = len(layers)
     pos = _check_positions(positions, n_layers)
-    if probe is None:
-        probe = _default_probe(model, config)
+    names = _zeroed_by_position(model, arch, path, pos, probe)
     ref = reference_output(model, probe)
     grown = model if inplace else copy.deepcopy(model)
     glayers = grown.get_submodule(path)
@@ -278,31 +542,37 @@ def expand_layers(
     old = list(glayers)
     new_list: list[nn.Module] = []
     new_indices: list[int] = []
+    origin: list[int] = []
     for i, layer in enumerate(old):
         new_list.append(layer)
+        origin.append(i)
         if i in pos:
-            new_list.append(_zero_output_copy(layer, arch.zeroed))
+            new_list.append(_zero_output_copy(layer, names[i]))
             new_indices.append(len(new_list) - 1)
+            origin.append(i)
     for i in range(len(glayers) - 1, -1, -1):
         del glayers[i]
     glayers.extend(new_list)
     _renumber(glayers)
-    _update_config(grown.config, pos, n_layers)
+    _update_config(grown.config, arch, origin, n_layers)
     drop_gguf_marker(grown)
     exp = Expansion(grown, arch, path, pos, new_indices)
-    for j in new_indices:
+    for i, j in zip(pos, new_indices, strict=True):
         site = f"{path}.{j}"
         exp.new_params[site] = list(glayers[j].parameters())
-        exp.zeroed[site] = [
-            f"{site}.{z}.{n}" for z in arch.zeroed for n, _ in glayers[j].get_submodule(z).named_parameters()
-        ]
+        exp.zeroed[site] = [f"{site}.{n}" for n in names[i]]
     why = (
         f": {arch.name} layers are post-LN (a LayerNorm after each residual sum), so a copy with zeroed output "
         f"projections computes LN(LN(x)) != x; {_FALLBACK}"
-        if arch.post_ln
+        if arch.is_post_ln(config)
         else ""
     )
     exp.deviation, exp.tolerance = check_preserved(ref, grown, probe, why)
+    if init == "first-order":
+        from depthsat_theory.grow.start import first_order_start
+
+        flat = [n for ns in exp.zeroed.values() for n in ns]
+        exp.start = first_order_start(grown, flat, loss_fn, batch, held_out)
     return exp
 
 

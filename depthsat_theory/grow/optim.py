@@ -10,7 +10,8 @@ r"""Train grown parameters from zero optimizer state, and preview the first step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,18 +45,51 @@ def flat_params(new_params: Mapping[str, Iterable[nn.Parameter]] | Iterable[nn.P
     return out
 
 
+#: Scheduler attributes with one entry per parameter group (extended for a new group).
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs")
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    subs = getattr(scheduler, "_schedulers", None)
+    if subs is not None:
+        for sub in subs:
+            _check_scheduler(sub)
+    elif not hasattr(scheduler, "base_lrs") and not hasattr(scheduler, "min_lrs"):
+        raise GrowError(
+            f"{type(scheduler).__name__} has no per-group learning rates (base_lrs): not a torch LR scheduler"
+        )
+
+
+def _extend_scheduler(scheduler: Any, like: int, n_old: int, lr: float | None) -> None:
+    """Give ``scheduler`` an entry for the new (last) parameter group, copied from group ``like`` (``lr``: its base)."""
+    subs = getattr(scheduler, "_schedulers", None)
+    if subs is not None:  # SequentialLR, ChainedScheduler
+        for sub in subs:
+            _extend_scheduler(sub, like, n_old, lr)
+    for name in _PER_GROUP:
+        vals = getattr(scheduler, name, None)
+        if isinstance(vals, list) and len(vals) == n_old:
+            vals.append(lr if lr is not None and name in ("base_lrs", "_last_lr") else vals[like])
+
+
 def zero_state_param_groups(
     optimizer: torch.optim.Optimizer,
     new_params: Mapping[str, Iterable[nn.Parameter]] | Iterable[nn.Parameter],
     *,
     freeze_old: bool = False,
     lr: float | None = None,
+    like: int = -1,
+    schedulers: Sequence[Any] = (),
 ) -> dict:
     """Add the new parameters to ``optimizer`` as one group with fresh (zero) state.
 
     ``torch.optim`` optimizers create a parameter's state (Adam's moments, SGD's momentum
     buffer) as zeros at its first step, so a parameter without state takes the zero-state update
     ``θ₁ = −η P(b)`` (:mod:`depthsat_theory.optimizers`); the old parameters' state is not touched.
+    The new group copies every hyperparameter of the existing group ``like`` (its current ``lr``,
+    ``initial_lr``, betas, weight decay, ...), and each scheduler in ``schedulers`` (built on this
+    optimizer before the call) gets the new group's entries copied from group ``like`` (``base_lrs``,
+    ``lr_lambdas``, ...), so it goes on scheduling every group, the new one as group ``like``.
 
     Args:
         optimizer: an existing optimizer (its groups and state are kept).
@@ -63,16 +97,19 @@ def zero_state_param_groups(
             an iterable of parameters.
         freeze_old: set ``requires_grad = False`` on every parameter already in the optimizer
             (they get no gradient, so the optimizer skips them: LLaMA-Pro trains only the new blocks).
-        lr: the new group's learning rate (default: the optimizer's default ``lr``).  Every other
-            option of the new group is the optimizer's constructor default too (not an existing
-            group's); set it on the returned group to match.  Build LR schedulers after this call.
+        lr: the new group's learning rate (default: group ``like``'s current one); with schedulers,
+            it also replaces the copied base learning rate.
+        like: the index of the existing group whose hyperparameters (and schedule) the new group copies.
+        schedulers: LR schedulers already built on ``optimizer`` (``LambdaLR``, ``CosineAnnealingLR``,
+            ``SequentialLR``, ``ReduceLROnPlateau``, ...), extended in place.
 
     Returns:
         The new parameter group (a dict, as in ``optimizer.param_groups``).
 
     Raises:
-        GrowError: no new parameters, a parameter already in the optimizer, or a new
-            parameter that already has optimizer state.
+        GrowError: no new parameters, a parameter already in the optimizer, a new parameter that
+            already has optimizer state, ``like`` outside the groups, or a scheduler without
+            per-group learning rates.
     """
     params = flat_params(new_params)
     if not params:
@@ -82,15 +119,26 @@ def zero_state_param_groups(
         raise GrowError("a new parameter is already in the optimizer; pass only the grown blocks' parameters")
     if any(p in optimizer.state and len(optimizer.state[p]) for p in params):
         raise GrowError("a new parameter already has optimizer state; it would not start from zero state")
+    n_old = len(optimizer.param_groups)
+    if not -n_old <= like < n_old:
+        raise GrowError(f"like={like} is not a parameter group index (the optimizer has {n_old} groups)")
+    like %= n_old
+    for sch in schedulers:
+        _check_scheduler(sch)
     if freeze_old:
         for g in optimizer.param_groups:
             for p in g["params"]:
                 p.requires_grad_(False)
                 p.grad = None
-    group: dict[str, Any] = {"params": params}
+    group: dict[str, Any] = {k: copy.deepcopy(v) for k, v in optimizer.param_groups[like].items() if k != "params"}
+    group["params"] = params
     if lr is not None:
         group["lr"] = lr
+        if "initial_lr" in group:
+            group["initial_lr"] = lr
     optimizer.add_param_group(group)
+    for sch in schedulers:
+        _extend_scheduler(sch, like, n_old, lr)
     return optimizer.param_groups[-1]
 
 

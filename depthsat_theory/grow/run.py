@@ -21,17 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from depthsat_theory.capture.probe import call_model, unpack_batch
 from depthsat_theory.grow.blocks import insert_blocks
 from depthsat_theory.grow.errors import GrowError
-from depthsat_theory.grow.hf import expand_layers, find_architecture
+from depthsat_theory.grow.hf import expand_layers, resolve_architecture
 from depthsat_theory.grow.optim import flat_params, preview_first_step, zero_state_param_groups
 from depthsat_theory.grow.ranking import even_positions, rank_sites
+from depthsat_theory.grow.resume import TrainCheckpoint, batch_schedule
 from depthsat_theory.io import atomic_write
 
-__all__ = ["GrowReport", "grow", "parse_positions", "write_grown"]
+__all__ = ["GrowReport", "grow", "held_out_batches", "interrupted_message", "parse_positions", "write_grown"]
 
 REPORT_NAME = "grow-report.json"
 
@@ -54,7 +55,11 @@ class GrowReport:
         new_parameters: number of new scalar parameters.
         deviation, tolerance: output deviation at insertion on the first probe batch, and its tolerance.
         first_step: :meth:`FirstStepPreview.to_dict` (predicted and observed change of the first step).
-        loss_before, loss_after: mean probe loss before growth and after training (``None`` without training).
+        loss_before, loss_after: mean probe loss before growth and after training (``None`` without training);
+            the probe batches are the training batches, so a fall there alone can be memorisation.
+        eval_loss_before, eval_loss_after: mean loss on the held-out batches (``eval_batches``, never
+            trained on) before growth and after training; ``None`` without held-out batches.
+        train_steps, checkpoint: the steps asked for, and the training checkpoint file (``None``: none).
         train_losses: the training loss of each step (on the step's batch, before its update).
         trainer: ``"transformers.Trainer"`` (Hugging Face models grown by ``expand_layers``: constant
             learning rate, no gradient clipping) or ``"plain loop"``; ``None`` without training.
@@ -76,6 +81,10 @@ class GrowReport:
     loss_before: float
     loss_after: float | None = None
     train_losses: list[float] = field(default_factory=list)
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+    train_steps: int = 0
+    checkpoint: str | None = None
     trainer: str | None = None
     freeze_old: bool = False
     lr: float = 0.0
@@ -142,16 +151,16 @@ def parse_positions(text: str, sites: Sequence[str], blocks: int) -> list[int] |
     return sorted(idx)
 
 
-def _expandable(model: nn.Module, sites: list[str]) -> tuple[str, list[int]] | None:
+def _expandable(model: nn.Module, sites: list[str], probe: Any = None) -> tuple[str, list[int]] | None:
     """The layer list and indices when ``model`` is an HF model :func:`expand_layers` grows function-preservingly."""
     if getattr(model, "config", None) is None:
         return None
     try:
-        arch, path = find_architecture(model)
+        arch, path = resolve_architecture(model, probe)
     except GrowError:
         return None
     prefix = path + "."
-    if arch.post_ln or not all(s.startswith(prefix) and s[len(prefix) :].isdigit() for s in sites):
+    if arch.is_post_ln(model.config) or not all(s.startswith(prefix) and s[len(prefix) :].isdigit() for s in sites):
         return None
     return path, [int(s[len(prefix) :]) for s in sites]
 
@@ -190,13 +199,15 @@ def _versions() -> dict:
 
 
 @torch.no_grad()
-def _probe_loss(model: nn.Module, loss_fn: Callable, batches: Sequence) -> float:
+def _probe_loss(model: nn.Module, loss_fn: Callable, batches: Sequence, progress: Any = None) -> float:
     tot, n = 0.0, 0
-    for batch in batches:
+    for i, batch in enumerate(batches):
         x, y, _ = unpack_batch(batch)
         ell = loss_fn(call_model(model, x), y)
         tot += float(ell.sum())
         n += int(ell.shape[0])
+        if progress is not None:
+            progress("eval", i + 1, len(batches))
     return tot / n
 
 
@@ -209,19 +220,45 @@ def _optimizer(model: nn.Module, new_params: dict, lr: float, freeze_old: bool) 
     return opt
 
 
+Progress = Callable[[str, int, "int | None"], None]
+"""``progress(phase, done, total)``: phase ``"probe"`` (diagnosis batches), ``"train"`` (steps) or ``"eval"``."""
+
+
+@dataclass
+class _Run:
+    """What a training run reports after each step: progress, and the checkpoint every ``every`` steps."""
+
+    total: int
+    checkpoint: TrainCheckpoint | None = None
+    every: int = 1
+    progress: Progress | None = None
+    rng: Tensor | None = None  # the torch RNG state to restore when training (re)starts
+    seed: int = 42
+    losses: list[float] = field(default_factory=list)
+
+    def after_step(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        done = len(self.losses)
+        if self.checkpoint is not None and (done % self.every == 0 or done == self.total):
+            self.checkpoint.save(model, opt, done, self.losses)
+        if self.progress is not None:
+            self.progress("train", done, self.total)
+
+
 def _plain_loop(
-    model: nn.Module, loss_fn: Callable, batches: Sequence, opt: torch.optim.Optimizer, steps: int
+    model: nn.Module, loss_fn: Callable, batches: Sequence, opt: torch.optim.Optimizer, order: list[int], run: _Run
 ) -> list[float]:
-    losses = []
-    for step in range(steps):
-        x, y, _ = unpack_batch(batches[step % len(batches)])
+    if run.rng is not None:
+        torch.set_rng_state(run.rng)
+    for step in range(len(run.losses), len(order)):
+        x, y, _ = unpack_batch(batches[order[step]])
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(call_model(model, x), y).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss.detach()))
+        run.losses.append(float(loss.detach()))
+        run.after_step(model, opt)
     opt.zero_grad(set_to_none=True)
-    return losses
+    return run.losses
 
 
 class _BatchList(torch.utils.data.Dataset):
@@ -238,28 +275,40 @@ class _BatchList(torch.utils.data.Dataset):
         return {**x, "labels": y}
 
 
+def _step_callback(run: _Run, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """A ``TrainerCallback``: restore the RNG at the start, record each step's loss, checkpoint, report progress."""
+    import transformers
+
+    class StepCallback(transformers.TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if run.rng is not None:  # after the Trainer's set_seed: the interrupted run's RNG state
+                torch.set_rng_state(run.rng)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                run.losses.append(float(logs["loss"]))
+                run.after_step(model, opt)
+
+    return StepCallback()
+
+
 def _trainer_loop(
-    model: nn.Module,
-    loss_fn: Callable,
-    batches: Sequence,
-    opt: torch.optim.Optimizer,
-    steps: int,
-    *,
-    seed: int = 42,
-    sampling: str = "random",
+    model: nn.Module, loss_fn: Callable, batches: Sequence, opt: torch.optim.Optimizer, order: list[int], run: _Run
 ) -> list[float]:
     """``transformers.Trainer``: constant learning rate, no clipping, our zero-state optimizer, our per-example loss.
 
-    ``seed`` is the Trainer's seed (its batch order under ``sampling="random"``); ``sampling="sequential"``
-    takes the batches in the order given (one per step, cycling).
+    The Trainer takes the remaining steps' batches in the fixed order ``order`` (one batch per step).
     """
     import transformers
 
+    todo = [batches[i] for i in order[len(run.losses) :]]
+    if not todo:
+        return run.losses
     lr = opt.param_groups[-1]["lr"]
     with tempfile.TemporaryDirectory(prefix="depthsat-trainer-") as tmp:
         args = transformers.TrainingArguments(
             output_dir=tmp,
-            max_steps=steps,
+            max_steps=len(todo),
             per_device_train_batch_size=1,
             learning_rate=lr,
             lr_scheduler_type="constant",
@@ -272,21 +321,22 @@ def _trainer_loop(
             use_cpu=next(model.parameters()).device.type == "cpu",
             remove_unused_columns=False,
             dataloader_num_workers=0,
-            seed=seed,
-            train_sampling_strategy=sampling,
+            train_sampling_strategy="sequential",
+            seed=run.seed,
         )
         trainer = transformers.Trainer(
             model=model,
             args=args,
-            train_dataset=_BatchList(batches),
+            train_dataset=_BatchList(todo),
             data_collator=lambda items: items[0],
             optimizers=(opt, None),
             compute_loss_func=lambda outputs, labels, num_items_in_batch=None: loss_fn(outputs, labels).mean(),
+            callbacks=[_step_callback(run, model, opt)],
         )
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # the report has the losses
         trainer.train()
     model.eval()
-    return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    return run.losses
 
 
 def _train(
@@ -301,18 +351,26 @@ def _train(
     trainer: bool,
     seed: int = 42,
     sampling: str = "random",
+    checkpoint: TrainCheckpoint | None = None,
+    every: int = 1,
+    progress: Progress | None = None,
 ) -> list[float]:
     """Train ``steps`` Adam steps from zero state; the requires_grad flags are restored afterwards.
 
-    ``seed`` and ``sampling`` apply to the Trainer (:func:`_trainer_loop`); the plain loop takes the
-    batches in order.
+    The batches are taken in :func:`~depthsat_theory.grow.resume.batch_schedule` order (``seed``,
+    ``sampling``); with ``checkpoint``, a saved run is continued from its last step and the state is
+    saved every ``every`` steps and after the last.
     """
     flags = [(p, p.requires_grad) for p in model.parameters()]
     opt = _optimizer(model, new_params, lr, freeze_old)
+    order = batch_schedule(steps, len(batches), seed, sampling)
+    run = _Run(steps, checkpoint, max(1, every), progress, seed=seed)
+    if checkpoint is not None and checkpoint.restore(model, opt):
+        run.losses, run.rng = list(checkpoint.losses), torch.get_rng_state()
     try:
         if trainer:
-            return _trainer_loop(model, loss_fn, batches, opt, steps, seed=seed, sampling=sampling)
-        return _plain_loop(model, loss_fn, batches, opt, steps)
+            return _trainer_loop(model, loss_fn, batches, opt, order, run)
+        return _plain_loop(model, loss_fn, batches, opt, order, run)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
@@ -329,7 +387,7 @@ def _pick(ranking: Any, sites: list[str], positions: list[int] | str, blocks: in
 def _grow_model(
     model: nn.Module, chosen: list[str], family: str | None, probe: Any, layout: Any
 ) -> tuple[str, str, Any]:
-    expand = _expandable(model, chosen) if family is None else None
+    expand = _expandable(model, chosen, probe) if family is None else None
     if expand is not None:
         exp = expand_layers(model, expand[1], probe=probe)
         return "expand_layers", "zero-output layer copy", exp
@@ -353,6 +411,11 @@ def grow(
     layout: Any = None,
     diagnose_kwargs: dict | None = None,
     description: str = "",
+    eval_batches: Sequence | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 1,
+    progress: Progress | None = None,
+    seed: int = 42,
 ) -> GrowReport:
     """Diagnose ``model``'s sites, pick ``blocks`` of them, grow there, preview the first step, train.
 
@@ -379,12 +442,22 @@ def grow(
         layout: the sites' layout (as for :func:`~depthsat_theory.diagnose.diagnose`).
         diagnose_kwargs: further keyword arguments of :func:`~depthsat_theory.diagnose.diagnose`.
         description: one line about the model and probe.
+        eval_batches: held-out batches (same form as ``batches``, never trained on): the report
+            gives their mean loss before growth and after training.
+        checkpoint: a training checkpoint file (:class:`~depthsat_theory.grow.resume.TrainCheckpoint`):
+            written every ``checkpoint_every`` steps and after the last; when it exists, training
+            continues from it (same options required), bitwise as an uninterrupted run on CPU.
+        checkpoint_every: steps between checkpoint writes.
+        progress: ``progress(phase, done, total)`` after each probe batch (``"probe"``), training
+            step (``"train"``) and evaluation batch (``"eval"``).
+        seed: the seed of the training batch order.
 
     Returns:
         A :class:`GrowReport` with the grown model.
 
     Raises:
-        GrowError: bad ``blocks``/``positions``/``train_steps``/``lr``, or a growth that fails.
+        GrowError: bad ``blocks``/``positions``/``train_steps``/``lr``/``checkpoint_every``, a
+            checkpoint written by another run, or a growth that fails.
         FamilyError: a family that does not fit a chosen site.
         NotFunctionPreservingError: the growth moved the output.
     """
@@ -396,6 +469,8 @@ def grow(
         raise GrowError(f"--train-steps must be >= 0, got {train_steps}")
     if not lr > 0:
         raise GrowError(f"--lr must be > 0, got {lr}")
+    if checkpoint_every < 1:
+        raise GrowError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
     pos = parse_positions(positions, sites, blocks)
     diag_family = family or "linear"
     kw = dict(diagnose_kwargs or {})
@@ -406,11 +481,16 @@ def grow(
         clock.append(time.perf_counter())
         seconds[name] = round(clock[-1] - clock[-2], 3)
 
+    if progress is not None:
+        kw.setdefault("progress", lambda k, tot: progress("probe", k, tot))
     diagnosis = diagnose(model, loss_fn, batches, sites=sites, family=diag_family, layout=layout, **kw)
+    eval_before = _probe_loss(model, loss_fn, eval_batches, progress) if eval_batches else None
     lap("diagnose")
-    ranking = rank_sites(diagnosis)
-    chosen = _pick(ranking, sites, pos, blocks)
     probe = unpack_batch(batches[0])[0]
+    by_copy = family is None and pos == "auto"
+    ranking, copy_note = _copy_ranking(model, loss_fn, batches, sites, probe) if by_copy else (None, None)
+    ranking = ranking or rank_sites(diagnosis)
+    chosen = _pick(ranking, sites, pos, blocks)
     method, fam_name, res = _grow_model(model, chosen, family, probe, layout)
     grown = res.model
     lap("grow")
@@ -436,43 +516,174 @@ def grow(
         description=description or diagnosis.description,
         versions=_versions(),
         seconds=seconds,
-        notes=_notes(method, family),
+        notes=_notes(method, family, bool(eval_batches), copy_note),
+        eval_loss_before=eval_before,
+        train_steps=train_steps,
+        checkpoint=None if checkpoint is None else str(checkpoint),
     )
     if train_steps:
         hf = method == "expand_layers"
         report.trainer = "transformers.Trainer" if hf else "plain loop"
-        report.train_losses = _train(grown, loss_fn, batches, res.new_params, train_steps, lr, freeze_old, trainer=hf)
-        report.loss_after = _probe_loss(grown, loss_fn, batches)
+        ckpt = None
+        if checkpoint is not None:
+            fp = TrainCheckpoint.fingerprint_of(
+                steps=train_steps,
+                lr=lr,
+                freeze_old=freeze_old,
+                seed=seed,
+                method=method,
+                new_sites=report.new_sites,
+                n_batches=len(batches),
+                trainer=report.trainer,
+            )
+            ckpt = TrainCheckpoint(Path(checkpoint), fp)
+        report.train_losses = _train(
+            grown,
+            loss_fn,
+            batches,
+            res.new_params,
+            train_steps,
+            lr,
+            freeze_old,
+            trainer=hf,
+            seed=seed,
+            checkpoint=ckpt,
+            every=checkpoint_every,
+            progress=progress,
+        )
+        report.loss_after = _probe_loss(grown, loss_fn, batches, progress)
+        if eval_batches:
+            report.eval_loss_after = _probe_loss(grown, loss_fn, eval_batches, progress)
         lap("train")
     return report
 
 
-def _notes(method: str, family: str | None) -> list[str]:
+def held_out_batches(
+    tokenizer: Any, path: str | os.PathLike, n: int, batch_size: int, *, seed: int = 0, device: Any = "cpu"
+) -> list:
+    """Held-out batches of a causal language model from a text file (``--eval-text``).
+
+    Windows of 4 consecutive non-empty lines (at most 128 tokens), as the ``hf:`` probe
+    (:func:`~depthsat_theory.tasks.zoo.causal_lm_batches`), drawn with ``seed``.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        path: a UTF-8 text file the model was not trained on here.
+        n: examples wanted (fewer when the file is short: as many windows as it has).
+        batch_size: examples per batch.
+        seed: the seed of the window draw.
+        device: where the tensors go.
+
+    Returns:
+        ``[({"input_ids", "attention_mask"}, labels)]`` on ``device``.
+
+    Raises:
+        GrowError: no tokenizer (not a language model), an unreadable file, or fewer than 5 non-empty lines.
+    """
+    from depthsat_theory.tasks.custom import to_device
+    from depthsat_theory.tasks.zoo import causal_lm_batches
+
+    if tokenizer is None:
+        raise GrowError("--eval-text is for language models with a tokenizer (hf:PATH, smollm2)")
+    try:
+        lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GrowError(f"--eval-text {path}: not a readable UTF-8 file ({type(exc).__name__})") from None
+    if len(lines) < 5:
+        raise GrowError(f"--eval-text {path}: {len(lines)} non-empty lines; give at least 5 (windows of 4 lines)")
+    n = min(n, len(lines) - 4)
+    try:
+        batches = causal_lm_batches(tokenizer, lines, n, batch_size, seed, 4, 128)
+    except ValueError as exc:
+        raise GrowError(f"--eval-text {path}: {exc}") from None
+    return to_device(batches, device)
+
+
+def interrupted_message(checkpoint: str | os.PathLike | None) -> str:
+    """What an interrupted ``depthsat grow`` kept, and how to resume (one line).
+
+    Args:
+        checkpoint: ``--checkpoint`` (``None``: none given).
+
+    Returns:
+        The message: the checkpoint's step and the rerun to continue, or that nothing was kept.
+    """
+    if checkpoint is None:
+        return (
+            "interrupted: nothing was kept (no --checkpoint); rerun with --checkpoint PATH to make training resumable"
+        )
+    path = Path(checkpoint)
+    if not path.is_file():
+        return f"interrupted before the first training checkpoint: nothing in {path} yet; rerun the same command"
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads((fh.metadata() or {}).get("depthsat", "{}"))
+    total = meta.get("fingerprint", {}).get("steps")
+    return (
+        f"interrupted: {path} keeps training step {meta.get('step')} of {total} (weights, optimizer state, RNG); "
+        f"rerun the same command to resume from it"
+    )
+
+
+def _copy_ranking(
+    model: nn.Module, loss_fn: Callable, batches: Sequence, sites: list[str], probe: Any
+) -> tuple[Any, str | None]:
+    """The sites ranked by the zero-output layer copy's own tangent, when ``model``'s layers are copied.
+
+    Returns ``(ranking, note)``; ``(None, note)`` when the copies are not a feature family to score
+    (the linear diagnosis ranks then), ``(None, None)`` when the model is not grown by layer copies.
+    """
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.grow.ranking import BY_POINT, RankedSite, SiteRanking
+
+    expand = _expandable(model, sites, probe)
+    if expand is None:
+        return None, None
+    try:
+        scores = copy_scores(expand_layers(model, expand[1], probe=probe), loss_fn, batches)
+    except GrowError as exc:
+        return None, f"sites ranked with the linear family: the layer copies cannot be scored ({exc})"
+    ranked = []
+    for depth, site in enumerate(sites):
+        r = scores[site]
+        key = r.relative_score if math.isfinite(r.relative_score) and r.verdict.value != "degenerate" else -math.inf
+        ranked.append(RankedSite(site, depth, float(key), float(r.relative_score), None, r.verdict.value))
+    ranked.sort(key=lambda r: (-r.key, r.depth))
+    by = f"{BY_POINT} of the zero-output layer copy (its own tangent: the zeroed projections' features)"
+    note = "sites ranked with the inserted family: the zero-output layer copy's own tangent (ranking.sites)"
+    return SiteRanking(ranked, by, "the inserted family's own score (copy_scores)"), note
+
+
+def _notes(method: str, family: str | None, held_out: bool, copy_note: str | None = None) -> list[str]:
     notes = [
         "first_step: one Adam step from zero state on the new parameters only, on the first probe batch; "
         "predicted_change = -lr <b, P(b)> (first order), observed_change = J(lr) - J(0)",
-        "loss_before/loss_after: mean loss over the probe batches, which are also the training batches",
+        "loss_before/loss_after: mean loss over the probe batches, which are also the training batches: "
+        "a fall there is a fall on training data (it can be memorisation), not a held-out improvement",
     ]
-    if method == "expand_layers":
-        notes.append(
-            "sites were ranked with the linear family on the residual stream; the zero-output layer copy's "
-            "tangent space (its zeroed output projections) differs from it"
-        )
+    if held_out:
+        notes.append("eval_loss_before/eval_loss_after: mean loss over the held-out batches, never trained on")
+    if copy_note is not None:
+        notes.append(copy_note + "; the chosen rows' score and verdict are the linear family's diagnosis")
     return notes
 
 
-def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
+def write_grown(report: GrowReport, out: str | os.PathLike, *, tokenizer: Any = None) -> list[Path]:
     """Write the grown model and ``grow-report.json`` into the folder ``out``, all or nothing.
 
     Hugging Face models grown by ``expand_layers`` are written with ``save_pretrained`` (reload with
     :func:`~depthsat_theory.grow.load_grown`); others as ``model.safetensors`` (the state dict of
     the grown module; rebuild it with :func:`~depthsat_theory.grow.insert_blocks` and the report's
     sites and family, then ``safetensors.torch.load_model``).  Everything is written to a temporary
-    sibling folder first, then renamed to ``out``.
+    sibling folder first, then renamed to ``out``.  With the source model's ``tokenizer``, the
+    folder of a Hugging Face model is complete: config, weights, generation config (from the
+    model's own ``generation_config``) and tokenizer, so ``--model hf:OUT`` reads it back.
 
     Args:
         report: the :class:`GrowReport`.
         out: a folder that does not exist yet, or an empty one.
+        tokenizer: the source model's Hugging Face tokenizer (written with ``save_pretrained``), or ``None``.
 
     Returns:
         The paths written.
@@ -490,6 +701,8 @@ def write_grown(report: GrowReport, out: str | os.PathLike) -> list[Path]:
             from safetensors.torch import save_model
 
             save_model(report.model, str(tmp / "model.safetensors"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         data = json.dumps(report.to_dict(), indent=1, ensure_ascii=False, allow_nan=False)
         atomic_write(tmp / REPORT_NAME, lambda fh: fh.write(data))
         if folder.is_dir():

@@ -165,10 +165,13 @@ class SaturationResult:
         ``UNDETERMINED`` (the reason says how many examples would decide).  What ``alpha``
         promises on probes with population score ``0`` (``rem-noise-test-level``): a rate of
         ``IMPROVABLE`` at most ``alpha`` as ``n → ∞`` for every gradient law with finite variance
-        (``thm-noise-test``, proved); at a finite ``n`` with ``n/k̃`` in ``[0.1, 100]``, at most
-        ``alpha`` within Monte Carlo error for the laws of ``num-noise-test`` (``g`` independent of
-        the features, Gaussian, Rademacher, Student t₃ or centred exponential), which is evidence,
-        not a theorem; for other laws no finite-``n`` level is promised, and none can be
+        (``thm-noise-test``, proved); at a finite ``n``, exactly at most ``alpha`` (0.05 or 0.01) for a
+        Gaussian ``g`` on a constant feature (``prop-noise-test-constant-feature``), and with ``n/k̃`` in
+        ``[0.1, 100]`` at most ``alpha = 0.05`` within Monte Carlo error on the domain of ``num-noise-test``
+        (``g`` independent of the features, a symmetric cross-gradient without atoms, or centred
+        exponential ``g`` with a bias), which is evidence, not a theorem; not for a Rademacher ``g`` on a
+        constant feature (``1/8`` at ``n = 4``) or a skewed ``g`` along a feature of nonzero mean without a
+        bias (up to 0.09); for other laws no finite-``n`` level is promised, and none can be
         (``prop-noise-no-uniform-level``: a gradient whose mean rides on rare large values looks
         constant on a probe that misses them).  A finite-sample guarantee for every law with
         ``‖g‖ ≤ γ`` is the interval of :mod:`depthsat_theory.bounds` with given ``γ`` and ``L``
@@ -211,8 +214,8 @@ class SaturationResult:
             return (
                 f"s = {self.score:.3g} exceeds the rounding bound {self.tol:.3g} and the noise test "
                 f"(n ŝ²/v̂ = {self.noise_ratio:.3g} > {self.noise_threshold:.3g}; level α = {self.alpha:g} as n grows, "
-                f"at this n only for symmetric or mildly skewed g: rem-noise-test-level; a finite-sample "
-                f"guarantee needs --delta with --grad-max and --leverage-max)"
+                f"at this n only measured, at α = 0.05, for symmetric g without atoms: rem-noise-test-level; "
+                f"a finite-sample guarantee needs --delta with --grad-max and --leverage-max)"
             )
         if self.kink_ties:
             return (

@@ -74,6 +74,8 @@ class ResolvedModel:
         extra: further keyword arguments of :func:`~depthsat_theory.diagnose.diagnose`
             (``reduction``, ``mask_fn``, ``output_key``, ``loss_units``).
         device: where the model and the batches are.
+        tokenizer: the model's Hugging Face tokenizer (``hf:`` folders and zoo language models), else
+            ``None``; ``depthsat grow`` writes it next to the grown model.
     """
 
     model: nn.Module
@@ -84,6 +86,7 @@ class ResolvedModel:
     description: str
     extra: dict = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tokenizer: Any = None
 
 
 # ----------------------------------------------------------------------------- device
@@ -264,7 +267,16 @@ def _zoo_model(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size
         if n_batches > len(batches):
             raise ModelSpecError(f"n_batches {n_batches} exceeds the {name} probe: {len(batches)} batches")
         batches = batches[:n_batches]
-    return ResolvedModel(zm.model, zm.loss_fn, batches, list(zm.sites), zm.layout, zm.description, _zoo_extra(zm))
+    return ResolvedModel(
+        zm.model,
+        zm.loss_fn,
+        batches,
+        list(zm.sites),
+        zm.layout,
+        zm.description,
+        _zoo_extra(zm),
+        tokenizer=zm.tokenizer,
+    )
 
 
 # ----------------------------------------------------------------------------- hf:PATH
@@ -409,7 +421,7 @@ def _hf_model(
         f"loss: next-token cross-entropy, mean over the example's own predicted tokens"
     )
     return ResolvedModel(
-        model, token_loss_masked, batches, sites, Layout.SEQUENCE, desc, {"loss_units": _HF_LOSS_UNITS}
+        model, token_loss_masked, batches, sites, Layout.SEQUENCE, desc, {"loss_units": _HF_LOSS_UNITS}, tokenizer=tok
     )
 
 

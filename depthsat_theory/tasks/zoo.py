@@ -116,6 +116,7 @@ class ZooModel:
         description: what the model, probe and loss are.
         loss_units: units of the loss.
         info: sanity figures measured at load time (e.g. ``mean_loss``).
+        tokenizer: the Hugging Face tokenizer of a language model (SmolLM2), else ``None``.
     """
 
     name: str
@@ -127,6 +128,7 @@ class ZooModel:
     description: str
     loss_units: str = "nats"
     info: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
 
     @property
     def n_examples(self) -> int:
@@ -392,6 +394,7 @@ def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_exampl
             "the example's own predicted tokens"
         ),
         loss_units="nats per token (mean over the example's own non-padded predicted tokens)",
+        tokenizer=tok,
     )
 
 
