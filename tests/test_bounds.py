@@ -363,6 +363,10 @@ def test_score_delta_adds_interval_keys(tmp_path):
     assert "not a guarantee" in out["bootstrap_interval"]["label"]
     plain = json.loads(runner.invoke(app, ["score", "--probe", str(path), "--family", "linear", "--json"]).stdout)
     assert "score_lower" not in plain and plain["score"] == out["score"]
+    # --delta adds the certificate beside the verdict's fields, never over them: every field of
+    # the plain output (verdict, ŝ², ŝ²_U, ...) reads the same with --delta.
+    assert {k: out[k] for k in plain} == plain
+    assert "bound_score_squared_unbiased" in out
 
 
 def test_bound_command_round_trip():

@@ -184,8 +184,9 @@ def print_check_summary(rep: dict, wall: float, path: Path | str, *, stderr: boo
 def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> dict:
     """The keys of ``depthsat score``: the result's, a note, then the interval's (``--delta``).
 
-    The interval's ``label``, ``notes`` and ``tangent_rank`` become ``bound_label``,
-    ``bound_notes`` and ``bound_tangent_rank`` (its ``score`` is the result's).
+    Every key of the interval that the result also has (``label``, ``notes``, ``tangent_rank``,
+    ``score_squared``, ``score_squared_unbiased``, ...) becomes ``bound_<key>``, so the
+    interval never overwrites the verdict's fields (its ``score`` is the result's).
 
     Args:
         result: the probe's :class:`SaturationResult`.
@@ -199,7 +200,10 @@ def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> di
     if interval is not None:
         bound = interval.to_dict()
         bound.pop("score")
-        for key in ("label", "notes", "tangent_rank"):
+        # Every key the result also has (label, notes, tangent_rank, score_squared,
+        # score_squared_unbiased, ...) is renamed ``bound_<key>``: the interval's
+        # ŝ² must never overwrite the verdict's in ``score --json``.
+        for key in [k for k in bound if k in out]:
             bound[f"bound_{key}"] = bound.pop(key)
         out.update(bound)
     return out
