@@ -13,7 +13,7 @@ from depthsat_theory.statistics.result import SaturationResult, StatisticsError
 
 __all__ = ["Headline", "headline", "headline_from_moments"]
 
-#: Largest level of the headline's interval: its lower end uses the noise test at ``α/2 ≤ 0.215``.
+#: Largest level of the headline's interval (its lower end uses the noise test at ``α/2 ≤ 0.215``).
 HEADLINE_ALPHA_MAX = 0.43
 
 

@@ -233,7 +233,7 @@ class AnytimeNoiseTest:
 
     @property
     def done(self) -> bool:
-        """Whether to stop feeding: decided, or the budget is spent."""
+        """Whether to stop feeding (decided, or the budget is spent)."""
         return self.decided or self.budget_spent
 
     @property
@@ -265,7 +265,7 @@ class AnytimeNoiseTest:
 
     @property
     def reason(self) -> str:
-        """One line: why the verdict is what it is, and what would decide an undetermined one."""
+        """Why the verdict is what it is, and what would decide an undetermined one (one line)."""
         if self.decided:
             return (
                 f"the anytime noise test reached M = {self.e_value:.3g} >= 1/alpha = {1 / self.alpha:.3g} at example "

@@ -690,7 +690,7 @@ def run_teacher(
     """Run the known-depth benchmark and write its results atomically.
 
     Args:
-        config: ``"tiny"``, ``"full"`` (:data:`CONFIGS`) or a :class:`TeacherConfig`.
+        config: ``"tiny"``, ``"full"`` (``CONFIGS``) or a :class:`TeacherConfig`.
         out: the result folder (default: ``experiments/results/teacher`` for ``full``, else a new
             temporary folder).
         seeds: seeds (default: the configuration's).

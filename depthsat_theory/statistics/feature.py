@@ -78,7 +78,7 @@ class TriangularFactor(StreamingStatistic):
 
         Args:
             rows: feature rows ``(N, k̃)`` (converted to float64).
-            count: what :attr:`rows` counts for them (default ``N``; the noise factor counts examples).
+            count: what ``rows`` counts for them (default ``N``; the noise factor counts examples).
         """
         stacked = torch.cat([self.r.to(rows.device), rows.to(torch.float64)])
         self.r = torch.linalg.qr(stacked, mode="r").R[: self.k].cpu()
