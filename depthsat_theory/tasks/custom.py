@@ -275,7 +275,7 @@ def _zoo_model(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size
         zm.layout,
         zm.description,
         _zoo_extra(zm),
-        tokenizer=zm.tokenizer,
+        tokenizer=getattr(zm, "tokenizer", None),  # image and encoder zoo models have none
     )
 
 
