@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Speed and memory of the one-pass saturation diagnosis against baselines in the same process.
 
-Setting (issue 5, item 4): a :class:`~depthsat_theory.tasks.models.ResidualMLP` with 8 blocks,
+Setting: a :class:`~depthsat_theory.tasks.models.ResidualMLP` with 8 blocks,
 width ``d = 256`` (hidden ``2d``, GELU), float32, eval mode, random weights (seed 0); a
 synthetic probe of ``n = 8192`` examples (``x ~ N(0, I_64)``, 10 classes) in batches of
 1024; all 8 block outputs ``blocks.0 … blocks.7`` as sites; 2 CPU threads.

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""The float32-products fast path's error against exact truth and against the float64 path (issue 12).
+"""The float32-products fast path's error against exact truth and against the float64 path.
 
 For each probe: the exact score of the stored arrays in rational arithmetic
 (:func:`proofs_checks.t8_numerics.exact_score`, linear family with bias) or a numpy float64
 least-squares score of the family's own features (``relu:K``), then the default float64-products
 ``ŝ``, its bound ``e`` and verdict, and the same for ``products="float32"`` (chunks of 128 rows
 accumulated in float32: ``L_32 = 128 + ⌈B/128⌉ − 1``), with the measured ``|ŝ − s|`` against the fast
-path's ``e``. Probes: issue 10's
+path's ``e``. Probes: the verdict reproducers'
 near-threshold construction (cancelling pairs plus a planted signal), the collinear reproducer
 ``z = (t, t + ε w)`` (exact ``s = AG_rms = 1``), a direction of amplitude ``η`` carrying the whole
 gradient, and a well-conditioned ``relu:64`` site. Seconds on one thread.

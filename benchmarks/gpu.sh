@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU test suite and the benchmarks on CUDA, recording the figures (issue 12); under 8 minutes.
+# The GPU test suite and the benchmarks on CUDA, recording the figures; under 8 minutes.
 #   bash benchmarks/gpu.sh            (PYTHON=... to choose the interpreter; default .venv/bin/python, else python3)
 # Writes benchmarks/results/gpu-<UTC stamp>-{env,tests,bench}.txt and gpu-<stamp>.json.  Without a CUDA
 # device it says so and exits 0 (safe to run anywhere).  Budget: tests <= 4 min, benchmarks <= 3.5 min.

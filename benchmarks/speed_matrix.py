@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where depthsat stands: its one-pass statistics against a plain pass and GroMo, over a grid.
 
-Grid (issue 12): families ``linear``, ``relu:1024``, ``relu:4096``; ``1``, ``8`` or ``32`` sites;
+Grid: families ``linear``, ``relu:1024``, ``relu:4096``; ``1``, ``8`` or ``32`` sites;
 widths ``d`` from 128 to 1024 (:class:`~depthsat_theory.tasks.ResidualMLP`, GELU, hidden ``2d``,
 depth ``max(8, sites)``, float32, eval, random weights); batches of 1024 synthetic examples.
 For every configuration the methods run **interleaved batch by batch** (``diagnose_speed.py``'s

@@ -45,7 +45,7 @@ import torch
 from depthsat_theory.diagnose import diagnose
 from depthsat_theory.experiments.record import provenance
 from depthsat_theory.tasks import zoo
-from depthsat_theory.tasks.custom import _zoo_extra
+from depthsat_theory.tasks.custom import zoo_diagnose_extras
 
 
 def _plain(zm) -> None:
@@ -57,7 +57,7 @@ def _plain(zm) -> None:
 
 def _diagnose(zm, kinks: bool):
     return diagnose(
-        zm.model, zm.loss_fn, zm.batches, sites=list(zm.sites), layout=zm.layout, kinks=kinks, **_zoo_extra(zm)
+        zm.model, zm.loss_fn, zm.batches, sites=list(zm.sites), layout=zm.layout, kinks=kinks, **zoo_diagnose_extras(zm)
     )
 
 

@@ -34,7 +34,7 @@ from depthsat_theory.statistics import statistics_for
 from depthsat_theory.vocabulary import Verdict
 
 from ._registry import Context, Outcome, check
-from .t8_numerics import _solve_rational
+from .t8_numerics import solve_rational
 
 
 def _site(z: np.ndarray, g: np.ndarray):
@@ -138,7 +138,7 @@ def _exact_score2(feat: list[list[Fraction]], g: list[list[Fraction]]) -> Fracti
     n, k, d = len(g), len(feat[0]), len(g[0])
     gram = [[sum((r[a] * r[b] for r in feat), Fraction(0)) for b in range(k)] for a in range(k)]
     rhs = [[sum((feat[i][a] * g[i][j] for i in range(n)), Fraction(0)) for j in range(d)] for a in range(k)]
-    x = _solve_rational(gram, rhs)
+    x = solve_rational(gram, rhs)
     return sum((rhs[a][j] * x[a][j] for a in range(k) for j in range(d)), Fraction(0)) / n
 
 

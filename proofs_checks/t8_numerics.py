@@ -67,7 +67,7 @@ from ._registry import Context, Outcome, check
 from .t1_gradient import fmt
 
 
-def _solve_rational(gram: list[list[Fraction]], rhs: list[list[Fraction]]) -> list[list[Fraction]]:
+def solve_rational(gram: list[list[Fraction]], rhs: list[list[Fraction]]) -> list[list[Fraction]]:
     """A solution ``x`` of ``gram · x = rhs`` by Gauss–Jordan in rationals (dependent columns get ``x = 0``)."""
     k, d = len(gram), len(rhs[0])
     aug = [gram[a] + rhs[a] for a in range(k)]
@@ -104,7 +104,7 @@ def exact_score(z: np.ndarray, g: np.ndarray, bias: bool = True) -> float:
     k = len(rows[0])
     gram = [[sum((r[a] * r[b] for r in rows), Fraction(0)) for b in range(k)] for a in range(k)]
     rhs = [[sum((rows[i][a] * gs[i][j] for i in range(n)), Fraction(0)) for j in range(d)] for a in range(k)]
-    x = _solve_rational(gram, rhs)
+    x = solve_rational(gram, rhs)
     s2 = sum((rhs[a][j] * x[a][j] for a in range(k) for j in range(d)), Fraction(0)) / n  # gᵀ Φ̃ x = (Φ̃ᵀg)ᵀ x
     return math.sqrt(float(s2))
 
@@ -121,7 +121,7 @@ def exact_noise_variance(z: np.ndarray, g: np.ndarray) -> Fraction:
     sigma = [[sum((r[a] * r[b] for r in rows), Fraction(0)) for b in range(k)] for a in range(k)]
     weighted = list(zip(rows, gn, strict=True))
     q = [[sum((w * r[a] * r[b] for r, w in weighted), Fraction(0)) for b in range(k)] for a in range(k)]
-    x = _solve_rational(sigma, q)  # Σ x = Q (the 1/n cancels)
+    x = solve_rational(sigma, q)  # Σ x = Q (the 1/n cancels)
     check = [[sum((sigma[a][c] * x[c][b] for c in range(k)), Fraction(0)) for b in range(k)] for a in range(k)]
     assert check == q, "Σ must be invertible"
     return sum((x[a][a] for a in range(k)), Fraction(0))
@@ -158,7 +158,7 @@ def pure_noise_improvable(eps: float, seeds, n: int = 400) -> int:
 def collinear_signal(eps: float, dtype: torch.dtype, n: int = 1000, seed: int = 0) -> tuple[Tensor, Tensor]:
     """``z = (t, t + ε w)`` and ``g`` along the small feature direction ``z₂ − z₁`` (exact ``s = AG_rms``).
 
-    Issue 10's reproducer of the rank cutoff (``ε = 1e-4`` in float32): ``g`` lies in the tangent space
+    The verdict reproducer of the rank cutoff (``ε = 1e-4`` in float32): ``g`` lies in the tangent space
     of the linear family, so the exact score of the stored arrays equals ``AG_rms = 1``.
     """
     rng = np.random.default_rng(seed)

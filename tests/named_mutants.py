@@ -1,4 +1,4 @@
-"""The named mutants of issue 10, applied by hand: each must be killed by the suite (``./dev mutate``).
+"""The named mutants of the verdict code, applied by hand: each must be killed by the suite (``./dev mutate``).
 
 mutmut does not mutate ``@property`` bodies (the verdict rules of :class:`SaturationResult`) and
 generates operator-level mutants only; the mutants the issue names (a rounding bound ×1/100 or

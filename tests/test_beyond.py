@@ -1,4 +1,4 @@
-"""Kink ties, the saddle score, finite-step decreases and the joint score (issue 11).
+"""Kink ties, the saddle score, finite-step decreases and the joint score.
 
 Independent truths: hand-counted ties on constructed tensors; the exact example ``ex-saddle``
 (``σ = 1/√11``, sympy in proofs_checks); a dense SVD of the whitened cross block; closed forms of

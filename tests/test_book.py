@@ -7,8 +7,10 @@ tests/conftest.py). Chromium and its driver are the Debian packages ``chromium``
 
 For every page: math typeset (each Sphinx math element holds a MathJax container, no MathJax
 error, no raw TeX such as ``\\frac`` in the visible text outside code), no console error, every
-image loaded, no element wider than the text column at 1280 px unless inside a scrolling box,
-and no request to a host other than 127.0.0.1. Over the whole site: every internal link and
+image loaded, no element wider than the text column unless inside a scrolling box, no display
+equation clipped (wider than its box after the book's fit-to-column script), no page scrolling
+sideways, and no request to a host other than 127.0.0.1, each at 1280 px (a laptop) and at 390 px
+(a phone). Over the whole site: every internal link and
 anchor resolves, every ``theory/`` page and every public module has its page.
 """
 
@@ -18,9 +20,11 @@ import contextlib
 import functools
 import http.server
 import json
+import os
 import pkgutil
 import re
 import shutil
+import sys
 import threading
 from html.parser import HTMLParser
 from pathlib import Path
@@ -30,6 +34,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT = 1280, 900
+#: the widths every page is read at: a laptop and a phone
+WIDTHS = (1280, 390)
 RAW_TEX = re.compile(r"\\(frac|sqrt|mathbb|mathrm|lVert|rVert|sum|begin|operatorname|hat|tilde)\b|\$\$")
 
 # ----------------------------------------------------------------------------- the site
@@ -47,7 +53,7 @@ def site(request) -> Path:
 
 
 def _pages(site: Path) -> list[Path]:
-    skip = {"_static", "_sources", "_images", "reports", "_sphinx_design_static"}
+    skip = {"_static", "_sources", "_images", "reports", "_sphinx_design_static", "_modules", "_notebooks"}
     return sorted(p for p in site.rglob("*.html") if not skip & set(p.relative_to(site).parts))
 
 
@@ -138,7 +144,13 @@ clone.querySelectorAll("pre, code, mjx-container, script, style, .highlight, tex
 const text = clone.textContent;
 const images = Array.from(article.querySelectorAll("img")).map(img => ({
   src: img.getAttribute("src"), ok: img.complete && img.naturalWidth > 0}));
+if (window.depthsatFitMath) window.depthsatFitMath();
 const col = article.getBoundingClientRect();
+const clippedMath = Array.from(article.querySelectorAll('mjx-container[display="true"]'))
+  .filter(el => el.getBoundingClientRect().width > 0 && el.scrollWidth > el.clientWidth + 1)
+  .map(el => `${Math.round(el.scrollWidth - el.clientWidth)} px hidden: ${(el.getAttribute("aria-label") ||
+    el.textContent).slice(0, 60)}`);
+const pageScroll = Math.round(document.documentElement.scrollWidth - window.innerWidth);
 const scrolls = el => ["auto", "scroll", "hidden", "clip"].includes(getComputedStyle(el).overflowX);
 const overflow = [];
 for (const el of article.querySelectorAll("*")) {
@@ -154,7 +166,7 @@ for (const el of article.querySelectorAll("*")) {
   if (overflow.length > 5) break;
 }
 return {math: math.length, containers: document.querySelectorAll("mjx-container").length, untypeset, errors,
-        text, images, overflow, columnWidth: col.width};
+        text, images, overflow, columnWidth: col.width, clippedMath, pageScroll};
 """
 
 
@@ -185,15 +197,19 @@ def _foreign(urls: list[str]) -> list[str]:
     return [u for u in urls if urlparse(u).scheme not in local and urlparse(u).hostname != "127.0.0.1"]
 
 
-def test_every_page_as_a_reader_sees_it(site, server, browser):
+@pytest.mark.parametrize("width", WIDTHS)
+def test_every_page_as_a_reader_sees_it(site, server, browser, width):
     problems: dict[str, list[str]] = {}
     pages = _pages(site)
     assert len(pages) > 20, f"only {len(pages)} pages in {site}"
     typeset = 0
+    browser.set_window_size(width, HEIGHT)
     for page in pages:
         rel = page.relative_to(site).as_posix()
         info = _visit(browser, server + rel)
-        found = []
+        found = [f"display math clipped at {width} px: {m}" for m in info["clippedMath"]]
+        if info["pageScroll"] > 1:
+            found.append(f"the page scrolls sideways by {info['pageScroll']} px at {width} px")
         if info["untypeset"]:
             found.append(f"{len(info['untypeset'])} math elements not typeset, e.g. {info['untypeset'][0]!r}")
         if info["errors"]:
@@ -210,6 +226,7 @@ def test_every_page_as_a_reader_sees_it(site, server, browser):
             problems[rel] = found
         typeset += info["containers"]
     assert typeset > 500, f"only {typeset} typeset formulas in the whole book"
+    browser.set_window_size(WIDTH, HEIGHT)
     assert not problems, "\n".join(f"{page}: {p}" for page, found in problems.items() for p in found)
 
 
@@ -328,3 +345,65 @@ def test_every_public_module_is_in_the_api_reference(site):
     assert not missing, f"modules without an API page: {missing}"
     api = (site / "api.html").read_text(encoding="utf-8")
     assert "depthsat_theory.statistics" in api
+
+
+# ----------------------------------------------------------------------------- notebook downloads
+
+
+def _executed_chapters() -> list[str]:
+    """Docnames of the book's executed chapters (MyST notebooks), from the sources."""
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    try:
+        from depthsat_book import is_executed_chapter
+    finally:
+        sys.path.remove(str(ROOT / "book" / "_ext"))
+    book = ROOT / "book"
+    return sorted(
+        p.relative_to(book).with_suffix("").as_posix()
+        for p in book.glob("*/*.md")
+        if not {"_build", "_autosummary"} & set(p.relative_to(book).parts)
+        and is_executed_chapter(p.read_text(encoding="utf-8"))
+    )
+
+
+def test_every_executed_chapter_links_its_notebook(site):
+    import nbformat
+
+    chapters = _executed_chapters()
+    assert "theory/iff" in chapters and "chapters/setting" in chapters and len(chapters) > 10
+    problems = []
+    for doc in chapters:
+        html = (site / f"{doc}.html").read_text(encoding="utf-8")
+        if f"_notebooks/{doc}.ipynb" not in html:
+            problems.append(f"{doc}.html: no link to its notebook")
+        nb_path = site / "_notebooks" / f"{doc}.ipynb"
+        if not nb_path.is_file():
+            problems.append(f"{doc}: no notebook in the site")
+            continue
+        nb = nbformat.read(str(nb_path), as_version=4)
+        nbformat.validate(nb)
+        source = (ROOT / "book" / f"{doc}.md").read_text(encoding="utf-8")
+        if sum(c.cell_type == "code" for c in nb.cells) != source.count("```{code-cell}"):
+            problems.append(f"{doc}: the notebook's code cells differ from the chapter's")
+        if "{include}" in "".join(c.source for c in nb.cells):
+            problems.append(f"{doc}: an include directive left unexpanded")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", _executed_chapters())
+def test_downloaded_notebook_executes(site, doc):
+    """The notebook a reader downloads runs from top to bottom in a clone (its folder in book/)."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(site / "_notebooks" / f"{doc}.ipynb"), as_version=4)
+    env_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    os.environ["PYTHONPATH"] = env_path  # the kernel inherits it
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "book" / Path(doc).parent)}}
+    ).execute()
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
+    assert errors == []

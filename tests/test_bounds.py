@@ -752,7 +752,7 @@ def test_degenerate_family_gets_the_degenerate_verdict():
     assert it.to_dict()["certificate"] == "degenerate"
 
 
-# ----------------------------------------------------------------------------- pinned constants (issue 10)
+# ----------------------------------------------------------------------------- pinned constants
 def _uniform_probe(phi, g, n, seed):
     w = np.random.default_rng(seed).multinomial(n, np.full(phi.shape[0], 1 / phi.shape[0]))
     return ProbeMoments.from_arrays(phi, g, w)

@@ -151,7 +151,7 @@ def test_report_written_atomically(tmp_path):
 
 
 def test_check_draws_the_polynomial_family_and_its_first_step_agrees(model_cache):
-    """``poly:2`` (every monomial of degree ≤ 2, issue 10 item 5) is in the vector pool, and one instance
+    """``poly:2`` (every monomial of degree ≤ 2) is in the vector pool, and one instance
     on the trained MLP agrees: the first step's observed slope matches ``−⟨b, P(b)⟩`` from autograd."""
     from depthsat_theory.check import FAMILY_POOLS, evaluate, insert_on_probe, pool_family
     from depthsat_theory.check.checker import Agreement

@@ -1,4 +1,4 @@
-"""Your own model from the CLI: ``diagnose --model hf:PATH`` and ``--model package.module:attr`` (issue 13, item 5).
+"""Your own model from the CLI: ``diagnose --model hf:PATH`` and ``--model package.module:attr``.
 
 Truth is derived independently of :mod:`depthsat_theory.tasks.custom`: for ``hf:`` the scores of
 ``diagnose`` on the saved model object in Python, on probe batches and a next-token loss built here;

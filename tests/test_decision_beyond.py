@@ -17,7 +17,7 @@ import torch
 from depthsat_theory.decision import DepthDecision, beyond_training
 from depthsat_theory.statistics import StatisticsError
 from depthsat_theory.vocabulary import Verdict
-from proofs_checks.t8_numerics import _solve_rational
+from proofs_checks.t8_numerics import solve_rational
 
 F = Fraction
 
@@ -33,7 +33,7 @@ def hadamard(n: int) -> np.ndarray:
 def solve(a: list[list[Fraction]], b: list[list[Fraction]]) -> list[list[Fraction]]:
     """A solution ``x`` of ``a x = b`` in rationals (dependent columns get ``x = 0``): every quadratic form
     ``bᵀ x`` below is the same for every solution, because ``b``'s columns lie in the range of the PSD ``a``."""
-    return _solve_rational(a, b)
+    return solve_rational(a, b)
 
 
 def mat(rows) -> list[list[Fraction]]:

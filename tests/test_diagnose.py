@@ -731,7 +731,7 @@ def _interrupted_checkpoint(tmp_path, model, batches, after=3, loss=classificati
 
 
 def test_resume_with_another_batching_or_probe_is_refused(tmp_path):
-    """Issue 10.5.1: resuming 512 examples with another batching counted n = 608; now refused."""
+    """Resuming 512 examples with another batching counted n = 608; now refused."""
     torch.manual_seed(0)
     model = ResidualMLP(in_dim=6, width=5, depth=2, n_classes=3).to(DT).eval()
     x, y = torch.randn(512, 6, dtype=DT), torch.randint(0, 3, (512,))
@@ -859,7 +859,7 @@ def test_cli_tampered_checkpoint_exit_2(tmp_path, cache_env, name, how, field):
     assert "internal error" not in out.output and "probe batch" not in out.output
 
 
-# ----------------------------------------------------------------------------- attention with padding (issue 10.5.3)
+# ----------------------------------------------------------------------------- attention with padding
 def _stacked_reference(fam, zs, gs):
     """``s`` of unpadded sequences scored separately: the torch.func tangent Jacobian of each, stacked.
 

@@ -1,4 +1,4 @@
-"""``depthsat experiment expand``: where to expand an LLM (issue 14, item 5), tiny configuration.
+"""``depthsat experiment expand``: where to expand an LLM, tiny configuration.
 
 Independent truths: the original model's held-out loss recomputed here with a plain token
 cross-entropy (per window, then averaged) equals every arm's loss before training (function
@@ -60,10 +60,10 @@ def test_loss_before_training_is_the_original_models_for_every_arm(tiny_run):
     """Every arm's held-out loss before training equals the ungrown model's, recomputed here by hand."""
     out, _ = tiny_run
     cfg = ex.CONFIGS["tiny"]
-    from depthsat_theory.tasks.zoo import _kjv_verses, causal_lm_batches
+    from depthsat_theory.tasks.zoo import causal_lm_batches, kjv_verses
 
     model, tok, _ = ex._load(cfg)
-    heldout_lines = _kjv_verses()[int(0.9 * len(_kjv_verses())) :]
+    heldout_lines = kjv_verses()[int(0.9 * len(kjv_verses())) :]
     batches = causal_lm_batches(
         tok, heldout_lines, cfg.heldout_windows, cfg.eval_batch_size, cfg.probe_seed, 1, cfg.max_tokens
     )
@@ -176,7 +176,7 @@ def test_split_verses_is_disjoint_and_ordered():
 def test_frozen_old_layers_do_not_move_and_new_ones_do(monkeypatch):
     """After training one arm, each old parameter equals the original (map built by hand), new zeroed ones moved."""
     import depthsat_theory.grow as grow_pkg
-    from depthsat_theory.tasks.zoo import _kjv_verses, token_loss_masked
+    from depthsat_theory.tasks.zoo import kjv_verses, token_loss_masked
 
     grown = []
     real = grow_pkg.expand_layers
@@ -189,7 +189,7 @@ def test_frozen_old_layers_do_not_move_and_new_ones_do(monkeypatch):
     monkeypatch.setattr(grow_pkg, "expand_layers", spy)
     cfg = ex.with_overrides("tiny", steps=3, seeds=(0,))
     base, tok, _ = ex._load(cfg)
-    parts = ex.split_verses(_kjv_verses())
+    parts = ex.split_verses(kjv_verses())
     train = ex._windows(tok, parts["train"], 6, 2, 0, cfg)
     held = ex._windows(tok, parts["heldout"], 4, 4, 0, cfg)
     original = {n: p.detach().clone() for n, p in base.named_parameters()}

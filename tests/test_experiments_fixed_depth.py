@@ -1,4 +1,4 @@
-"""Variable-depth against fixed-depth students (issue 16, item 2; seed 003).
+"""Variable-depth against fixed-depth students (seed 003).
 
 Independent checks: the fixed-depth network has no identity path (its block Jacobian differs from
 the residual block's by exactly the identity, a block with zero output weights passes nothing of

@@ -1,4 +1,4 @@
-"""Growth against scratch and criterion-driven growth (issue 14, items 2 and 4).
+"""Growth against scratch and criterion-driven growth.
 
 Independent checks: exact function preservation of the zero-output deepening; the architecture
 equals the one built from scratch; the multiply-add counter against a hand count and against

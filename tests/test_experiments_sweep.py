@@ -1,4 +1,4 @@
-"""The depth sweep and local insertion (issue 14, items 1, 3, 6): the tiny configuration end to end.
+"""The depth sweep and local insertion: the tiny configuration end to end.
 
 ``depthsat experiment sweep --config tiny`` runs once (module fixture) through the CLI into a
 temporary folder; the tests check the outputs' structure and, against independent truth:

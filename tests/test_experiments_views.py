@@ -1,4 +1,4 @@
-"""Views side by side (issue 16, parts 1 and 3): the library against independent truth, and the tiny run.
+"""Views side by side: the library against independent truth, and the tiny run.
 
 * exits: the logit lens of a model whose last block is zero gives the same loss at the last two
   depths, and the last depth is the model's own token loss (``F.cross_entropy``); a fitted

@@ -124,7 +124,7 @@ def test_is_family_name():
     assert not is_family_name("mymodule") and not is_family_name("relu:8")
 
 
-# ----------------------------------------------------------------------------- poly:D is polynomial (issue 10.5.5)
+# ----------------------------------------------------------------------------- poly:D is polynomial
 @pytest.mark.parametrize(("d", "degree"), [(1, 4), (2, 2), (3, 3), (4, 2)])
 def test_poly_is_every_monomial_up_to_degree_d(d, degree):
     """k = C(d + D, D) − 1 and T = span of the monomials of degree ≤ D (dense Jacobian check)."""

@@ -1,4 +1,4 @@
-"""The float32-products fast path (issue 12): chunked float32 batch products summed in float64.
+"""The float32-products fast path: chunked float32 batch products summed in float64.
 
 Truth is independent of the engine: the exact score of the stored arrays in rational arithmetic
 (:func:`proofs_checks.t8_numerics.exact_score`), numpy float64 sums of the family's own features, and
@@ -139,7 +139,7 @@ def test_masked_sequence_sums_within_gamma_against_numpy(family, zdtype):
 
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3, 1e-4])
 def test_near_threshold_probes_against_exact_truth(eps):
-    """Issue 10's near-threshold construction (cancelling pairs plus a planted signal ``c·v``), 1200 rows in
+    """The near-threshold verdict reproducer (cancelling pairs plus a planted signal ``c·v``), 1200 rows in
     batches of 400: the fast path is sound against the exact score at every planted size, within its bound
     when nothing is dropped, and never contradicts the float64 path beyond that bound."""
     rng = np.random.default_rng(11)
@@ -162,7 +162,7 @@ def test_near_threshold_probes_against_exact_truth(eps):
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3, 1e-4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_collinear_reproducer_is_never_saturated(eps, dtype):
-    """Issue 10's ``z = (t, t + ε w)`` with ``g`` along the small direction: exact ``s = AG_rms = 1``.
+    """The verdict reproducer ``z = (t, t + ε w)`` with ``g`` along the small direction: exact ``s = AG_rms = 1``.
 
     The float32 Gram cannot resolve amplitude ``ε`` below ``sqrt(2η)``: the direction is dropped and counted
     unresolved, so ŝ is only a lower bound and the verdict is never "saturated"; above it the score is

@@ -1,4 +1,4 @@
-"""Inputs that used to corrupt a verdict silently (issue 10, item 5): each is now read right or refused.
+"""Inputs that used to corrupt a verdict silently: each is now read right or refused.
 
 Every expected value here is derived independently of the code under test: a hand-computed
 count or shape, a dense float64 score from ``z`` and ``g`` taken with plain autograd, or the

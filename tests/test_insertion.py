@@ -130,7 +130,7 @@ def test_checker_helpers(task):
     assert torch.allclose(torch.from_numpy(lin.cross_gradient()), g.T @ phi / 7, rtol=1e-12)
 
 
-# ----------------------------------------------------------------------------- block dtype (issue 10.5.4)
+# ----------------------------------------------------------------------------- block dtype
 def _float32_models():
     from depthsat_theory.tasks import CharGPT, ResidualMLP, ResNetCNN
 
@@ -187,7 +187,7 @@ class _PaddedLM(torch.nn.Module):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_inserted_attention_block_sees_the_attention_mask(side):
-    """Issue 10 item 5: the inserted ``attention`` block's real rows equal its output on each unpadded sequence.
+    """The inserted ``attention`` block's real rows equal its output on each unpadded sequence.
 
     Reference: the block's own feature map and ``out`` run on each sequence alone (no padding, no
     mask); with left padding a block blind to the mask would attend to the padded keys.

@@ -1,4 +1,4 @@
-"""Monitor during training (issue 13, item 6): the Hugging Face and Lightning callbacks in real training runs.
+"""Monitor during training: the Hugging Face and Lightning callbacks in real training runs.
 
 Each test trains a tiny model on CPU for a few steps with the callback, copies the weights at the
 measured steps (a second callback), and checks that the logged ``s``, ``s/AG_rms`` and ``AG_max``

@@ -7,7 +7,7 @@ over pairs, the probe's ``σ̂²`` from the ``Ψ̂_i`` matrices, ``σ̄²`` by b
 inequality, the δ split, ``Δ^∓``, ``V̄``, ``ε_n``, both ends, ``AG_rms``'s upper bound, the
 certificate and ``n_to_certify`` by a plain scan.  Configurations cover both matrix steps, a user
 ``V``, the union bound, a ridge with an eigenvalue floor and a vacuous probe (mutation testing of
-``bounds/interval.py``, issue 10; every assertion is a whole-record comparison, so any field
+``bounds/interval.py``; every assertion is a whole-record comparison, so any field
 computed from a wrong argument fails).
 """
 

@@ -1,5 +1,5 @@
 """Kink ties at selections (``where``, masks, ``sign``, ``sort``/``topk``), ``amax`` after ``relu``, and
-attribution by data flow (issue 11, item 1; ``thm-gradient``, ``ex-kink-tie``).
+attribution by data flow ( ``thm-gradient``, ``ex-kink-tie``).
 
 Independent truth: each downstream function below is known in closed form (``where(z>0, z, 0) +
 where(z<0, z, 0) = z``, ``z + z·sign(z) = z + |z|``, ``max(z, 0) − max(−z, 0) = z`` via ``sort`` and

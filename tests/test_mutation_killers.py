@@ -1,4 +1,4 @@
-"""Checks that pin the verdict boundary (issue 10): each kills a class of mutants of the error model.
+"""Checks that pin the verdict boundary: each kills a class of mutants of the error model.
 
 ``./dev mutate`` runs mutmut over the verdict code; every test here was added for mutants that
 survived the rest of the suite, with its expected value derived independently of the code under

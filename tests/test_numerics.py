@@ -1,6 +1,6 @@
 """The numerical error model and the four-outcome verdict (theory/numerics.md), against exact truth.
 
-Every reproducer of issue 10 ("Verdicts you can trust") is here with its truth computed
+Every verdict reproducer is here with its truth computed
 independently: the exact score of the stored arrays in rational arithmetic
 (:func:`proofs_checks.t8_numerics.exact_score`, Fraction Gauss–Jordan, no engine code), or a
 closed form, or a dense numpy reference of the U-statistic.

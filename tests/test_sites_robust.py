@@ -1,4 +1,4 @@
-"""Robust activation capture (issue 5, item 5): each case derives ``g`` independently.
+"""Robust activation capture: each case derives ``g`` independently.
 
 The reference ``g`` is always ``∂(Σ_i ℓ_i)/∂δ`` for an explicit additive perturbation
 ``δ = 0`` written into a hand-built forward pass at the site (theory/definitions.md), taken with

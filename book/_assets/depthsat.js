@@ -66,3 +66,35 @@
     }).observe(results, { childList: true, subtree: true });
   });
 })();
+
+// Display equations fit the column: on a narrow screen (a phone at 390 px) an equation wider than
+// the text column is scaled down to fit, to no less than MIN_SCALE of its size; one that still does
+// not fit scrolls inside its own box, with a visible scrollbar (class depthsat-math-scroll).
+// MathJax 3 has no automatic line breaking, so this is what keeps "⇔ s > 0" on the screen.
+(function () {
+  "use strict";
+  var MIN_SCALE = 0.5;
+  function fit() {
+    document.querySelectorAll('mjx-container[display="true"]').forEach(function (el) {
+      el.style.fontSize = "";
+      el.classList.remove("depthsat-math-scroll");
+      var need = el.scrollWidth, have = el.clientWidth;
+      if (!have || need <= have + 1) return;
+      var scale = Math.max(MIN_SCALE, (have - 2) / need);
+      el.style.fontSize = Math.floor(scale * 100) + "%";
+      if (el.scrollWidth > el.clientWidth + 1) el.classList.add("depthsat-math-scroll");
+    });
+  }
+  window.depthsatFitMath = fit;
+  function whenTypeset() {
+    var mj = window.MathJax;
+    if (mj && mj.startup && mj.startup.promise) mj.startup.promise.then(fit);
+    else if (document.querySelector(".math")) setTimeout(whenTypeset, 100);
+  }
+  document.addEventListener("DOMContentLoaded", whenTypeset);
+  var pending = null;
+  window.addEventListener("resize", function () {
+    if (pending) clearTimeout(pending);
+    pending = setTimeout(fit, 150);
+  });
+})();

@@ -1,7 +1,8 @@
 """Sphinx extension of the depthsat book.
 
-Two jobs: the page's real text behind the download button, and the docstrings' cross-references
-resolved to the one place each object is documented.
+Three jobs: the page's real text behind the download button, an ``.ipynb`` download of every
+executed chapter, and the docstrings' cross-references resolved to the one place each object is
+documented.
 
 The theory pages are one-line include stubs (``{include} ../../theory/iff.md``); Sphinx copies the
 stub to ``_sources/``, so the ".md" download button handed out two lines. After the build, each
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from docutils import nodes
@@ -38,6 +41,86 @@ def _replace_include_stubs(app: Sphinx, exception: Exception | None) -> None:
         copied = sources / (docname + src.suffix)
         if copied.exists():
             copied.write_text(target.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+_INCLUDE_BLOCK = re.compile(r"^```\{include\}\s+(?P<path>\S+)\s*\n(?P<options>(?::[\w-]+:.*\n)*)```[ \t]*$", re.M)
+#: where the notebooks are published, relative to the site's root
+NOTEBOOKS = "_notebooks"
+
+
+def is_executed_chapter(text: str) -> bool:
+    """Whether a MyST source is a notebook (a ``kernelspec`` in its front matter), executed at build time."""
+    if not text.startswith("---\n"):
+        return False
+    front = text.split("---\n", 2)[1] if text.count("---\n") >= 2 else ""
+    return "kernelspec:" in front
+
+
+def expand_includes(text: str, folder: Path) -> str:
+    """``text`` with each ``{include}`` block replaced by the included text (``start-after``/``end-before`` kept)."""
+
+    def one(match: re.Match) -> str:
+        included = (folder / match["path"]).read_text(encoding="utf-8")
+        options = dict(re.findall(r"^:([\w-]+):\s*(.*)$", match["options"], flags=re.M))
+        if "start-after" in options:
+            included = included.split(options["start-after"], 1)[1]
+        if "end-before" in options:
+            included = included.split(options["end-before"], 1)[0]
+        return included.strip("\n")
+
+    return _INCLUDE_BLOCK.sub(one, text)
+
+
+def chapter_notebook(src: Path) -> object:
+    """The executed chapter ``src`` (MyST Markdown) as an ``nbformat`` notebook, includes expanded.
+
+    The notebook runs where the chapter runs (its own folder in ``book/``, with the repository on
+    ``PYTHONPATH``), so its relative paths (``../data/…``) hold there.
+    """
+    from myst_nb.core.read import read_myst_markdown_notebook
+
+    return read_myst_markdown_notebook(expand_includes(src.read_text(encoding="utf-8"), src.parent))
+
+
+def _notebook_href(docname: str) -> str:
+    return "../" * docname.count("/") + f"{NOTEBOOKS}/{docname}.ipynb"
+
+
+def _write_notebooks(app: Sphinx, exception: Exception | None) -> None:
+    """Write ``_notebooks/DOCNAME.ipynb`` for every executed chapter."""
+    if exception is not None or app.builder.format != "html":
+        return
+    import nbformat
+
+    for docname in sorted(app.env.found_docs):
+        src = Path(app.env.doc2path(docname))
+        if src.suffix == ".md" and is_executed_chapter(src.read_text(encoding="utf-8")):
+            out = Path(app.outdir) / NOTEBOOKS / f"{docname}.ipynb"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(chapter_notebook(src), str(out))
+
+
+def _notebook_link(app: Sphinx, doctree: nodes.document, docname: str) -> None:
+    """Put a "download this chapter as a notebook" line under an executed chapter's title."""
+    src = Path(app.env.doc2path(docname))
+    if src.suffix != ".md" or not is_executed_chapter(src.read_text(encoding="utf-8")):
+        return
+    section = next(iter(doctree.findall(nodes.section)), None)
+    if section is None:
+        return
+    name = Path(docname).name + ".ipynb"
+    link = nodes.reference("", name, refuri=_notebook_href(docname), classes=["depthsat-notebook"])
+    link["download"] = name
+    para = nodes.paragraph(
+        "",
+        "",
+        nodes.Text("Run this chapter yourself: "),
+        link,
+        nodes.Text(" (a Jupyter notebook; run it from its folder in book/ of a clone, after ./dev setup book)."),
+        classes=["depthsat-notebook-line"],
+    )
+    title = next(iter(section.findall(nodes.title)), None)
+    section.insert(section.index(title) + 1 if title is not None else 0, para)
 
 
 _REDIRECT = re.compile(r'<meta http-equiv="Refresh" content="0; url=(?P<url>[^"<>]+)" />\s*')
@@ -202,12 +285,86 @@ def _import_modules_first(name: str, grouped_exception: bool = True) -> tuple[ob
     return obj, parent, modname
 
 
+#: Warnings the chapters' kernels must not print: tqdm's "IProgress not found" (no ipywidgets in the
+#: kernel) carried the build machine's site-packages path into the pages.
+_QUIET_KERNEL_WARNINGS = ("ignore:IProgress not found",)
+
+
+def _quiet_kernels() -> None:
+    """Pass the kernels (child processes, which inherit the environment) the warning filters above."""
+    current = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join(dict.fromkeys([*current, *_QUIET_KERNEL_WARNINGS]))
+
+
+_THEORY = Path(__file__).resolve().parents[2] / "theory"
+_LITERAL = re.compile(r"(``[^`]+``)")
+
+
+@lru_cache(maxsize=1)
+def theory_labels() -> frozenset[str]:
+    """The labels of ``theory/*.md`` (``(thm-iff)=`` lines): the names docstrings cite their sources by."""
+    found: set[str] = set()
+    for page in _THEORY.glob("*.md"):
+        found.update(re.findall(r"^\(([a-z][a-z0-9-]*)\)=\s*$", page.read_text(encoding="utf-8"), flags=re.M))
+    return frozenset(found)
+
+
+def link_theory_labels(line: str, labels: frozenset[str]) -> str:
+    """``line`` with each theory label it cites (``thm-iff``, `thm-iff` or bare thm-iff) made a :ref: link.
+
+    A label inside a longer literal (````theory/iff.md thm-iff````) is left as it is.
+    """
+
+    def ref(label: str) -> str:
+        return f":ref:`{label} <{label}>`"
+
+    def bare(text: str) -> str:
+        text = re.sub(r"(?<![:`\w])`([a-z][a-z0-9-]*)`(?![`\w])", lambda m: ref(m[1]) if m[1] in labels else m[0], text)
+        return re.sub(
+            r"(?<![\w`<-])([a-z]+-[a-z0-9-]*[a-z0-9])(?![\w`>-])",
+            lambda m: ref(m[1]) if m[1] in labels else m[0],
+            text,
+        )
+
+    parts = _LITERAL.split(line)
+    return "".join(
+        (ref(part[2:-2]) if part[2:-2] in labels else part) if _LITERAL.fullmatch(part) else bare(part)
+        for part in parts
+    )
+
+
+def _theory_links(app: Sphinx, what: str, name: str, obj: object, options: object, lines: list[str]) -> None:
+    """Docstrings cite their sources by theory label: make each one a link to its place in the book."""
+    labels = theory_labels()
+    in_code = in_table = False
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if re.fullmatch(r"=+(\s+=+)+|\+[-=+]+\+", stripped):  # an RST table's rule: widths must not change
+            in_table = True  # until the blank line after the table
+            continue
+        if in_table and not stripped:
+            in_table = False
+        if in_table:
+            continue
+        if stripped.startswith(">>>") or stripped.endswith("::"):
+            in_code = stripped.endswith("::")
+            continue
+        if in_code and (not stripped or line.startswith((" ", "\t"))):
+            continue
+        in_code = False
+        lines[i] = link_theory_labels(line, labels)
+
+
 def setup(app: Sphinx) -> dict[str, object]:
-    """Register the build-finished hook."""
+    """Register the build-finished hook, and quiet the chapters' kernels."""
+    _quiet_kernels()
     app.connect("build-finished", _replace_include_stubs)
+    app.connect("build-finished", _write_notebooks)
+    app.connect("doctree-resolved", _notebook_link)
     app.connect("build-finished", _index_with_icon, priority=600)  # after sphinx_external_toc's redirect
     app.connect("missing-reference", _resolve_py)
     app.connect("autodoc-process-docstring", _foreign_docstring)
+    app.connect("autodoc-process-docstring", _theory_links, priority=600)
     app.connect("object-description-transform", _no_call_signature_for_data, priority=400)
     autosummary._import_by_name = _import_modules_first  # import_by_name looks it up at call time
     return {"parallel_read_safe": True, "parallel_write_safe": True}

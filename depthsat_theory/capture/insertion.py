@@ -97,7 +97,7 @@ class ResidualInsertion(nn.Module):
         return rebuild(t + self.block(t))
 
 
-def _detached_memo(model: nn.Module) -> dict[int, Any]:
+def detached_deepcopy_memo(model: nn.Module) -> dict[int, Any]:
     """A :func:`copy.deepcopy` memo copying each non-leaf tensor attribute of ``model``'s modules detached."""
     memo: dict[int, Any] = {}
     for mod in model.modules():
@@ -139,7 +139,7 @@ def insert_block(model: nn.Module, site: str, block: nn.Module, *, output_key=No
     resolve_module(model, base)
     if base == "":
         raise SiteError("cannot insert after the whole model; name a submodule")
-    new = copy.deepcopy(model, _detached_memo(model))
+    new = copy.deepcopy(model, detached_deepcopy_memo(model))
     return new, insert_block_in_place(new, site, block, output_key=output_key)
 
 

@@ -1,4 +1,4 @@
-"""``depthsat experiment …``: the paper's experiments (issue 14) and the views of seeds 002/003.
+"""``depthsat experiment …``: the paper's experiments and the views of seeds 002/003.
 
 Every command takes ``--config tiny|full`` (``tiny`` is the bounded size CI runs) and ``--out``
 (default ``experiments/results/<name>``) and writes there atomically
@@ -124,7 +124,7 @@ def sweep_command(
     )
 
 
-# ----------------------------------------------------------------------------- views side by side (issue 16)
+# ----------------------------------------------------------------------------- views side by side
 def _views_runner(config: str, out: Path, log) -> Path:
     from depthsat_theory.experiments.views import run_views
 

@@ -1,4 +1,4 @@
-"""The paper's experiments and the questions beyond it (issue 14), reproducible from the CLI.
+"""The paper's experiments and the questions beyond it, reproducible from the CLI.
 
 Each experiment lives in its own module and writes its results with :func:`.record.write_results`
 into ``experiments/results/<name>/`` (CSV tables, a JSON summary with the command, commit, seeds and

@@ -1,4 +1,4 @@
-r"""Criterion-driven growth (issue 14, item 4: beyond the paper).
+r"""Criterion-driven growth (beyond the paper).
 
 Start shallow; train with the fixed recipe; then repeat:
 

@@ -5,7 +5,7 @@
 identity ``x + 0`` and the network computes the same function (``def-family``: a zero-output
 insertion).  The grown model is a :class:`~depthsat_theory.tasks.models.ResidualMLP` of the
 larger depth, the same architecture (same ``state_dict`` keys and shapes) as one built from
-scratch, which is what growth-against-scratch compares (issue 14, C2).  Function preservation
+scratch, which is what growth-against-scratch compares (the paper's claim C2).  Function preservation
 is checked with the library's check (:func:`depthsat_theory.grow._check.check_preserved`).
 """
 
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from depthsat_theory.grow._check import check_preserved, reference_output
 from depthsat_theory.grow.errors import GrowError
-from depthsat_theory.tasks.models import _ACTIVATIONS, MLPBlock, ResidualMLP
+from depthsat_theory.tasks.models import BLOCK_ACTIVATIONS, MLPBlock, ResidualMLP
 
 __all__ = ["Deepened", "deepen", "interleaved_positions"]
 
@@ -67,10 +67,10 @@ def interleaved_positions(depth: int, new: int) -> list[int]:
 
 
 def _activation_name(block: MLPBlock) -> str:
-    for name, cls in _ACTIVATIONS.items():
+    for name, cls in BLOCK_ACTIVATIONS.items():
         if type(block.act) is cls:
             return name
-    raise GrowError(f"block activation {type(block.act).__name__} is not one of {sorted(_ACTIVATIONS)}")
+    raise GrowError(f"block activation {type(block.act).__name__} is not one of {sorted(BLOCK_ACTIVATIONS)}")
 
 
 def _zero_block(template: MLPBlock, seed: int) -> MLPBlock:

@@ -1,4 +1,4 @@
-"""Where to expand an LLM (issue 14, item 5): criterion-ranked sites against LLaMA-Pro's even spacing and random.
+"""Where to expand an LLM: criterion-ranked sites against LLaMA-Pro's even spacing and random.
 
 A pretrained causal LM (SmolLM2-135M for ``full``; a tiny random Llama for ``tiny``) is grown by ``k``
 zero-output layer copies (:func:`~depthsat_theory.grow.expand_layers`, LLaMA-Pro's block expansion)
@@ -269,13 +269,13 @@ def _run_arm(
     from depthsat_theory.capture.probe import unpack_batch
     from depthsat_theory.grow import expand_layers
     from depthsat_theory.grow.optim import flat_params
-    from depthsat_theory.grow.run import _probe_loss, _train
+    from depthsat_theory.grow.run import mean_probe_loss, train_new_blocks
 
     t0 = time.perf_counter()
     exp = expand_layers(base, positions, probe=unpack_batch(heldout[0])[0])
-    before = _probe_loss(exp.model, loss_fn, heldout)
+    before = mean_probe_loss(exp.model, loss_fn, heldout)
     t1 = time.perf_counter()
-    losses = _train(
+    losses = train_new_blocks(
         exp.model,
         loss_fn,
         train,
@@ -288,7 +288,7 @@ def _run_arm(
         sampling="sequential",
     )
     t2 = time.perf_counter()
-    after = _probe_loss(exp.model, loss_fn, heldout)
+    after = mean_probe_loss(exp.model, loss_fn, heldout)
     unchanged = _old_layers_unchanged(base, exp.model, exp.new_indices)
     if not unchanged:
         raise ExperimentError(f"positions {positions}: an old layer's weights moved although they were frozen")
@@ -388,7 +388,7 @@ def run_expand(
             original model's (function preservation failed), or an old layer that moved.
         depthsat_theory.tasks.zoo.ZooUnavailableError: SmolLM2's package is missing.
     """
-    from depthsat_theory.grow.run import _probe_loss
+    from depthsat_theory.grow.run import mean_probe_loss
     from depthsat_theory.tasks.custom import resolve_device, to_device
     from depthsat_theory.tasks.zoo import token_loss_masked
 
@@ -399,15 +399,15 @@ def run_expand(
     base, tok, model_text = _load(cfg)
     base = base.to(dev)
     n_layers = _checked_layers(base, cfg.blocks)  # before the diagnosis (minutes on SmolLM2), not after it
-    from depthsat_theory.tasks.zoo import _kjv_verses
+    from depthsat_theory.tasks.zoo import kjv_verses
 
-    parts = split_verses(_kjv_verses())
+    parts = split_verses(kjv_verses())
     probe = to_device(_windows(tok, parts["probe"], cfg.probe_windows, cfg.eval_batch_size, cfg.probe_seed, cfg), dev)
     heldout = to_device(
         _windows(tok, parts["heldout"], cfg.heldout_windows, cfg.eval_batch_size, cfg.probe_seed, cfg), dev
     )
     loss_fn = token_loss_masked
-    original = _probe_loss(base, loss_fn, heldout)
+    original = mean_probe_loss(base, loss_fn, heldout)
     say(f"held-out loss of the original model: {original:.4f} nats/token")
     t = time.perf_counter()
     ranked, ranking_rows, ranked_by = _rank(base, probe, loss_fn)

@@ -1,4 +1,4 @@
-r"""Variable-depth against fixed-depth networks, trainability held equal (issue 16, item 2; seed 003).
+r"""Variable-depth against fixed-depth networks, trainability held equal (seed 003).
 
 Seed 003 ("ResNets Are Deeper Than You Think", arXiv 2506.14386) claims that *variable-depth*
 networks — residual-like networks, whose input-to-output paths pass through different numbers of
@@ -446,7 +446,7 @@ def _config(name: str, seeds: Sequence[int] | None, datasets: Sequence[str] | No
             )
         cfg["datasets"] = list(datasets)
     if len(cfg["seeds"]) < 2 or len(set(cfg["seeds"])) != len(cfg["seeds"]):
-        raise ExperimentError("--seeds: give at least 2 distinct seeds (a paired interval needs them; the issue: 3)")
+        raise ExperimentError("--seeds: give at least 2 distinct seeds (a paired interval needs them)")
     if not cfg["depths"] or any(int(d) < 1 for d in cfg["depths"]) or int(cfg["distill_epochs"]) < 1:
         raise ExperimentError("depths must be >= 1 block and distill_epochs >= 1")
     return cfg

@@ -1,4 +1,4 @@
-r"""Growth against scratch (issue 14, item 2; the paper's claim C2).
+r"""Growth against scratch (the paper's claim C2).
 
 For each data set and seed:
 
@@ -115,7 +115,7 @@ def _config(name: str, seeds: Sequence[int] | None, datasets: Sequence[str] | No
             raise ExperimentError(f"--dataset {bad[0]!r}: growth runs on image data sets {rc.DATASETS[:-1]}")
         cfg["datasets"] = list(datasets)
     if len(cfg["seeds"]) < 2:
-        raise ExperimentError("--seeds: give at least 2 seeds (a paired interval needs them; the issue asks for 3)")
+        raise ExperimentError("--seeds: give at least 2 seeds (a paired interval needs them)")
     if not 1 <= cfg["shallow_depth"] < cfg["deep_depth"]:
         raise ExperimentError("shallow_depth must be >= 1 and below deep_depth")
     return cfg

@@ -1,4 +1,4 @@
-"""The one training recipe of issue 14's experiments: data splits, models of any depth, early stopping.
+"""The one training recipe of the experiments: data splits, models of any depth, early stopping.
 
 Every experiment that trains a network (the depth sweep, local insertion, growth against scratch,
 criterion-driven growth) uses this module, so their numbers are comparable:
@@ -135,7 +135,7 @@ class Recipe:
         return d
 
 
-#: The recipe of every experiment of issue 14 (``dataclasses.replace`` it for a ``tiny`` run).
+#: The recipe of every experiment (``dataclasses.replace`` it for a ``tiny`` run).
 RECIPE = Recipe()
 
 
@@ -325,10 +325,10 @@ def _mnist5k() -> tuple[Tensor, Tensor]:
     reason = dataset_unavailable("mnist5k")
     if reason:
         raise DatasetUnavailable(reason)
-    from depthsat_theory.tasks.zoo import ZooUnavailableError, _mnist_5k
+    from depthsat_theory.tasks.zoo import ZooUnavailableError, load_mnist_5k
 
     try:
-        x, y = _mnist_5k()
+        x, y = load_mnist_5k()
     except ZooUnavailableError as exc:
         raise DatasetUnavailable(str(exc)) from None
     return _pool14(x.numpy()), y

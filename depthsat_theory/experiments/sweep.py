@@ -1,4 +1,4 @@
-"""Depth sweep (issue 14, items 1 and 3): claims C1 and C3 of the paper on small real data.
+"""Depth sweep: claims C1 and C3 of the paper on small real data.
 
 For each curve (data set × architecture), each depth and each seed, a model is built and trained
 with the one recipe of :mod:`depthsat_theory.experiments.recipe` (early stopping on ``val``), then

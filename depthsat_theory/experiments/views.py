@@ -1,4 +1,4 @@
-"""Views side by side (issue 16, parts 1 and 3): where does depth stop paying, by four answers.
+"""Views side by side: where does depth stop paying, by four answers.
 
 For a documented subset of the depth sweep's curves (:data:`CONFIGS`), every model is retrained
 with the sweep's recipe and seed (training is deterministic per seed at one thread, so these are

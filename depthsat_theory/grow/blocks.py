@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from depthsat_theory.capture.insertion import _detached_memo, insert_block_in_place
+from depthsat_theory.capture.insertion import detached_deepcopy_memo, insert_block_in_place
 from depthsat_theory.capture.probe import call_model
 from depthsat_theory.capture.sites import SiteError, parse_site, resolve_module, split_output
 from depthsat_theory.families import FamilyError, ResidualFamily, parse_family
@@ -189,7 +189,7 @@ def insert_blocks(
         growth.families[site] = fams[site]
     built = {s: _build(fams[s], s, growth.shapes[s], growth.layouts[s], seed + i) for i, s in enumerate(sites)}
     ref = reference_output(model, probe)
-    grown = model if inplace else copy.deepcopy(model, _detached_memo(model))
+    grown = model if inplace else copy.deepcopy(model, detached_deepcopy_memo(model))
     for site in sorted(sites, key=lambda s: -parse_site(s)[0].count(".")):  # deeper sites first: paths stay valid
         insert_block_in_place(grown, site, built[site])
     growth.model = grown

@@ -199,7 +199,12 @@ def _versions() -> dict:
 
 
 @torch.no_grad()
-def _probe_loss(model: nn.Module, loss_fn: Callable, batches: Sequence, progress: Any = None) -> float:
+def mean_probe_loss(model: nn.Module, loss_fn: Callable, batches: Sequence, progress: Any = None) -> float:
+    """Mean per-example loss of ``model`` over ``batches`` (no gradients).
+
+    Returns:
+        The loss in the loss function's units per example (nats per example for cross-entropy).
+    """
     tot, n = 0.0, 0
     for i, batch in enumerate(batches):
         x, y, _ = unpack_batch(batch)
@@ -339,7 +344,7 @@ def _trainer_loop(
     return run.losses
 
 
-def _train(
+def train_new_blocks(
     model: nn.Module,
     loss_fn: Callable,
     batches: Sequence,
@@ -484,7 +489,7 @@ def grow(
     if progress is not None:
         kw.setdefault("progress", lambda k, tot: progress("probe", k, tot))
     diagnosis = diagnose(model, loss_fn, batches, sites=sites, family=diag_family, layout=layout, **kw)
-    eval_before = _probe_loss(model, loss_fn, eval_batches, progress) if eval_batches else None
+    eval_before = mean_probe_loss(model, loss_fn, eval_batches, progress) if eval_batches else None
     lap("diagnose")
     probe = unpack_batch(batches[0])[0]
     by_copy = family is None and pos == "auto"
@@ -537,7 +542,7 @@ def grow(
                 trainer=report.trainer,
             )
             ckpt = TrainCheckpoint(Path(checkpoint), fp)
-        report.train_losses = _train(
+        report.train_losses = train_new_blocks(
             grown,
             loss_fn,
             batches,
@@ -551,9 +556,9 @@ def grow(
             every=checkpoint_every,
             progress=progress,
         )
-        report.loss_after = _probe_loss(grown, loss_fn, batches, progress)
+        report.loss_after = mean_probe_loss(grown, loss_fn, batches, progress)
         if eval_batches:
-            report.eval_loss_after = _probe_loss(grown, loss_fn, eval_batches, progress)
+            report.eval_loss_after = mean_probe_loss(grown, loss_fn, eval_batches, progress)
         lap("train")
     return report
 

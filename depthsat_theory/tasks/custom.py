@@ -243,7 +243,15 @@ def _trained_model(name: str, seed: int, n_batches: int | None, batch_size: int 
     return ResolvedModel(model, task.loss, batches, model.site_names(), Layout(task.layout), desc)
 
 
-def _zoo_extra(zm: Any) -> dict:
+def zoo_diagnose_extras(zm: Any) -> dict:
+    """The :func:`~depthsat_theory.diagnose` keywords a zoo model carries (``reduction``, ``mask_fn``, …).
+
+    Args:
+        zm: a zoo model (:class:`~depthsat_theory.tasks.zoo.ZooModel`-like); absent attributes are skipped.
+
+    Returns:
+        The keyword arguments to pass on; ``loss_units`` always ends in "per example".
+    """
     extra = {k: getattr(zm, k) for k in ("reduction", "mask_fn", "output_key") if getattr(zm, k, None) is not None}
     units = getattr(zm, "loss_units", None)
     if isinstance(units, str):
@@ -274,7 +282,7 @@ def _zoo_model(zoo: Any, name: str, seed: int, n_batches: int | None, batch_size
         list(zm.sites),
         zm.layout,
         zm.description,
-        _zoo_extra(zm),
+        zoo_diagnose_extras(zm),
         tokenizer=getattr(zm, "tokenizer", None),  # image and encoder zoo models have none
     )
 
@@ -392,7 +400,7 @@ def _hf_model(
     lines_per_example: int,
 ) -> ResolvedModel:
     from depthsat_theory.extras import require
-    from depthsat_theory.tasks.zoo import _quiet_hf, causal_lm_batches, token_loss_masked
+    from depthsat_theory.tasks.zoo import causal_lm_batches, quiet_hf_loading, token_loss_masked
 
     spec = f"hf:{path_text}"
     path = Path(path_text).expanduser()
@@ -405,7 +413,7 @@ def _hf_model(
         )
     transformers = require("transformers", extra="models", purpose="an hf:PATH model")
     lines, source = _read_lines(text)
-    with _quiet_hf():
+    with quiet_hf_loading():
         model, tok = _hf_load(transformers, path, spec)
     size = batch_size or HF_DEFAULTS[1]
     n = (n_batches or HF_DEFAULTS[0] // HF_DEFAULTS[1]) * size

@@ -40,7 +40,7 @@ __all__ = [
     "token_loss",
 ]
 
-_ACTIVATIONS = {
+BLOCK_ACTIVATIONS = {
     "gelu": nn.GELU,
     "relu": nn.ReLU,
     "tanh": nn.Tanh,
@@ -50,9 +50,9 @@ _ACTIVATIONS = {
 
 def _make_activation(name: str) -> nn.Module:
     try:
-        return _ACTIVATIONS[name]()
+        return BLOCK_ACTIVATIONS[name]()
     except KeyError:
-        raise ValueError(f"unknown activation {name!r}; valid: {sorted(_ACTIVATIONS)}") from None
+        raise ValueError(f"unknown activation {name!r}; valid: {sorted(BLOCK_ACTIVATIONS)}") from None
 
 
 # ----------------------------------------------------------------------------

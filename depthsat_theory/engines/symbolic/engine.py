@@ -56,13 +56,19 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- helpers
-def _check_family(fam) -> SymbolicFamily:
+def check_symbolic_family(fam) -> SymbolicFamily:
+    """Return ``fam`` unchanged if it is a :class:`SymbolicFamily`.
+
+    Raises:
+        FamilyError: ``fam`` is another type.
+    """
     if not isinstance(fam, SymbolicFamily):
         raise FamilyError(f"expected a SymbolicFamily, got {type(fam).__name__}")
     return fam
 
 
-def _measure(fam: SymbolicFamily, measure) -> Measure:
+def family_measure(fam: SymbolicFamily, measure) -> Measure:
+    """The probe measure ``measure`` as a :class:`Measure` on the family's input dimension ``fam.d``."""
     return as_measure(measure, fam.d)
 
 
@@ -86,7 +92,7 @@ def is_function_preserving(fam: SymbolicFamily) -> tuple[bool, sp.Matrix]:
     Raises:
         FamilyError: if ``fam`` is not a :class:`SymbolicFamily`.
     """
-    _check_family(fam)
+    check_symbolic_family(fam)
     res = fam.expr.xreplace(dict.fromkeys(fam.params, 0)).applyfunc(simplified)
     return all(e == 0 for e in res), res
 
@@ -108,7 +114,7 @@ def tangent_map(fam: SymbolicFamily) -> sp.Matrix:
     Raises:
         FamilyError: if ``fam`` is not a :class:`SymbolicFamily`.
     """
-    _check_family(fam)
+    check_symbolic_family(fam)
     if fam.p == 0:
         return sp.zeros(fam.d, 0)
     jac = fam.expr.jacobian(sp.Matrix(fam.params))
@@ -131,8 +137,8 @@ def tangent_gram(fam: SymbolicFamily, measure, *, tangent: sp.Matrix | None = No
     Raises:
         MeasureError: on a dimension mismatch or a non-closed-form expectation.
     """
-    _check_family(fam)
-    mu = _measure(fam, measure)
+    check_symbolic_family(fam)
+    mu = family_measure(fam, measure)
     a = tangent_map(fam) if tangent is None else tangent
     integrand = (a.T * a).applyfunc(sp.expand)
     k = mu.expect(integrand, fam.units)
@@ -156,8 +162,8 @@ def gradient(fam: SymbolicFamily, measure, m, *, tangent: sp.Matrix | None = Non
         FamilyError: if ``m`` has the wrong number of components or contains ``θ``.
         MeasureError: on a non-closed-form expectation.
     """
-    _check_family(fam)
-    mu = _measure(fam, measure)
+    check_symbolic_family(fam)
+    mu = family_measure(fam, measure)
     a = tangent_map(fam) if tangent is None else tangent
     mm = fam.coerce(m)
     return mu.expect((a.T * mm).applyfunc(sp.expand), fam.units)
@@ -250,8 +256,8 @@ def raw_score(fam: SymbolicFamily, measure, m) -> sp.Expr:
         FamilyError: if ``fam`` is not a :class:`SymbolicFamily`, or ``m`` is malformed.
         MeasureError: on a dimension mismatch or a non-closed-form expectation.
     """
-    _check_family(fam)
-    mu = _measure(fam, measure)
+    check_symbolic_family(fam)
+    mu = family_measure(fam, measure)
     mm = fam.coerce(m)
     return simplified(sp.sqrt(mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units)))
 
@@ -271,8 +277,8 @@ def realizability_defect(fam: SymbolicFamily, measure, m) -> sp.Expr:
         FamilyError: if ``fam`` is not a :class:`SymbolicFamily`, or ``m`` is malformed.
         MeasureError: as :func:`projection`.
     """
-    _check_family(fam)
-    mu = _measure(fam, measure)
+    check_symbolic_family(fam)
+    mu = family_measure(fam, measure)
     mm = fam.coerce(m)
     _, proj = projection(fam, mu, mm)
     r2 = mu.expect(sp.expand((mm.T * mm)[0, 0]), fam.units)
@@ -386,7 +392,7 @@ def tangent_rank(fam: SymbolicFamily, measure=None) -> int:
         FamilyError: if ``fam`` is not a :class:`SymbolicFamily`.
         MeasureError: as :func:`tangent_gram` (with a measure).
     """
-    _check_family(fam)
+    check_symbolic_family(fam)
     a = tangent_map(fam)
     if measure is None:
         return _function_rank(a, fam.units)
@@ -441,7 +447,7 @@ def reparameterize(fam: SymbolicFamily, chi, xi) -> SymbolicFamily:
     Raises:
         FamilyError: on a wrong length, ``χ(0) ≠ 0``, or stray symbols in ``chi``.
     """
-    _check_family(fam)
+    check_symbolic_family(fam)
     chi_m, xi = _chi_matrix(fam, chi, xi)
     return fam.subs_params(dict(zip(fam.params, chi_m, strict=False)), xi, name=f"{fam.name}∘χ")
 
@@ -465,7 +471,7 @@ def is_regular_reparameterization(fam: SymbolicFamily, chi, xi_symbols, measure=
     Raises:
         FamilyError: as :func:`reparameterize`.
     """
-    _check_family(fam)
+    check_symbolic_family(fam)
     chi_m, xi = _chi_matrix(fam, chi, xi_symbols)
     jac = chi_m.jacobian(sp.Matrix(xi)).xreplace(dict.fromkeys(xi, 0)) if xi else sp.zeros(fam.p, 0)
     a = tangent_map(fam)
@@ -603,8 +609,8 @@ def saturation(fam: SymbolicFamily, measure, m) -> SymbolicSaturation:
         FamilyError: on a bad ``m``.
         MeasureError: on a non-closed-form expectation.
     """
-    _check_family(fam)
-    mu = _measure(fam, measure)
+    check_symbolic_family(fam)
+    mu = family_measure(fam, measure)
     mm = fam.coerce(m)
     a = tangent_map(fam)
     k = tangent_gram(fam, mu, tangent=a)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from depthsat_theory.engines.symbolic.engine import _check_family, _measure, tangent_gram, tangent_map
+from depthsat_theory.engines.symbolic.engine import check_symbolic_family, family_measure, tangent_gram, tangent_map
 from depthsat_theory.engines.symbolic.family import SymbolicFamily
 
 __all__ = ["SymbolicSaddle", "saddle"]
@@ -50,8 +50,8 @@ def saddle(fam: SymbolicFamily, measure, m) -> SymbolicSaddle:
     Raises:
         FamilyError: a bad family or ``m``; MeasureError: a non-closed-form expectation.
     """
-    _check_family(fam)
-    mu = _measure(fam, measure)
+    check_symbolic_family(fam)
+    mu = family_measure(fam, measure)
     a = tangent_map(fam)
     feats = [j for j in range(fam.p) if all(sp.simplify(e) == 0 for e in a[:, j])]
     outs = [j for j in range(fam.p) if j not in feats]

@@ -1,9 +1,9 @@
-"""Issue 10 ("Verdicts you can trust"): each reproducer of "What is wrong today", before and after.
+"""The verdict reproducers: each input that once gave a wrong number or verdict, before and after.
 
-``python -m proofs_checks.issue10_reproducers [--markdown PATH] [--no-tests]`` rebuilds the
-before/after table of the issue's "Done when" from one command:
+``python -m proofs_checks.verdict_reproducers [--markdown PATH] [--no-tests]`` rebuilds the
+before/after table from one command:
 
-- items 1–4 (wrong numbers and verdicts) are re-run here on the issue's own inputs and compared
+- items 1–4 (wrong numbers and verdicts) are re-run here on their original inputs and compared
   with the *exact truth*: the exact score of the stored arrays in rational arithmetic
   (:func:`proofs_checks.t8_numerics.exact_score`, Fraction Gauss–Jordan, no engine code), or
   the population score of a construction (``0`` for an activation gradient independent of the
@@ -13,7 +13,7 @@ before/after table of the issue's "Done when" from one command:
   numpy or torch reference, or the one-line error); the table runs those tests by node id
   (``pytest -q``) and reports pass or fail.
 
-"before" is what the issue reports (the code of its time); "after" is measured now. A row is ``ok``
+"before" is what the code of that time gave; "after" is measured now. A row is ``ok``
 when the verdict now equals the verdict the exact truth gives (``improvable`` when the exact
 score is far above the rounding bound and the signal is deterministic, ``saturated`` when the
 exact score is within it, "not improvable" for pure noise), or the test passes.
@@ -44,7 +44,7 @@ __all__ = ["TESTED_REPRODUCERS", "Row", "measured_rows", "render", "rows_from_te
 
 @dataclass
 class Row:
-    """One reproducer: what the issue saw, the exact truth, what the code gives now, and whether they agree."""
+    """One reproducer: what the old code gave, the exact truth, what the code gives now, and whether they agree."""
 
     item: str
     reproducer: str
@@ -254,7 +254,7 @@ def _item4() -> list[Row]:
 
 
 def measured_rows() -> list[Row]:
-    """Items 1–4 re-run on the issue's inputs, each against its exact truth."""
+    """Items 1–4 re-run on their original inputs, each against its exact truth."""
     return [*_item1(), *_item2(), *_item3(), *_item4()]
 
 
@@ -441,7 +441,7 @@ def _run_pytest(nodes: list[str]) -> dict[str, bool]:
 
 def render(rows: list[Row]) -> str:
     """The markdown before/after table."""
-    lines = ["| item | reproducer | before (issue) | exact truth | after (now) | ok |", "|---|---|---|---|---|---|"]
+    lines = ["| item | reproducer | before | exact truth | after (now) | ok |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.item} | {r.reproducer} | {r.before} | {r.truth} | {r.after} | {'yes' if r.ok else 'NO'} |")
     bad = sum(not r.ok for r in rows)

@@ -1,6 +1,6 @@
-"""Issue 10's reproducers give the exact truth's verdict (``proofs_checks/issue10_reproducers.py``).
+"""The verdict reproducers give the exact truth's verdict (``proofs_checks/verdict_reproducers.py``).
 
-The table of the issue's "Done when" is rebuilt by ``python -m proofs_checks.issue10_reproducers``;
+The before/after table is rebuilt by ``python -m proofs_checks.verdict_reproducers``;
 here its measured rows (items 1–4, truth in rational arithmetic or a population construction) must
 all agree, and every test it names for the other reproducers must exist (those tests run in the
 suite on their own).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proofs_checks.issue10_reproducers import TESTED_REPRODUCERS, Row, measured_rows, render, rows_from_tests
+from proofs_checks.verdict_reproducers import TESTED_REPRODUCERS, Row, measured_rows, render, rows_from_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 
