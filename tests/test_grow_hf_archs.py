@@ -151,7 +151,7 @@ def _detach(v):
     return v
 
 
-@pytest.mark.parametrize("key", ["gpt_neox", "phi", "opt", "falcon", "starcoder2", "gemma2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("key", list(ARCHS))
 def test_zeroed_maps_gradient_is_b(key):
     """T1/T5 for every family: ∂J/∂θ at the zero-output copy = Σ_t g_t ∂Δ_t/∂θ; the copy's other parameters: 0."""
     model = _build(key, torch.float64)
