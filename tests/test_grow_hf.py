@@ -405,7 +405,8 @@ def test_copy_scores_use_the_copy_tangent():
     assert res.score > 0
 
 
-def test_copy_scores_refuse_fused_experts():
+def test_copy_scores_refuse_unreadable_maps():
+    """Fused experts are read (test_grow_hf_archs); experts with a post-expert norm are no feature family: refused."""
     from depthsat_theory.grow.copyscore import copy_scores
     from depthsat_theory.tasks.zoo import token_loss_masked
 
@@ -421,8 +422,11 @@ def test_copy_scores_refuse_fused_experts():
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(cfg).eval()
     exp = expand_layers(model, [0])
+    exp.model.model.layers[1].mlp.experts.has_post_expert_norm = True
     ids = _ids()
-    with pytest.raises(GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map"):
+    with pytest.raises(
+        GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map, nor"
+    ):
         copy_scores(exp, token_loss_masked, [({"input_ids": ids}, ids)])
 
 

@@ -224,3 +224,86 @@ def test_generic_fallback_refuses_post_ln():
     probe = {"input_ids": _ids()}
     with pytest.raises(GrowError, match=r"encoder\.layer\.0 \(BertLayer\) is not the identity even with every"):
         discover_zeroed(model, 0, "encoder.layer", probe)
+
+
+def _moe(key):
+    """A float64 MoE model with narrow experts: a probe of 120 tokens has more rows than the copy has features."""
+    cfg_name, cls_name, kw = ARCHS[key]
+    narrow = (
+        dict(intermediate_size=8)
+        if key == "mixtral"
+        else dict(moe_intermediate_size=8, shared_expert_intermediate_size=8)
+    )
+    cfg = _cfg(cfg_name, **{**_BASE, **kw, **narrow})
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(cfg).double().eval()
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen2_moe"])
+def test_moe_copy_scored_with_its_own_tangent(key):
+    """An MoE copy is ranked with its own family: features read independently as the Jacobian of the copy (called alone
+    on the original stream) w.r.t. its zeroed maps (every expert's down projection, router-weighted; the shared
+    expert's, gated), G the autograd gradient of the zeroed maps (T1), s² = tr(G Σ⁺ Gᵀ) in numpy; and the score
+    refuses, by its T1 check, a table that forgets Qwen2-MoE's shared-expert gate."""
+    import dataclasses
+
+    import numpy as np
+
+    from depthsat_theory.grow.copyscore import copy_scores, copy_statistics
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    model = _moe(key)
+    i, ids = 1, _ids(b=4, t=30)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids}, labels)
+    exp = expand_layers(model, [i])
+    site = next(iter(exp.zeroed))
+    names = exp.zeroed[site]
+    assert any(n.endswith("mlp.experts.down_proj") for n in names)
+    res = copy_scores(exp, token_loss_masked, [batch])[f"{_layer_path(model)}.{i}"]
+    # the reference: the copy alone on the original stream x, its zeroed maps at zero
+    (args, kwargs), x, _ = _stream_and_grad(model, i, ids)
+    new = exp.model.get_submodule(site)
+    params = {n: p.detach().clone() for n, p in new.named_parameters()}
+    rel = [n[len(site) + 1 :] for n in names]
+    kwargs = {k: _detach(v) for k, v in kwargs.items()}
+    rest = tuple(_detach(a) for a in args[1:])
+
+    def first_row(*theta):
+        outs = torch.func.functional_call(new, {**params, **dict(zip(rel, theta, strict=True))}, (x, *rest), kwargs)
+        return ((outs[0] if isinstance(outs, tuple) else outs) - x)[..., 0]
+
+    jac = torch.func.jacrev(first_row, argnums=tuple(range(len(rel))))(*(params[n] for n in rel))
+    cols, grads = [], []
+    b = torch.autograd.grad(
+        token_loss_masked(exp.model(**batch[0]), labels).mean(), [exp.model.get_parameter(n) for n in names]
+    )
+    for n, j, gr in zip(rel, jac, b, strict=True):
+        if n.endswith("experts.down_proj"):  # (B, T, E, d, I): row 0 of every expert's map
+            cols.append(j[:, :, :, 0, :].reshape(*ids.shape, -1))
+            grads.append(gr.permute(1, 0, 2).reshape(gr.shape[1], -1))
+        elif n.endswith("weight"):  # (B, T, d, k)
+            cols.append(j[:, :, 0, :])
+            grads.append(gr)
+    phi = torch.cat(cols, dim=-1).reshape(-1, sum(c.shape[-1] for c in cols)).numpy()
+    assert phi.shape[0] > phi.shape[1]  # more rows than features: the tangent space is a proper subspace
+    sigma = phi.T @ phi / ids.shape[0]
+    big_g = torch.cat(grads, dim=1).numpy()
+    want = float(np.trace(big_g @ np.linalg.pinv(sigma, rcond=1e-10, hermitian=True) @ big_g.T))
+    assert res.score**2 == pytest.approx(want, rel=1e-6) and res.score > 0
+    np.testing.assert_allclose(
+        copy_statistics(exp, token_loss_masked, [batch])[f"{_layer_path(model)}.{i}"].cross_gradient()[:32],
+        big_g,
+        rtol=1e-9,
+        atol=1e-13,
+    )
+    if key == "qwen2_moe":
+        exp.architecture = dataclasses.replace(exp.architecture, gated=())
+        with pytest.raises(GrowError, match=r"shared_expert\.down_proj do not give its gradient \(T1\)"):
+            copy_scores(exp, token_loss_masked, [batch])

@@ -69,6 +69,9 @@ class Architecture:
         index_lists: config lists of layer indices (Qwen2-MoE's ``mlp_only_layers``): renumbered.
         sparse_step: a config field ``s`` that makes every ``s``-th layer sparse (``decoder_sparse_step``);
             when ``s > 1`` the dense layers are listed explicitly in ``index_lists[0]`` and ``s`` set to 1.
+        gated: ``(projection, gate)`` module names relative to the layer: the projection's output reaches
+            the stream scaled per token by ``sigmoid(gate(h))`` (Qwen2-MoE's shared expert), so its features
+            for the copy's own score are its input times that gate (:mod:`~depthsat_theory.grow.copyscore`).
     """
 
     name: str
@@ -80,6 +83,7 @@ class Architecture:
     per_layer: tuple[str, ...] = ("layer_types",)
     index_lists: tuple[str, ...] = ()
     sparse_step: str = ""
+    gated: tuple[tuple[str, str], ...] = ()
 
     def is_post_ln(self, config: Any) -> bool:
         """Whether this model's layers are post-LN (a LayerNorm after each residual sum).
@@ -116,6 +120,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         (*_ATTN_MLP, "mlp.experts.down_proj", "mlp.experts.*.down_proj.*", "mlp.shared_expert.down_proj.*"),
         index_lists=("mlp_only_layers",),
         sparse_step="decoder_sparse_step",
+        gated=(("mlp.shared_expert.down_proj", "mlp.shared_expert_gate"),),
     ),
     Architecture(
         "GPT-NeoX (Pythia)",
