@@ -503,7 +503,8 @@ def expand_layers(
         model: a Hugging Face model; not modified unless ``inplace``.
         positions: original layer indices (``0 ≤ i < num_hidden_layers``), each at most once.
         init: ``"zero-output-copy"``, or ``"first-order"``: then the copies' zeroed parameters start
-            at ``−t b/‖b‖`` (``b`` their gradient on ``batch``) with ``t`` from a line search on
+            at the steepest step ``−t GΣ⁺/‖Πg‖`` (the field ``−t Πg/‖Πg‖``, ``Πg`` the activation
+            gradient's projection on the copies' tangent space, on ``batch``) with ``t`` from a line search on
             ``held_out`` that includes ``t = 0`` (:func:`~depthsat_theory.grow.start.first_order_start`);
             the function-preservation check is made at ``t = 0``, before the step.
         probe: a keyword batch (``{"input_ids": (B, T) long, ...}``) for the function-preservation
@@ -576,8 +577,7 @@ def expand_layers(
     if init == "first-order":
         from depthsat_theory.grow.start import first_order_start
 
-        flat = [n for ns in exp.zeroed.values() for n in ns]
-        exp.start = first_order_start(grown, flat, loss_fn, batch, held_out)
+        exp.start = first_order_start(grown, exp.zeroed, loss_fn, batch, held_out, gated=arch.gated)
     return exp
 
 
