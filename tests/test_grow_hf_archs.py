@@ -1,7 +1,8 @@
 """expand_layers on every common decoder, each from a tiny random config built offline.
 
-For each architecture (GPT-NeoX/Pythia, Phi, OPT, Falcon, StableLM, Starcoder2, Gemma-2, Gemma-3,
-Mixtral, Qwen2-MoE, and a model type outside the table grown through the generic fallback):
+For each architecture (Llama, Qwen2, Mistral, Gemma, GPT-NeoX/Pythia serial and parallel, Phi, OPT, Falcon old
+and new decoder, StableLM, Starcoder2, Gemma-2, Gemma-3, Mixtral, Qwen2-MoE; GPT-2 is in test_grow_hf.py, and a
+model type outside the table is grown through the generic fallback):
 
 - the grown model's logits equal the original's (exactly: the copy adds ``x + 0``);
 - ``save_pretrained`` then plain ``AutoModelForCausalLM.from_pretrained`` gives the same logits;
@@ -32,6 +33,10 @@ def _cfg(name: str, **kw):
 
 
 ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, **_KV)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64, **_KV)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=64, **_KV)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=64, head_dim=8, **_KV)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=64)),
     "gpt_neox_serial": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=64, use_parallel_residual=False)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=64)),
@@ -307,3 +312,23 @@ def test_moe_copy_scored_with_its_own_tangent(key):
         exp.architecture = dataclasses.replace(exp.architecture, gated=())
         with pytest.raises(GrowError, match=r"shared_expert\.down_proj do not give its gradient \(T1\)"):
             copy_scores(exp, token_loss_masked, [batch])
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen2_moe"])
+def test_grow_auto_ranks_moe_with_the_copy_family(key):
+    """grow(positions='auto') on a float32 MoE (default experts kernel): ranked by the copies' own scores, in order."""
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.grow.run import grow
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    model = _build(key)
+    ids = _ids(b=3, t=10)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+    rep = grow(model, token_loss_masked, [batch], sites=None, blocks=1, positions="auto")
+    assert "zero-output layer copy" in rep.ranking["by"]
+    scores = copy_scores(expand_layers(model, [0, 1, 2]), token_loss_masked, [batch])
+    assert [r["relative_score"] for r in rep.ranking["sites"]] == sorted(
+        (scores[s].relative_score for s in scores), reverse=True
+    )
