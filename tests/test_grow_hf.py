@@ -389,13 +389,30 @@ def test_first_order_start_is_the_projected_step():
         first_order_start(model, zeroed, _half_sq, (x, y), (hx, hy))
 
 
-def test_first_order_start_of_layer_copies():
-    """expand_layers(init='first-order') on a Llama: the start's first-order change per unit t, ⟨b, θ(t)/t⟩ with b the
-    autograd gradient of the zeroed maps (T1), is −‖Πg‖; the held-out loss is recomputed; bad calls are refused."""
+def _mixtral64():
+    cfg = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        num_local_experts=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).double().eval()
+    model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2, _mixtral64], ids=["llama", "gpt2", "mixtral"])
+def test_first_order_start_of_layer_copies(make):
+    """expand_layers(init='first-order') (nn.Linear, Conv1D, fused experts): the start's first-order change per unit t,
+    ⟨b, θ(t)/t⟩ with b the autograd gradient of the zeroed maps (T1), is −‖Πg‖; the held-out loss is recomputed."""
     from depthsat_theory.tasks.zoo import token_loss_masked
 
     torch.manual_seed(0)
-    model = _llama().double()
+    model = make().double()
 
     def batch(seed):
         ids = _ids(seed=seed, b=3, t=9)
@@ -405,7 +422,7 @@ def test_first_order_start_of_layer_copies():
 
     train, held = batch(1), batch(1)  # held-out = the gradient batch: a descent direction must help for small t
     zero = expand_layers(model, [0])
-    names = zero.zeroed["model.layers.1"]
+    names = next(iter(zero.zeroed.values()))
     params = [zero.model.get_parameter(n) for n in names]
     b = torch.autograd.grad(token_loss_masked(zero.model(**train[0]), train[1]).mean(), params)
     exp = expand_layers(model, [0], init="first-order", loss_fn=token_loss_masked, batch=train, held_out=held)
