@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 from scipy.linalg import hadamard
 
@@ -194,20 +194,19 @@ def exact_noise_ratio(probe: WalshProbe) -> Fraction:
 def stream(probe: WalshProbe, batch: int, *, stop: int | None = None, products: str = "float64", gram: str = "auto"):
     """The engine's statistics (linear family) over the probe in batches of ``batch`` examples.
 
-    ``stop``: interrupt after that many batches, save the state (``torch.save``), load it into a fresh statistic and
-    stream the rest, as ``--checkpoint`` does.
+    ``stop``: interrupt after that many batches, serialise the state as ``--checkpoint`` does (safetensors), load it
+    into a fresh statistic and stream the rest.
     """
     layout = "vector" if probe.mask is None else "sequence"
     kw: dict[str, Any] = dict(products=products, gram=gram)
     fam = parse_family("linear")
     stats = statistics_for(fam, tuple(probe.z.shape[1:]), layout, **kw)
     for b, i in enumerate(range(0, probe.n, batch)):
-        if b == stop:
-            buf = io.BytesIO()
-            torch.save(stats.state_dict(), buf)
-            buf.seek(0)
+        if b == stop:  # the checkpoint's serialisation: the state dict through safetensors
+            saved = {k: v.contiguous() for k, v in stats.state_dict().items()}  # as write_checkpoint stores them
+            state = safetensors.torch.load(safetensors.torch.save(saved))
             stats = statistics_for(fam, tuple(probe.z.shape[1:]), layout, **kw)
-            stats.load_state_dict(torch.load(buf, weights_only=True))
+            stats.load_state_dict(state)
         m = None if probe.mask is None else probe.mask[i : i + batch]
         stats.update(probe.z[i : i + batch], probe.g[i : i + batch], mask=m)
     return stats
