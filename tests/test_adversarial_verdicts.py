@@ -15,10 +15,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from depthsat_theory.cli import app
+from depthsat_theory.diagnose import diagnose
 from depthsat_theory.statistics.linalg import noise_threshold
+from depthsat_theory.tasks import CharGPT
 from proofs_checks.adversarial_sweep import (
     exact_noise_ratio,
     exact_score,
@@ -188,3 +191,34 @@ def test_wide_float64_gram_site_against_exact_truth(top, coefs, junk):
     if coefs[2]:
         assert res.verdict.value == "undetermined" and res.unresolved >= 1
     assert same_result(res, stream(probe, 512, stop=2).result())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("products", ["float64", "float32"])
+def test_diagnose_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path, dtype, products):
+    """``diagnose`` of a padded causal model (``reduction="token_mean"``, per-token units) in float64, float32 or
+    bfloat16, with float64 or float32 products, interrupted after 2 of 4 batches and resumed from its checkpoint:
+    every site's result (verdict, reason, every number) equals the uninterrupted run's."""
+    torch.manual_seed(3)
+    model = CharGPT(vocab_size=7, d_model=8, n_layers=2, n_heads=2, seq_len=8).to(dtype).eval()
+    x, y = torch.randint(0, 7, (12, 8)), torch.randint(0, 7, (12, 8))
+    mask = torch.arange(8)[None, :] < torch.tensor([8, 3, 5, 1, 8, 2, 7, 4, 6, 8, 2, 5])[:, None]
+    batches = [(x[i : i + 3], y[i : i + 3], mask[i : i + 3]) for i in range(0, 12, 3)]
+
+    def per_token(logits, t):
+        return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), t, reduction="none")
+
+    kw = dict(reduction="token_mean", family="linear", products=products)
+    full = diagnose(model, per_token, batches, **kw)
+    ck = tmp_path / "ck.safetensors"
+
+    def stop(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        diagnose(model, per_token, batches, checkpoint=ck, progress=stop, **kw)
+    resumed = diagnose(model, per_token, batches, checkpoint=ck, **kw)
+    assert resumed.resumed_from == 2
+    assert [s.result.to_dict() for s in resumed.sites] == [s.result.to_dict() for s in full.sites]
+    assert all(s.result.units == int(mask.sum()) for s in full.sites)  # padded tokens left out
