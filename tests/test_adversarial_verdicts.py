@@ -178,6 +178,8 @@ def test_padded_token_mean_sequence_site_against_exact_truth(dtype, products, a,
         pytest.param(2.0**-20, [0.0, 0.0, 0.375], 1.0, id="ill-conditioned-s0.375"),
         # the same dropped directions carrying nothing
         pytest.param(2.0**-20, [0.0, 0.0, 0.0], 1.0, id="ill-conditioned-s0", marks=pytest.mark.slow),
+        # kept amplitudes 2^-14…2^-18: the Gram's first-order bound fails (e = ∞); --gram units decides the arithmetic
+        pytest.param(2.0**-14, [0.5, 0.0, 0.0], 1.0, id="e-infinite", marks=pytest.mark.slow),
     ],
 )
 def test_wide_float64_gram_site_against_exact_truth(top, coefs, junk):
@@ -191,6 +193,10 @@ def test_wide_float64_gram_site_against_exact_truth(top, coefs, junk):
     if coefs[2]:
         assert res.verdict.value == "undetermined" and res.unresolved >= 1
     assert same_result(res, stream(probe, 512, stop=2).result())
+    if top == 2.0**-14:
+        assert not math.isfinite(res.score_error) and "--gram units" in res.verdict_reason
+        units = stream(probe, 512, gram="units").result()
+        assert abs(units.score - jd.exact) <= units.score_error < 1e-5  # the factored rows bound the error
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
