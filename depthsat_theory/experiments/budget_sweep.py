@@ -436,39 +436,35 @@ def _c1(curves_rows: list[dict[str, Any]], pre: dict[str, Any]) -> dict[str, Any
     return out
 
 
+_PARTS = ("a", "b", "test")
+
+
+def _median_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Median of measured/predicted per part over the rows with a predicted decrease."""
+    return {p: _median(sorted(r[f"measured_{p}"] / r["predicted"] for r in rows if r["predicted"] < 0)) for p in _PARTS}
+
+
 def _c3(crossfit: list[dict[str, Any]]) -> dict[str, Any]:
     last = _deepest_crossfit(crossfit)
     depths = sorted({d for _, d in last})
-    ratio = {
-        part: sorted(r[f"measured_{part}"] / r["predicted"] for r in last.values() if r["predicted"] < 0)
-        for part in ("a", "b", "test")
-    }
-    all_ratio = {
-        part: sorted(r[f"measured_{part}"] / r["predicted"] for r in crossfit if r["predicted"] < 0)
-        for part in ("a", "b", "test")
-    }
     rows = [
-        {"seed": s, "depth": d, **{f"decrease_{p}": -r[f"measured_{p}"] for p in ("a", "b", "test")}}
-        for (s, d), r in last.items()
+        {"seed": s, "depth": d, **{f"decrease_{p}": -r[f"measured_{p}"] for p in _PARTS}} for (s, d), r in last.items()
     ]
     per_depth = {
-        part: {d: _interval([r[f"decrease_{part}"] for r in rows if r["depth"] == d]) for d in depths}
-        for part in ("a", "b", "test")
+        p: {d: _interval([r[f"decrease_{p}"] for r in rows if r["depth"] == d]) for d in depths} for p in _PARTS
     }
-    shrink = {p: _paired(rows, f"decrease_{p}", depths[0], depths[-1]) for p in ("a", "b", "test")}
+    shrink = {p: _paired(rows, f"decrease_{p}", depths[0], depths[-1]) for p in _PARTS}
     carries = {p: _interval([r[f"decrease_{p}"] for r in rows]) for p in ("b", "test")}
+    held = "holds", "fails (the held-out decrease over seeds and depths is not above 0)"
+    shrinks = "holds", "fails (interval does not exclude 0 or no shrink)"
     return {
-        "median_measured_over_predicted_deepest": {k: _median(v) for k, v in ratio.items()},
-        "median_measured_over_predicted_all_sites": {k: _median(v) for k, v in all_ratio.items()},
+        "median_measured_over_predicted_deepest": _median_ratios(list(last.values())),
+        "median_measured_over_predicted_all_sites": _median_ratios(crossfit),
         "deepest_decrease_per_depth": per_depth,
         "deepest_decrease_shrinks_first_to_deepest": shrink,
-        "verdict_first_step_held_out": {
-            p: "holds" if _above_zero(iv) else "fails (held-out decrease not above 0)" for p, iv in carries.items()
-        },
-        "verdict_shrinks": {
-            p: "holds" if _above_zero(shrink[p]) else "fails (interval does not exclude 0 or no shrink)"
-            for p in ("a", "b", "test")
-        },
+        "held_out_decrease_over_seeds_and_depths": carries,
+        "verdict_first_step_held_out": {p: held[0] if _above_zero(iv) else held[1] for p, iv in carries.items()},
+        "verdict_shrinks": {p: shrinks[0] if _above_zero(shrink[p]) else shrinks[1] for p in _PARTS},
     }
 
 
@@ -478,7 +474,7 @@ def _median(v: list[float]) -> float | None:
 
 def _c2(growth: list[dict[str, Any]], runs: list[dict[str, Any]], d1: int) -> dict[str, Any]:
     scratch1 = {r["seed"]: r for r in runs if r["depth"] == d1}
-    arms = {r["seed"]: {} for r in growth}
+    arms: dict[int, dict[str, dict[str, Any]]] = {r["seed"]: {} for r in growth}
     for r in growth:
         arms[r["seed"]][r["arm"]] = r
     out: dict[str, Any] = {}

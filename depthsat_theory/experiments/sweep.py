@@ -33,7 +33,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -390,7 +390,7 @@ def step_change(growth: Any, site: str, coords: Tensor, loss_fn: Callable, batch
 
 def crossfit_rows(
     model: nn.Module,
-    parts: dict[str, Sequence[tuple]],
+    parts: Mapping[str, Sequence[tuple]],
     sites: Sequence[dict[str, Any]],
     *,
     loss_fn: Callable,
