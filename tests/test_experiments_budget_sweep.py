@@ -139,8 +139,25 @@ def test_c2_relative_differences_are_paired_by_seed():
     assert rel["per_seed"] == [-0.25, 0.0] and rel["mean"] == -0.125
     assert got["train_loss: (grown - scratch_examples) / scratch_examples"]["per_seed"] == [1.0, 1.0]
     assert got["test_loss: (grown - scratch_budget) / scratch_budget"]["per_seed"] == [-0.25, 0.0]
-    # two seeds at −25 % and 0 %: t(1) makes the interval far wider than ±10 %
-    assert got["verdict"].startswith("undetermined")
+    # two seeds at −25 % and 0 %: t(1) makes the interval contain 0 (and the paper's −11.8 %)
+    assert got["verdict"].startswith("undetermined") and "is inside" in got["verdict"]
+    lower = B._c2_verdict({"n": 3, "ci_low": -0.0625, "ci_high": -0.015625})
+    assert lower.startswith("holds") and "is outside" in lower
+    assert B._c2_verdict({"n": 3, "ci_low": 0.125, "ci_high": 0.25}).startswith("fails")
+
+
+def test_c1_fails_a_curve_still_falling_past_the_test_plateau():
+    pre = {"holds": True, "test_loss_plateau_depth": 4}
+    halving = [{"metric": "probe_ag_max_last", "depth": d, "mean": 8 / d} for d in (1, 2, 4, 8)]
+    flat = [
+        {"metric": "probe_ag_rms_last", "depth": d, "mean": v}
+        for d, v in zip((1, 2, 4, 8), (1, 0.5, 0.25, 0.25), strict=True)
+    ]
+    got = B._c1(halving + flat, pre)
+    assert got["probe_ag_max_last"]["verdict"] == "fails" and "still falling" in got["probe_ag_max_last"]["reason"]
+    assert got["probe_ag_rms_last"]["verdict"] == "holds" and got["probe_ag_rms_last"]["plateau_depth"] == 4
+    both = B._c1(halving, {"holds": True, "test_loss_plateau_depth": 8})
+    assert both["probe_ag_max_last"]["verdict"] == "untestable here"
 
 
 # ----------------------------------------------------------------------------- the tiny run, through the CLI

@@ -421,6 +421,11 @@ def _c1(curves_rows: list[dict[str, Any]], pre: dict[str, Any]) -> dict[str, Any
         near = abs(depths.index(plateau) - depths.index(perf)) <= 1 if perf in depths else False
         if why_not:
             verdict, why = "untestable here", why_not
+        elif plateau == depths[-1] and perf == depths[-1]:
+            verdict, why = "untestable here", "both still improve at the deepest depth run: no plateau to compare"
+        elif plateau == depths[-1] and falls:
+            verdict = "fails"
+            why = f"still falling at the deepest depth ({depths[-1]}) while the test loss stopped improving at {perf}"
         elif falls and near:
             verdict, why = "holds", f"falls and plateaus at {plateau} (test loss at {perf})"
         else:
@@ -486,17 +491,23 @@ def _c2(growth: list[dict[str, Any]], runs: list[dict[str, Any]], d1: int) -> di
                 if "grown" in a and other is not None:
                     rel.append((a["grown"][metric] - other[metric]) / other[metric])
             out[f"{metric}: (grown - {ref}) / {ref}"] = {"per_seed": rel, **_interval(rel)}
-    main = out["test_loss: (grown - scratch_examples) / scratch_examples"]
-    if main.get("n", 0) < 2:
-        out["verdict"] = "untestable here (fewer than 2 seeds)"
-    elif (main["ci_high"] <= 0.10 and main["ci_low"] >= -0.10) or main["ci_high"] < 0:
-        out["verdict"] = "holds (grown no worse than scratch at matched examples within the interval)"
-    elif main["ci_low"] > 0:
-        out["verdict"] = "fails (grown worse than scratch at matched examples)"
-    else:
-        out["verdict"] = "undetermined (the interval is wider than ±10 %)"
+    out["verdict"] = _c2_verdict(out["test_loss: (grown - scratch_examples) / scratch_examples"])
     out["paper"] = "-11.8 % (grown against scratch, relative test loss)"
     return out
+
+
+def _c2_verdict(main: dict[str, Any]) -> str:
+    """C2's reading of the paired relative test-loss difference at equal examples."""
+    if main.get("n", 0) < 2:
+        return "untestable here (fewer than 2 seeds)"
+    paper = "inside" if main["ci_low"] <= -0.118 <= main["ci_high"] else "outside"
+    if main["ci_high"] < 0:
+        return (
+            f"holds (grown's test loss below scratch's at equal examples; the paper's -11.8 % is {paper} the interval)"
+        )
+    if main["ci_low"] > 0:
+        return "fails (grown's test loss higher than scratch at equal examples)"
+    return f"undetermined (the interval contains 0; the paper's -11.8 % is {paper} it)"
 
 
 def claims(
