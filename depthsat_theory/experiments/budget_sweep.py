@@ -29,8 +29,6 @@ activation-gradient curve; *C3* cross-fitted ratio and shrink; *C2* paired relat
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +43,7 @@ from depthsat_theory.experiments import recipe as R
 from depthsat_theory.experiments.record import (
     ExperimentError,
     ResumeFile,
+    config_tag,
     default_folder,
     provenance,
     summarize,
@@ -262,8 +261,7 @@ class _Resume(ResumeFile):
 
     def __init__(self, path: str | Path | None, cfg: BudgetSweepConfig):
         super().__init__(path, "finished-model")
-        what = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "seeds", "depths")}
-        self.tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+        self.tag = config_tag(cfg.to_dict(), ("name", "seeds", "depths"))
 
     def key(self, kind: str, depth: int, seed: int) -> str:
         return f"{self.tag}/{kind}/{depth}/{seed}"

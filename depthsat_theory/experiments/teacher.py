@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +42,7 @@ from depthsat_theory.experiments import recipe as R
 from depthsat_theory.experiments.record import (
     ExperimentError,
     ResumeFile,
+    config_tag,
     default_folder,
     provenance,
     summarize,
@@ -511,8 +510,7 @@ class _Resume(ResumeFile):
 
     def __init__(self, path: str | Path | None, cfg: TeacherConfig):
         super().__init__(path, "finished-student")
-        what = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "seeds", "teacher_depths")}
-        self.tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+        self.tag = config_tag(cfg.to_dict(), ("name", "seeds", "teacher_depths"))
 
     def key(self, lstar: int, depth: int, seed: int) -> str:
         return f"{self.tag}/{lstar}/{depth}/{seed}"
