@@ -261,6 +261,31 @@ def test_search_results_typeset_math(site, server, browser):
     assert not re.search(r"\\\(|\\\)", text), f"raw TeX delimiters in the search results: {text[:300]!r}"
 
 
+def _search(browser, server: str, query: str) -> list[str]:
+    """The hrefs of the site search's results for ``query``, best first (relative to the site)."""
+    from urllib.parse import quote
+
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server + "search.html?q=" + quote(query))
+    WebDriverWait(browser, 60).until(lambda d: "Search finished" in d.find_element("id", "search-results").text)
+    links = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#search-results ul.search > li > a'))"
+        ".map(a => a.getAttribute('href'));"
+    )
+    return [href.removeprefix(server) for href in links]
+
+
+def test_search_ranks_chapters_above_attributes(site, server, browser):
+    """A concept's search finds the book's pages before API attributes; an object's name finds its own page."""
+    hits = _search(browser, server, "saturation score")
+    assert hits, "no search results for 'saturation score'"
+    assert not hits[0].startswith("_autosummary/"), f"the first hit for 'saturation score' is an API page: {hits[:5]}"
+    # the API stays findable by name: the function's own entry first
+    hits = _search(browser, server, "plan_bound")
+    assert hits and hits[0].split("#")[-1] == "depthsat_theory.bounds.plan.plan_bound", hits[:5]
+
+
 # ----------------------------------------------------------------------------- the whole site, statically
 
 
