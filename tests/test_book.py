@@ -337,6 +337,22 @@ def test_no_page_links_to_another_host_for_its_assets(site):
     assert not offenders, offenders
 
 
+def test_no_build_machine_path_or_warning_in_outputs(site):
+    """Executed outputs show neither this checkout's path, a scratch folder, nor a Python warning."""
+    import tempfile
+
+    scratch = re.escape(tempfile.gettempdir()) + r"/tmp\w+"
+    pattern = re.compile("|".join([re.escape(str(ROOT)), re.escape(sys.prefix), scratch, r"\w+Warning: "]))
+    found = []
+    for page in _pages(site):
+        text = re.sub(r"<[^>]+>", "", page.read_text(encoding="utf-8"))
+        found += [
+            f"{page.relative_to(site)}: …{text[max(m.start() - 60, 0) : m.end() + 60]!r}…"
+            for m in pattern.finditer(text)
+        ]
+    assert not found, "\n".join(found[:20])
+
+
 def test_every_theory_page_is_in_the_book(site):
     missing = []
     for md in sorted((ROOT / "theory").glob("*.md")):
