@@ -8,10 +8,10 @@ var Scorer = {
     if (docname.indexOf("_autosummary/") !== 0) return score + 15;  // a chapter, theory or reference page
     var query = (new URLSearchParams(window.location.search).get("q") || "").trim().toLowerCase();
     var name = (result[2] || "").replace(/^#/, "").toLowerCase();
-    // an object searched for by its own name (its full name or its last part) stays on top
-    if (query && (name === query || name.endsWith("." + query))) return score + 30;
-    if (/^Python (attribute|property|data)\b/.test(descr)) return score - 10;
-    return score;
+    var attribute = /^Python (attribute|property|data)\b/.test(descr);
+    // an object searched for by its full name, or a function, class or module by its own name, stays on top
+    if (query && (name === query || (!attribute && name.endsWith("." + query)))) return score + 30;
+    return attribute ? score - 10 : score;
   },
   objNameMatch: 11,
   objPartialMatch: 6,
