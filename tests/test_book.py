@@ -261,6 +261,38 @@ def test_search_results_typeset_math(site, server, browser):
     assert not re.search(r"\\\(|\\\)", text), f"raw TeX delimiters in the search results: {text[:300]!r}"
 
 
+def _search(browser, server: str, query: str) -> list[str]:
+    """The hrefs of the site search's results for ``query``, best first (relative to the site)."""
+    from urllib.parse import quote
+
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server + "search.html?q=" + quote(query))
+    WebDriverWait(browser, 60).until(lambda d: "Search finished" in d.find_element("id", "search-results").text)
+    links = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#search-results ul.search > li > a'))"
+        ".map(a => a.getAttribute('href'));"
+    )
+    return [href.removeprefix(server) for href in links]
+
+
+def test_search_ranks_chapters_above_attributes(site, server, browser):
+    """A concept's search finds the book's pages before API attributes; an object's name finds its own page."""
+    hits = _search(browser, server, "saturation score")
+    assert len(hits) >= 5, f"too few search results for 'saturation score': {hits}"
+    api = [h for h in hits[:5] if h.startswith("_autosummary/")]
+    assert not api, f"API pages among the first five hits for 'saturation score': {hits[:5]}"
+    # a concept that is also the name of many attributes (SiteDiagnosis.verdict, ...): they come after the
+    # book's pages; the class Verdict, searched for by its name, stays first
+    hits = _search(browser, server, "verdict")
+    assert hits[0].endswith("#depthsat_theory.vocabulary.Verdict"), hits[:5]
+    attributes = [h for h in hits[:5] if h.endswith(".verdict")]
+    assert not attributes, f"API attributes among the first five hits for 'verdict': {hits[:5]}"
+    # the API stays findable by name: the function's own entry first
+    hits = _search(browser, server, "plan_bound")
+    assert hits and hits[0].split("#")[-1] == "depthsat_theory.bounds.plan.plan_bound", hits[:5]
+
+
 # ----------------------------------------------------------------------------- the whole site, statically
 
 
@@ -310,6 +342,22 @@ def test_no_page_links_to_another_host_for_its_assets(site):
     pattern = re.compile(r"""<(?:script|link|img)[^>]+(?:src|href)=["'](?:https?:)?//""", re.I)
     offenders = [p.relative_to(site).as_posix() for p in _pages(site) if pattern.search(p.read_text(encoding="utf-8"))]
     assert not offenders, offenders
+
+
+def test_no_build_machine_path_or_warning_in_outputs(site):
+    """Executed outputs show neither this checkout's path, a scratch folder, nor a Python warning."""
+    import tempfile
+
+    scratch = re.escape(tempfile.gettempdir()) + r"/tmp\w+"
+    pattern = re.compile("|".join([re.escape(str(ROOT)), re.escape(sys.prefix), scratch, r"\w+Warning: "]))
+    found = []
+    for page in _pages(site):
+        text = re.sub(r"<[^>]+>", "", page.read_text(encoding="utf-8"))
+        found += [
+            f"{page.relative_to(site)}: …{text[max(m.start() - 60, 0) : m.end() + 60]!r}…"
+            for m in pattern.finditer(text)
+        ]
+    assert not found, "\n".join(found[:20])
 
 
 def test_every_theory_page_is_in_the_book(site):

@@ -1,8 +1,9 @@
 """Sphinx extension of the depthsat book.
 
-Three jobs: the page's real text behind the download button, an ``.ipynb`` download of every
-executed chapter, and the docstrings' cross-references resolved to the one place each object is
-documented.
+Its jobs: the page's real text behind the download button, an ``.ipynb`` download of every
+executed chapter, the docstrings' cross-references resolved to the one place each object is
+documented, theory labels in docstrings made links, and a search that ranks chapters above the API
+reference's attributes (``search_scorer.js``).
 
 The theory pages are one-line include stubs (``{include} ../../theory/iff.md``); Sphinx copies the
 stub to ``_sources/``, so the ".md" download button handed out two lines. After the build, each
@@ -355,9 +356,19 @@ def _theory_links(app: Sphinx, what: str, name: str, obj: object, options: objec
         lines[i] = link_theory_labels(line, labels)
 
 
+_SEARCH_SCORER = Path(__file__).resolve().parent / "search_scorer.js"
+
+
+def _search_scorer(app: Sphinx, config: object) -> None:
+    """Rank chapters above the API reference's attributes in the search (``search_scorer.js``)."""
+    if not app.config.html_search_scorer:
+        app.config.html_search_scorer = str(_SEARCH_SCORER)
+
+
 def setup(app: Sphinx) -> dict[str, object]:
     """Register the build-finished hook, and quiet the chapters' kernels."""
     _quiet_kernels()
+    app.connect("config-inited", _search_scorer)
     app.connect("build-finished", _replace_include_stubs)
     app.connect("build-finished", _write_notebooks)
     app.connect("doctree-resolved", _notebook_link)

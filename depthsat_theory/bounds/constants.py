@@ -1,6 +1,6 @@
 """The constants of the finite-sample bound: argument checks, :class:`Constant`, resolution.
 
-:func:`resolve_constants` turns the caller's constants (``γ``, ``L``, ``B``, ``μ``, ``λ``,
+:func:`resolve_constants` turns the caller's constants (:math:`γ`, ``L``, ``B``, :math:`μ`, :math:`λ`,
 ``V``, ``D``; see :mod:`depthsat_theory.bounds`) into :class:`Constant` objects, each
 with its source (``user``, ``probe`` or ``derived``), and refuses a user constant that
 the probe itself contradicts (theory page ``theory/finite-sample.md``, label
@@ -101,7 +101,7 @@ def _is_number(value: object) -> bool:
 
 
 def check_number(key: str, value: Any, *, positive: bool = False, allow_none: bool = True) -> float | None:
-    """Validate a real constant: finite, ``≥ 0`` (``> 0`` when ``positive``).
+    """Validate a real constant: finite, :math:`≥ 0` (``> 0`` when ``positive``).
 
     Args:
         key: the Python argument name (used in the error message).
@@ -136,16 +136,16 @@ def check_number(key: str, value: Any, *, positive: bool = False, allow_none: bo
 
 
 def check_delta(delta: Any) -> float:
-    """Validate a confidence level ``δ ∈ (0, 1)``.
+    """Validate a confidence level :math:`δ ∈ (0, 1)`.
 
     Args:
         delta: the confidence level to check (any number-like value).
 
     Returns:
-        ``δ`` as a ``float``.
+        :math:`δ` as a ``float``.
 
     Raises:
-        BoundError: if ``δ`` is missing, not a number, NaN, or outside ``(0, 1)``.
+        BoundError: if :math:`δ` is missing, not a number, NaN, or outside ``(0, 1)``.
     """
     name = argument("delta")
     if delta is None:
@@ -169,7 +169,7 @@ def check_n(n: Any, key: str = "n") -> int:
         ``n`` as an ``int``.
 
     Raises:
-        BoundError: if ``n`` is not an integer ``≥ 1``.
+        BoundError: if ``n`` is not an integer :math:`≥ 1`.
     """
     name = argument(key)
     if not _is_number(n):
@@ -187,7 +187,7 @@ class Constant:
     """One constant of the bound, with where it came from.
 
     Attributes:
-        symbol: the symbol in ``theory/finite-sample.md`` (``γ``, ``L``, ``V``, …).
+        symbol: the symbol in ``theory/finite-sample.md`` (:math:`γ`, ``L``, ``V``, …).
         value: its value.
         source: ``"user"`` (given), ``"probe"`` (estimated from the probe) or
             ``"derived"`` (computed from other constants, rigorously).
@@ -240,7 +240,7 @@ def _inputs(ridge, grad_max, leverage_max, feature_norm_max, eig_floor, variance
 
 
 def _check_maxima(inp: _Inputs, probe: dict) -> None:
-    """A user ``γ`` or ``B`` below the probe's own maximum is not an almost-sure bound."""
+    """A user :math:`γ` or ``B`` below the probe's own maximum is not an almost-sure bound."""
     if inp.gam is not None and probe["g_max"] > inp.gam * (1 + SLACK):
         raise BoundError(
             f"{argument('grad_max', f'{inp.gam:g}')} is below the probe's own max ‖g(x)‖_F = "
@@ -272,7 +272,7 @@ def _probe_leverage_note(exact: bool) -> str:
 
 
 def _leverage_constants(inp: _Inputs, probe: dict | None) -> dict[str, Constant]:
-    """``L`` (and ``B`` when it derives ``L``): user, derived ``B²/(μ + λ)``, or the probe."""
+    """``L`` (and ``B`` when it derives ``L``): user, derived :math:`B^2/(μ + λ)`, or the probe."""
     if inp.lev is not None:
         return {"leverage_max": Constant("L", inp.lev, "user", "almost-sure bound on the leverage ℓ_λ(x)")}
     if inp.bnorm is not None:
@@ -357,31 +357,34 @@ def resolve_constants(
     dim: Any,
     probe: dict | None,
 ) -> dict[str, Constant]:
-    """Constants ``γ, L, D, R`` (and ``λ``, ``μ``, ``B``, ``V`` when given): from the user, derived, or the probe.
+    r"""Constants ``γ, L, D, R`` (and ``λ``, ``μ``, ``B``, ``V`` when given): from the user, derived, or the probe.
 
     ``probe`` (when there is one) has ``g_max``, ``lev_max``, ``lev_exact``, ``k`` and
-    (optionally) ``feat_max`` (``max (Σ_t ‖φ̃_t‖²)^{1/2}``) and ``rank`` (numerical rank of
-    ``Σ̂``); without a probe, ``γ`` and ``L`` (or ``B`` with ``μ``/``λ``) are required.
+    (optionally) ``feat_max`` (:math:`\max (Σ_t ‖\tilde{φ}_t‖^2)^{1/2}`) and ``rank`` (numerical rank of
+    :math:`\hat{Σ}`); without a probe, :math:`γ` and ``L`` (or ``B`` with :math:`μ`/:math:`λ`) are required.
 
-    A user almost-sure bound the probe itself contradicts is an error: ``γ`` or ``B``
-    below the probe's own maximum, and (``λ = 0``) ``L`` or ``D`` below ``rank Σ̂``
-    (``rank Σ̂ ≤ rank Σ = E ℓ_0(x) ≤ L``).  ``D`` derived from ``L`` (``λ = 0``) is the
-    integer ``⌊L⌋``: ``rank Σ`` is an integer ``≤ L`` (``thm-finite-sample``).
+    A user almost-sure bound the probe itself contradicts is an error: :math:`γ` or ``B``
+    below the probe's own maximum, and (:math:`λ = 0`) ``L`` or ``D`` below :math:`\operatorname{rank} \hat{Σ}`
+    (:math:`\operatorname{rank} \hat{Σ} ≤ \operatorname{rank} Σ = E ℓ_0(x) ≤ L`).  ``D`` derived from ``L``
+    (:math:`λ = 0`) is the
+    integer :math:`⌊L⌋`: :math:`\operatorname{rank} Σ` is an integer :math:`≤ L` (``thm-finite-sample``).
 
     Args:
-        ridge: ``λ ≥ 0``, the ridge added to ``Σ`` (the interval is then for ``s_λ ≤ s``); ``None`` means ``0``.
-        grad_max: ``γ``, an almost-sure bound ``γ ≥ ‖g(x)‖_F`` (``None``: not given).
-        leverage_max: ``L``, an almost-sure bound ``L ≥ ℓ_λ(x) = tr(Σ_λ⁺ Σ_x)`` (``None``: not given).
-        feature_norm_max: ``B``, an almost-sure bound on ``(Σ_t ‖φ̃_t‖²)^{1/2}``, giving
-            ``L = B²/(μ + λ)`` with ``μ`` and/or ``λ`` (``None``: not given).
-        eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ`` (``None``: not given).
-        variance: ``V``, a bound on ``E‖G_x Σ_λ^{+1/2}‖_F²`` (``None``: not given).
-        dim: ``D ≥ rank Σ`` (``None``: not given).
+        ridge: :math:`λ ≥ 0`, the ridge added to :math:`Σ` (the interval is then for :math:`s_λ ≤ s`); ``None`` means
+            ``0``.
+        grad_max: :math:`γ`, an almost-sure bound :math:`γ ≥ ‖g(x)‖_F` (``None``: not given).
+        leverage_max: ``L``, an almost-sure bound :math:`L ≥ ℓ_λ(x) = \operatorname{tr}(Σ_λ^+ Σ_x)` (``None``: not
+            given).
+        feature_norm_max: ``B``, an almost-sure bound on :math:`(Σ_t ‖\tilde{φ}_t‖^2)^{1/2}`, giving
+            :math:`L = B^2/(μ + λ)` with :math:`μ` and/or :math:`λ` (``None``: not given).
+        eig_floor: :math:`μ`, a floor on the nonzero eigenvalues of :math:`Σ` (``None``: not given).
+        variance: ``V``, a bound on :math:`E‖G_x Σ_λ^{+1/2}‖_F^2` (``None``: not given).
+        dim: :math:`D ≥ \operatorname{rank} Σ` (``None``: not given).
         probe: the probe's maxima and rank, or ``None``.
 
     Returns:
         ``{name: Constant}`` keyed by the Python argument names, plus ``whitened_max``
-        (``R = γ√L``).
+        (:math:`R = γ√L`).
 
     Raises:
         BoundError: a constant missing, out of range, given together with a conflicting

@@ -48,12 +48,12 @@ class Formulas:
     """Lambdified results of the derivation (plain float functions) and their sympy forms.
 
     Attributes:
-        eps: ``ε(n, V, R, u1)``.
-        delta_dev: ``Δ(n, L1, u2)``.
+        eps: :math:`ε(n, V, R, u1)`.
+        delta_dev: :math:`Δ(n, L1, u2)`.
         halfwidth: ``h(n, V, R, u1, L1, u2, S)``.
-        n_for_eps: closed form ``n(E, V, R, u1)`` solving ``ε_n = E``.
-        n_for_delta: closed form ``n(D, L1, u2)`` solving ``Δ_n = D``.
-        quartic: coefficients (highest degree first) of the quartic in ``x = √n``
+        n_for_eps: closed form ``n(E, V, R, u1)`` solving :math:`ε_n = E`.
+        n_for_delta: closed form ``n(D, L1, u2)`` solving :math:`Δ_n = D`.
+        quartic: coefficients (highest degree first) of the quartic in :math:`x = √n`
             equivalent to ``h_n = E``: ``quartic(E, V, R, u1, L1, u2, S) -> 5 floats``.
         expressions: the sympy expressions, by name (for display and tests).
     """
@@ -139,20 +139,20 @@ def formulas() -> Formulas:
 
 
 def combined_required_n(E: float, V: float, R: float, u1: float, L1: float, u2: float, S: float) -> float:
-    """Real ``n > 0`` with ``h_n = E`` (the unique positive root of the quartic in ``x = √n``).
+    r"""Real ``n > 0`` with ``h_n = E`` (the unique positive root of the quartic in :math:`x = √n`).
 
     Args:
         E: target half-width (> 0, loss units per unit function-space step).
-        V: the bound ``V`` on ``E‖ξ‖²``.
-        R: the almost-sure bound ``R = γ √L`` on ``‖ξ‖``.
-        u1: ``u_1 = ln(2/δ_1)``.
+        V: the bound ``V`` on :math:`E‖ξ‖^2`.
+        R: the almost-sure bound :math:`R = γ √L` on :math:`‖ξ‖`.
+        u1: :math:`u_1 = \ln(2/δ_1)`.
         L1: ``L_1 = max(L, 1)``.
-        u2: ``u_2 = ln(2D/δ_2)``.
-        S: the bound ``S`` on the score: ``h_n`` holds for every ``s ≤ S``.
+        u2: :math:`u_2 = \ln(2D/δ_2)`.
+        S: the bound ``S`` on the score: ``h_n`` holds for every :math:`s ≤ S`.
 
     Returns:
         ``n`` as a float (round up for a probe size); ``h`` is decreasing in ``n`` on
-        ``Δ_n < 1``, so every ``n' ≥ n`` also has ``h_{n'} ≤ E``.
+        :math:`Δ_n < 1`, so every :math:`n' ≥ n` also has :math:`h_{n'} ≤ E`.
     """
     f = formulas()
     coeffs = [float(c) for c in f.quartic(E, V, R, u1, L1, u2, S)]

@@ -1,12 +1,12 @@
-r"""The ``(1 − δ)`` confidence interval for the saturation score (label ``thm-finite-sample``).
+r"""The :math:`(1 − δ)` confidence interval for the saturation score (label ``thm-finite-sample``).
 
 :func:`interval_from_moments` turns a probe's :class:`~depthsat_theory.bounds.moments.ProbeMoments`
 into a :class:`ScoreInterval`: the interval ``[score_lower, score_upper]`` for ``s`` (or
-the ridge score ``s_λ``), the certificate (:class:`~depthsat_theory.vocabulary.Certificate`,
+the ridge score :math:`s_λ`), the certificate (:class:`~depthsat_theory.vocabulary.Certificate`,
 ``cor-certified-improvable`` / ``cor-certified-saturated``; a degenerate family gets
 :attr:`~depthsat_theory.vocabulary.Verdict.DEGENERATE`), the family-free certificate
 from ``AG_rms`` (:func:`ag_rms_upper`, ``cor-agmax-certificate-finite``), the plug-in
-``ŝ²`` and the U-statistic of ``s²`` (:func:`unbiased_score_squared`) and an optional
+:math:`\hat{s}^2` and the U-statistic of :math:`s^2` (:func:`unbiased_score_squared`) and an optional
 bootstrap interval (:func:`bootstrap_interval`, approximate, labelled as such).
 Theory page ``theory/finite-sample.md``; units: loss units per unit function-space step.
 """
@@ -53,23 +53,23 @@ __all__ = [
 
 
 def ag_rms_upper(n: int, ag_rms: float, grad_max: float, delta: float) -> float:
-    """``(1 − δ)`` upper confidence bound on the population ``AG_rms = (E‖g‖_F²)^{1/2}``.
+    """:math:`(1 − δ)` upper confidence bound on the population ``AG_rms = (E‖g‖_F²)^{1/2}``.
 
-    Bernstein's inequality for ``‖g‖_F² ∈ [0, γ²]`` (label ``cor-agmax-certificate-finite``).
+    Bernstein's inequality for :math:`‖g‖_F^2 ∈ [0, γ^2]` (label ``cor-agmax-certificate-finite``).
     Since ``s ≤ r ≤ AG_rms`` for every family at the site, the result is an upper
     confidence bound on all their scores at once.
 
     Args:
         n: probe size.
         ag_rms: the probe's ``AG_rms`` (loss units per unit step).
-        grad_max: ``γ``, an almost-sure bound on ``‖g(x)‖_F``.
-        delta: ``δ ∈ (0, 1)``.
+        grad_max: :math:`γ`, an almost-sure bound on :math:`‖g(x)‖_F`.
+        delta: :math:`δ ∈ (0, 1)`.
 
     Returns:
-        The upper confidence bound on ``AG_rms`` (loss units per unit step), at most ``γ``.
+        The upper confidence bound on ``AG_rms`` (loss units per unit step), at most :math:`γ`.
 
     Raises:
-        BoundError: on ``δ ∉ (0, 1)``, ``n ≤ 0`` or a negative/NaN constant.
+        BoundError: on :math:`δ ∉ (0, 1)`, :math:`n ≤ 0` or a negative/NaN constant.
     """
     n = check_n(n)
     delta = check_delta(delta)
@@ -86,52 +86,52 @@ MATRIX_BOUNDS = ("worst-case", "empirical-bernstein")
 
 @dataclass
 class ScoreInterval:
-    """A confidence statement about the saturation score of one (site, family).
+    r"""A confidence statement about the saturation score of one (site, family).
 
     Attributes:
-        score: ``ŝ_λ`` on the probe (``ŝ`` when ``ridge = 0``).
-        score_lower, score_upper: the interval for ``s_λ`` (``thm-finite-sample``);
-            ``[0, γ]`` when the bound is vacuous.
+        score: :math:`\hat{s}_λ` on the probe (:math:`\hat{s}` when ``ridge = 0``).
+        score_lower, score_upper: the interval for :math:`s_λ` (``thm-finite-sample``);
+            :math:`[0, γ]` when the bound is vacuous.
         score_upper_unregularized: with ``ridge > 0`` and an ``eig_floor`` μ, an upper
-            bound on the unregularized ``s`` (``s ≤ s_λ √(1 + λ/μ)``); else ``None``
+            bound on the unregularized ``s`` (:math:`s ≤ s_λ √(1 + λ/μ)`); else ``None``
             (equal to ``score_upper`` when ``ridge = 0``).
-        delta: ``δ``; ``candidates``: ``m`` of the union bound (each interval at ``δ/m``).
+        delta: :math:`δ`; ``candidates``: ``m`` of the union bound (each interval at :math:`δ/m`).
         n: probe size.
-        ridge: ``λ``.
-        epsilon_n: additive half-width ``ε_n`` (loss units per unit step).
-        relative_deviation: ``Δ_n`` (dimensionless), the bound on ``‖Ψ̄ − EΨ‖``
-            (``max(Δ_n^−, Δ_n^+)`` with the empirical-Bernstein step).
-        relative_deviation_lower, relative_deviation_upper: ``Δ_n^−``, ``Δ_n^+``, the
-            bounds on ``λ_max(EΨ − Ψ̄)`` and ``λ_max(Ψ̄ − EΨ)`` (both ``Δ_n`` with the
+        ridge: :math:`λ`.
+        epsilon_n: additive half-width :math:`ε_n` (loss units per unit step).
+        relative_deviation: :math:`Δ_n` (dimensionless), the bound on :math:`‖\bar{Ψ} − EΨ‖`
+            (:math:`\max(Δ_n^−, Δ_n^+)` with the empirical-Bernstein step).
+        relative_deviation_lower, relative_deviation_upper: :math:`Δ_n^−`, :math:`Δ_n^+`, the
+            bounds on ``λ_max(EΨ − Ψ̄)`` and ``λ_max(Ψ̄ − EΨ)`` (both :math:`Δ_n` with the
             worst-case step).
         matrix_bound: which matrix step was used (:data:`MATRIX_BOUNDS`): ``"worst-case"``
             (``thm-finite-sample``) or ``"empirical-bernstein"`` (``thm-empirical-bernstein``).
-        vacuous: ``Δ_n^− ≥ 1`` (``n`` too small for the leverage bound).
+        vacuous: :math:`Δ_n^− ≥ 1` (``n`` too small for the leverage bound).
         certificate: a :class:`~depthsat_theory.vocabulary.Certificate` (``"certified
             improvable"``, ``"certified ε-saturated"``, ``"not certified"``), or
-            :attr:`~depthsat_theory.vocabulary.Verdict.DEGENERATE` when ``Σ̂ = 0``.
-        saturation_epsilon: the ``ε`` of the saturation certificate (``None``: not asked).
+            :attr:`~depthsat_theory.vocabulary.Verdict.DEGENERATE` when :math:`\hat{Σ} = 0`.
+        saturation_epsilon: the :math:`ε` of the saturation certificate (``None``: not asked).
         guaranteed: ``True`` when every constant is the user's or derived from the
-            user's (then the ``1 − δ`` coverage is a theorem); ``False`` for plug-ins.
+            user's (then the :math:`1 − δ` coverage is a theorem); ``False`` for plug-ins.
         label: one line saying what kind of interval this is.
         constants: each constant with its source.
         assumptions: the theory labels (``asm-*``) the guarantee rests on, in words.
-        score_squared: plug-in ``ŝ_λ²`` (biased upward by about ``v/n``).
-        score_squared_unbiased: ``(n ŝ² − v̂)/(n − 1)`` (``None`` for ``n = 1``); exactly
-            unbiased for ``s²`` when the whitening is the population ``Σ``, and with the
-            probe's ``Σ̂`` it removes the leading ``v/n`` bias term.
-        variance_plugin: ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖_F²``.
-        ag_rms_upper: ``(1 − δ)`` upper bound on the population ``AG_rms`` (bounds ``s``
+        score_squared: plug-in :math:`\hat{s}_λ^2` (biased upward by about ``v/n``).
+        score_squared_unbiased: :math:`(n \hat{s}^2 − \hat{v})/(n − 1)` (``None`` for ``n = 1``); exactly
+            unbiased for :math:`s^2` when the whitening is the population :math:`Σ`, and with the
+            probe's :math:`\hat{Σ}` it removes the leading ``v/n`` bias term.
+        variance_plugin: :math:`\hat{v} = \operatorname{mean} ‖G_x \hat{Σ}_λ^{+1/2}‖_F^2`.
+        ag_rms_upper: :math:`(1 − δ)` upper bound on the population ``AG_rms`` (bounds ``s``
             of every family at the site), ``cor-agmax-certificate-finite``.
         ag_certificate: the verdict of that bound against ``saturation_epsilon``.
         bootstrap_interval: ``None`` or a dict (``lower``, ``upper``, ``method``,
             ``resamples``, ``label``): approximate, not a guarantee.
         looseness: ``(score_upper − score_lower)`` over the bootstrap interval's width.
         n_to_certify: the probe size at which this interval's lower end would exceed 0 if
-            ``ŝ_λ``, ``v̂`` and the constants ``γ, L, D`` stayed as measured (worst-case matrix
-            step, ``V = v̂``): a plan for "certified improvable", not a guarantee; ``None``
-            when ``ŝ_λ = 0`` or beyond ``10¹⁵`` examples (see :func:`n_to_certify`).
-        tangent_rank: numerical rank of ``Σ̂``.
+            :math:`\hat{s}_λ`, :math:`\hat{v}` and the constants :math:`γ, L, D` stayed as measured (worst-case matrix
+            step, :math:`V = \hat{v}`): a plan for "certified improvable", not a guarantee; ``None``
+            when :math:`\hat{s}_λ = 0` or beyond :math:`10^{15}` examples (see :func:`n_to_certify`).
+        tangent_rank: numerical rank of :math:`\hat{Σ}`.
         notes: further remarks.
     """
 
@@ -218,47 +218,48 @@ def interval_from_moments(
     bootstrap_method: str = "ustat",
     matrix_bound: str = "worst-case",
 ) -> ScoreInterval:
-    """The ``(1 − δ)`` confidence interval for ``s_λ`` from a probe's moments (``thm-finite-sample``).
+    r"""The :math:`(1 − δ)` confidence interval for :math:`s_λ` from a probe's moments (``thm-finite-sample``).
 
-    With ``u_1 = ln(2/δ_1)``, ``u_2 = ln(2D/δ_2)``, ``L_1 = max(L, 1)``, ``R = γ√L``::
+    With :math:`u_1 = \ln(2/δ_1)`, :math:`u_2 = \ln(2D/δ_2)`, ``L_1 = max(L, 1)``, :math:`R = γ√L`::
 
         Δ_n = √(2 L_1 u_2 / n) + 2 L_1 u_2 / (3n),      ε_n = √(2 V u_1 / n) + 2 R u_1 / n,
         s_λ ∈ [ŝ_λ √(1 − Δ_n) − ε_n,  ŝ_λ √(1 + Δ_n) + ε_n]   (when Δ_n < 1),
 
     where ``V`` is the user's bound, or (``variance=None``) the empirical-Bernstein upper
-    bound ``((c + √(c² + 4e))/2)²``, ``c = √(2R²u_3/n)``, ``e = (1 + Δ_n) v̂ + 2R²u_3/(3n)``,
-    ``u_3 = ln(1/δ_3)``.  ``δ/m`` (``m = candidates``) is split equally over the two
-    (three) events.  The upper end is capped at ``γ`` (``s_λ ≤ AG_rms ≤ γ``).
+    bound :math:`((c + √(c^2 + 4e))/2)^2`, :math:`c = √(2R^2u_3/n)`, :math:`e = (1 + Δ_n) \hat{v} + 2R^2u_3/(3n)`,
+    :math:`u_3 = \ln(1/δ_3)`.  :math:`δ/m` (``m = candidates``) is split equally over the two
+    (three) events.  The upper end is capped at :math:`γ` (``s_λ ≤ AG_rms ≤ γ``).
 
     Args:
         m: the probe's moments (:class:`ProbeMoments`, or :meth:`BoundStatistics.moments`).
-        delta: ``δ ∈ (0, 1)``.
-        ridge: ``λ ≥ 0`` (feature² units); ``0`` is the plain score ``s``.
-        grad_max: ``γ`` (default: the probe's ``AG_max``, a plug-in).
+        delta: :math:`δ ∈ (0, 1)`.
+        ridge: :math:`λ ≥ 0` (feature² units); ``0`` is the plain score ``s``.
+        grad_max: :math:`γ` (default: the probe's ``AG_max``, a plug-in).
         leverage_max: ``L`` (default: derived from ``feature_norm_max``, else the
             probe's largest leverage, a plug-in).
-        feature_norm_max: ``B`` with ``eig_floor`` and/or ``ridge``: ``L = B²/(μ + λ)``.
-        eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ``; also turns the
+        feature_norm_max: ``B`` with ``eig_floor`` and/or ``ridge``: :math:`L = B^2/(μ + λ)`.
+        eig_floor: :math:`μ`, a floor on the nonzero eigenvalues of :math:`Σ`; also turns the
             ridge interval into an upper bound on ``s``.
         variance: ``V`` (default: empirical Bernstein from the probe).
-        dim: ``D ≥ rank Σ`` (default ``k̃``; ``min(k̃, ⌊L⌋)`` when ``ridge = 0``).
-        epsilon: the ``ε`` of the saturation certificate (``None``: no such verdict).
-        candidates: number ``m ≥ 1`` of (site, family) candidates judged on this probe
+        dim: :math:`D ≥ \operatorname{rank} Σ` (default :math:`\tilde{k}`; :math:`\min(\tilde{k}, ⌊L⌋)` when ``ridge =
+            0``).
+        epsilon: the :math:`ε` of the saturation certificate (``None``: no such verdict).
+        candidates: number :math:`m ≥ 1` of (site, family) candidates judged on this probe
             (union bound).
         bootstrap: number of bootstrap resamples (``0``: none); needs kept rows.
         seed: bootstrap seed.
         bootstrap_method: see :func:`bootstrap_interval` (default ``"ustat"``).
         matrix_bound: the matrix step (:data:`MATRIX_BOUNDS`): ``"worst-case"`` (above) or
-            ``"empirical-bernstein"`` (``thm-empirical-bernstein``: ``δ`` split in four,
-            one-sided ``Δ_n^∓ = √(2σ̄²u_2/n) + 2{1, L}u_2/(3n)`` with ``σ̄²`` an upper
-            confidence bound on ``‖E Ψ_x²‖`` from the probe's ``σ̂²`` (needs kept rows and,
-            with ``ridge = 0``, ``rank Σ̂ = D``; otherwise ``σ̄² = L``)).
+            ``"empirical-bernstein"`` (``thm-empirical-bernstein``: :math:`δ` split in four,
+            one-sided :math:`Δ_n^∓ = √(2\bar{σ}^2u_2/n) + 2\{1, L\}u_2/(3n)` with :math:`\bar{σ}^2` an upper
+            confidence bound on :math:`‖E Ψ_x^2‖` from the probe's :math:`\hat{σ}^2` (needs kept rows and,
+            with ``ridge = 0``, :math:`\operatorname{rank} \hat{Σ} = D`; otherwise :math:`\bar{σ}^2 = L`)).
 
     Returns:
         A :class:`ScoreInterval`.
 
     Raises:
-        BoundError: ``δ ∉ (0, 1)``, negative/NaN/missing constants, ``epsilon ≤ 0``,
+        BoundError: :math:`δ ∉ (0, 1)`, negative/NaN/missing constants, ``epsilon ≤ 0``,
             ``candidates < 1``, an unknown ``matrix_bound``, or a bootstrap without kept
             rows; the message names the Python arguments.
     """
@@ -351,21 +352,21 @@ _N_PLAN_MAX = 10**15
 
 
 def n_to_certify(s_hat: float, v_hat: float, const: dict[str, Constant], delta: float) -> int | None:
-    """Smallest ``n`` with ``ŝ √(1 − Δ_n) − ε_n > 0`` if ``ŝ``, ``v̂`` and the constants stayed as measured.
+    r"""Smallest ``n`` with ``ŝ √(1 − Δ_n) − ε_n > 0`` if ``ŝ``, ``v̂`` and the constants stayed as measured.
 
-    The interval of ``thm-finite-sample`` with the worst-case matrix step and ``δ`` split over
+    The interval of ``thm-finite-sample`` with the worst-case matrix step and :math:`δ` split over
     three events (``V`` from the probe) or two (``V`` given); ``V`` is the user's bound or the
-    plug-in ``v̂`` (the empirical-Bernstein bound tends to it as ``n`` grows). The lower end is
+    plug-in :math:`\hat{v}` (the empirical-Bernstein bound tends to it as ``n`` grows). The lower end is
     increasing in ``n``, so the root is found by doubling and bisection.
 
     Args:
-        s_hat: ``ŝ_λ ≥ 0`` (loss units per unit step).
-        v_hat: ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖_F²``.
+        s_hat: :math:`\hat{s}_λ ≥ 0` (loss units per unit step).
+        v_hat: :math:`\hat{v} = \operatorname{mean} ‖G_x \hat{Σ}_λ^{+1/2}‖_F^2`.
         const: the interval's resolved constants (``grad_max``, ``leverage_max``, ``whitened_max``, ``dim``).
-        delta: the level of this one interval (``δ/m`` after the union bound).
+        delta: the level of this one interval (:math:`δ/m` after the union bound).
 
     Returns:
-        The probe size (examples), or ``None`` when ``ŝ = 0`` or above ``10¹⁵``.
+        The probe size (examples), or ``None`` when :math:`\hat{s} = 0` or above :math:`10^{15}`.
     """
     if not s_hat > 0:
         return None
@@ -394,7 +395,7 @@ def n_to_certify(s_hat: float, v_hat: float, const: dict[str, Constant], delta: 
 def _steps(
     method: str, const: dict[str, Constant], est: Estimate, n: int, per: float, ridge: float, notes: list[str]
 ) -> tuple[float, float, float, float]:
-    """``(Δ^−, Δ^+, u_1, u_3)`` of the chosen matrix step (``u_3 = inf`` when ``V`` is given)."""
+    """:math:`(Δ^−, Δ^+, u_1, u_3)` of the chosen matrix step (``u_3 = inf`` when ``V`` is given)."""
     empirical_v = "variance" not in const
     dim = const["dim"].value
     big_l = const["leverage_max"].value
@@ -429,7 +430,7 @@ def _steps(
 
 
 def _variance(const: dict[str, Constant], est: Estimate, devs: tuple[float, float], n: int, u3: float) -> float:
-    """``V``: the user's, else empirical Bernstein from ``v̂`` (recorded in ``const``), else ``R²``."""
+    r"""``V``: the user's, else empirical Bernstein from :math:`\hat{v}` (recorded in ``const``), else :math:`R^2`."""
     if "variance" in const:
         return const["variance"].value
     r = const["whitened_max"].value
@@ -449,7 +450,7 @@ def _variance(const: dict[str, Constant], est: Estimate, devs: tuple[float, floa
 
 
 def _ends(s_hat: float, devs: tuple[float, float], eps_n: float, const: dict[str, Constant], n: int, notes: list[str]):
-    """``(lower, upper)`` for ``s_λ``: ``[0, γ]`` when vacuous, capped at a non-probe ``γ``."""
+    """``(lower, upper)`` for :math:`s_λ`: :math:`[0, γ]` when vacuous, capped at a non-probe :math:`γ`."""
     gam = const["grad_max"].value
     dev_lo, dev_hi = devs
     if dev_lo >= 1:
@@ -475,12 +476,14 @@ def _resolved_ends(
     u1: float,
     notes: list[str],
 ) -> tuple[float, float]:
-    """The ends widened by the verdict path's rounding bound ``e`` and, with unresolved directions, ``[·, γ]``.
+    r"""The ends widened by the verdict path's rounding bound ``e`` and, with unresolved directions, :math:`[·, γ]`.
 
-    ``|ŝ − ŝ_exact| ≤ e`` (``thm-score-error``), so the ends use ``ŝ ∓ e``.  With a direction the verdict path
-    left unresolved, the computed ``ŝ`` is only a lower bound of the probe's exact score (``lem-lower-bound``): the
-    upper end is ``γ`` (``s ≤ AG_rms ≤ γ``), and the lower end uses the worst-case ``V̄ = R²`` (or the user's
-    ``V``), which is at least the ``V̄`` of the untruncated probe, so it stays below that probe's lower end
+    ``|ŝ − ŝ_exact| ≤ e`` (``thm-score-error``), so the ends use :math:`\hat{s} ∓ e`.  With a direction the verdict path
+    left unresolved, the computed :math:`\hat{s}` is only a lower bound of the probe's exact score
+    (``lem-lower-bound``): the
+    upper end is :math:`γ` (``s ≤ AG_rms ≤ γ``), and the lower end uses the worst-case :math:`\bar{V} = R^2` (or the
+    user's
+    ``V``), which is at least the :math:`\bar{V}` of the untruncated probe, so it stays below that probe's lower end
     (theory/finite-sample.md, ``cor-certified-saturated``).
     """
     e, gam = m.score_error, const["grad_max"].value
@@ -509,7 +512,7 @@ def _resolved_ends(
 
 
 def _upper_unregularized(upper: float, ridge: float, const: dict[str, Constant], notes: list[str]) -> float | None:
-    """Upper bound on the unregularized ``s``: ``s ≤ s_λ √(1 + λ/μ)`` (``None`` without ``μ``)."""
+    """Upper bound on the unregularized ``s``: :math:`s ≤ s_λ √(1 + λ/μ)` (``None`` without :math:`μ`)."""
     if ridge == 0:
         return upper
     if "eig_floor" not in const:
@@ -565,15 +568,15 @@ def _bootstrap(
 
 
 def _probe_checks(const: dict[str, Constant], m: ProbeMoments, est: Estimate, dev: float, notes: list[str]) -> None:
-    """Compare user constants with the probe: errors for contradictions, notes for plug-in tension.
+    r"""Compare user constants with the probe: errors for contradictions, notes for plug-in tension.
 
     - ``L`` (user or derived): on the matrix event of the interval itself (probability
-      ``≥ 1 − δ_2``), ``Σ̂_λ ⪰ (1 − Δ_n) Σ_λ`` on ``range Σ``, so every probe leverage
-      ``ℓ̂(x_i) = tr(Σ̂_λ⁺ Σ_{x_i}) ≤ ℓ_λ(x_i)/(1 − Δ_n) ≤ L/(1 − Δ_n)``; a larger probe
+      :math:`≥ 1 − δ_2`), :math:`\hat{Σ}_λ ⪰ (1 − Δ_n) Σ_λ` on :math:`\operatorname{range} Σ`, so every probe leverage
+      :math:`\hat{ℓ}(x_i) = \operatorname{tr}(\hat{Σ}_λ^+ Σ_{x_i}) ≤ ℓ_λ(x_i)/(1 − Δ_n) ≤ L/(1 − Δ_n)`; a larger probe
       leverage contradicts ``L`` at the interval's own level (error), one in
-      ``(L, L/(1 − Δ_n)]`` is only noted.
-    - ``V`` below the plug-in ``v̂`` and ``μ`` above the smallest nonzero eigenvalue of
-      ``Σ̂``: population assumptions the probe can miss by sampling (notes).
+      :math:`(L, L/(1 − Δ_n)]` is only noted.
+    - ``V`` below the plug-in :math:`\hat{v}` and :math:`μ` above the smallest nonzero eigenvalue of
+      :math:`\hat{Σ}`: population assumptions the probe can miss by sampling (notes).
     """
     lev = const["leverage_max"]
     if lev.source != "probe" and est.lev_exact and math.isfinite(est.lev_max):
@@ -619,17 +622,18 @@ def _probe_checks(const: dict[str, Constant], m: ProbeMoments, est: Estimate, de
 
 
 def unbiased_score_squared(m: ProbeMoments, *, ridge: float = 0.0, whitening: np.ndarray | None = None) -> float:
-    """The U-statistic ``(n ŝ² − v̂)/(n − 1)`` of ``s²`` (``s_λ²`` with a ridge).
+    r"""The U-statistic :math:`(n \hat{s}^2 − \hat{v})/(n − 1)` of :math:`s^2` (:math:`s_λ^2` with a ridge).
 
-    ``ŝ² = ‖ξ̄‖²`` and ``v̂ = mean ‖ξ_x‖²`` with ``ξ_x = G_x W^{1/2}``; then
-    ``(n ŝ² − v̂)/(n − 1) = (1/(n(n−1))) Σ_{i≠j} ⟨ξ_i, ξ_j⟩``, exactly unbiased for
-    ``‖E ξ‖² = s²`` when ``W`` is fixed (the population ``Σ_λ⁺``).  By default ``W`` is
-    the probe's ``Σ̂_λ⁺``; then only the leading ``v/n`` bias of ``ŝ²`` is removed.
+    :math:`\hat{s}^2 = ‖\bar{ξ}‖^2` and :math:`\hat{v} = \operatorname{mean} ‖ξ_x‖^2` with :math:`ξ_x = G_x W^{1/2}`;
+    then
+    :math:`(n \hat{s}^2 − \hat{v})/(n − 1) = (1/(n(n−1))) Σ_{i≠j} ⟨ξ_i, ξ_j⟩`, exactly unbiased for
+    :math:`‖E ξ‖^2 = s^2` when ``W`` is fixed (the population :math:`Σ_λ^+`).  By default ``W`` is
+    the probe's :math:`\hat{Σ}_λ^+`; then only the leading ``v/n`` bias of :math:`\hat{s}^2` is removed.
 
     Args:
         m: the probe's moments.
-        ridge: ``λ ≥ 0``.
-        whitening: a fixed ``(k, k)`` PSD matrix ``W`` (e.g. the population ``Σ⁺``).
+        ridge: :math:`λ ≥ 0`.
+        whitening: a fixed ``(k, k)`` PSD matrix ``W`` (e.g. the population :math:`Σ^+`).
 
     Returns:
         The U-statistic as a ``float`` (squared loss units per unit step; may be negative).
@@ -652,27 +656,29 @@ def unbiased_score_squared(m: ProbeMoments, *, ridge: float = 0.0, whitening: np
 def bootstrap_interval(
     m: ProbeMoments, delta: float, *, resamples: int = 200, ridge: float = 0.0, seed: int = 0, method: str = "ustat"
 ) -> dict:
-    """Bootstrap interval for ``s_λ`` over the probe's examples (approximate, not a guarantee).
+    r"""Bootstrap interval for :math:`s_λ` over the probe's examples (approximate, not a guarantee).
 
     Resamples ``n`` examples with replacement ``resamples`` times.  Methods:
 
     - ``"ustat"`` (default): the basic (reverse-percentile) bootstrap of the U-statistic
-      ``Û`` of ``s²``: ``Û* − ŝ²`` (``ŝ²`` is the bootstrap world's ``s²``) stands in for
-      ``Û − s²``, giving ``[Û − (q_{1−δ/2}(Û*) − ŝ²), Û − (q_{δ/2}(Û*) − ŝ²)]``,
+      :math:`\hat{U}` of :math:`s^2`: :math:`\hat{U}^* − \hat{s}^2` (:math:`\hat{s}^2` is the bootstrap world's
+      :math:`s^2`) stands in for
+      :math:`\hat{U} − s^2`, giving
+      :math:`[\hat{U} − (q_{1−δ/2}(\hat{U}^*) − \hat{s}^2), \hat{U} − (q_{δ/2}(\hat{U}^*) − \hat{s}^2)]`,
       clipped at 0 and square-rooted;
-    - ``"basic"``: the same on ``ŝ`` (``[2ŝ − q_{1−δ/2}, 2ŝ − q_{δ/2}]``, clipped at 0);
-    - ``"percentile"``: ``[q_{δ/2}(ŝ*), q_{1−δ/2}(ŝ*)]``.
+    - ``"basic"``: the same on :math:`\hat{s}` (:math:`[2\hat{s} − q_{1−δ/2}, 2\hat{s} − q_{δ/2}]`, clipped at 0);
+    - ``"percentile"``: :math:`[q_{δ/2}(\hat{s}^*), q_{1−δ/2}(\hat{s}^*)]`.
 
-    ``ŝ`` is biased upward (``E ŝ² ≈ s² + v/n``), and at ``s = 0`` the bootstrap
-    distribution of ``ŝ*`` lies above ``ŝ``: the ``"basic"`` and ``"percentile"``
-    intervals then miss ``0`` far more often than ``δ`` (see the T7 coverage table).
+    :math:`\hat{s}` is biased upward (:math:`E \hat{s}^2 ≈ s^2 + v/n`), and at ``s = 0`` the bootstrap
+    distribution of :math:`\hat{s}^*` lies above :math:`\hat{s}`: the ``"basic"`` and ``"percentile"``
+    intervals then miss ``0`` far more often than :math:`δ` (see the T7 coverage table).
     Needs the probe in memory (:class:`ProbeMoments` with rows).
 
     Args:
         m: the probe's moments, with the rows kept (``m.phi`` not ``None``).
-        delta: ``δ ∈ (0, 1)``: the interval has nominal level ``1 − δ``.
-        resamples: number of bootstrap resamples (``≥ 1``).
-        ridge: ``λ ≥ 0``.
+        delta: :math:`δ ∈ (0, 1)`: the interval has nominal level :math:`1 − δ`.
+        resamples: number of bootstrap resamples (:math:`≥ 1`).
+        ridge: :math:`λ ≥ 0`.
         seed: seed of the :func:`numpy.random.default_rng` drawing the resamples.
         method: ``"ustat"``, ``"basic"`` or ``"percentile"``.
 
@@ -681,7 +687,7 @@ def bootstrap_interval(
         (a description), ``resamples`` and ``label``.
 
     Raises:
-        BoundError: on bad ``δ``, ``resamples < 1``, an unknown method, ``n < 2`` for
+        BoundError: on bad :math:`δ`, ``resamples < 1``, an unknown method, ``n < 2`` for
             ``"ustat"``, or no kept rows.
     """
     delta = check_delta(delta)

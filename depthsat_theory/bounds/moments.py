@@ -1,8 +1,8 @@
-"""Sufficient statistics of a probe for the finite-sample bound, and the plug-in estimates.
+r"""Sufficient statistics of a probe for the finite-sample bound, and the plug-in estimates.
 
-:class:`ProbeMoments` holds the float64 means over the probe's examples (``Σ̂``, ``Ĝ``,
-``mean G_xᵀ G_x``, ``AG_rms²``, the maxima; optionally the rows); :func:`estimate` turns
-them into ``ŝ_λ²``, ``v̂``, the numerical rank and the probe's largest leverage
+:class:`ProbeMoments` holds the float64 means over the probe's examples (:math:`\hat{Σ}`, :math:`\hat{G}`,
+:math:`\operatorname{mean} G_x^\top G_x`, ``AG_rms²``, the maxima; optionally the rows); :func:`estimate` turns
+them into :math:`\hat{s}_λ^2`, :math:`\hat{v}`, the numerical rank and the probe's largest leverage
 (theory page ``theory/finite-sample.md``, label ``thm-finite-sample``).
 """
 
@@ -21,29 +21,34 @@ __all__ = ["Estimate", "ProbeMoments", "estimate"]
 
 @dataclass
 class ProbeMoments:
-    """Sufficient statistics of a probe for the bound (float64, means over examples).
+    r"""Sufficient statistics of a probe for the bound (float64, means over examples).
 
     Attributes:
         n: number of examples (the sum of ``weights`` when given).
-        sigma: ``Σ̂ = mean Σ_x``, ``(k, k)``.
-        cross: ``Ĝ = mean G_x``, ``(d, k)``.
-        q: ``mean G_xᵀ G_x``, ``(k, k)`` (gives ``v̂ = tr(Σ̂⁺ q)``).
-        g_sq: ``mean ‖g‖_F²`` (``AG_rms²``).
-        g_max: ``max ‖g(x)‖_F`` (``AG_max``).
-        feat_sq_max: ``max_x Σ_t ‖φ̃_t‖²``.
-        rtol: relative eigenvalue cutoff for ``Σ̂⁺`` (:func:`~depthsat_theory.statistics.default_rtol`).
+        sigma: :math:`\hat{Σ} = \operatorname{mean} Σ_x`, ``(k, k)``.
+        cross: :math:`\hat{G} = \operatorname{mean} G_x`, ``(d, k)``.
+        q: :math:`\operatorname{mean} G_x^\top G_x`, ``(k, k)`` (gives
+            :math:`\hat{v} = \operatorname{tr}(\hat{Σ}^+ q)`).
+        g_sq: :math:`\operatorname{mean} ‖g‖_F^2` (``AG_rms²``).
+        g_max: :math:`\max ‖g(x)‖_F` (``AG_max``).
+        feat_sq_max: :math:`\max_x Σ_t ‖\tilde{φ}_t‖^2`.
+        rtol: relative eigenvalue cutoff for :math:`\hat{Σ}^+` (:func:`~depthsat_theory.statistics.default_rtol`).
         phi: kept feature rows ``(N, units, k)`` of the distinct examples, or ``None``.
         g: kept gradient rows ``(N, units, d)``, or ``None``.
         weights: multiplicity of each kept example (``None``: all 1).
-        spectrum: the resolved spectrum of ``Σ̂`` of the verdict path
+        spectrum: the resolved spectrum of :math:`\hat{Σ}` of the verdict path
             (:meth:`~depthsat_theory.statistics.FeatureStatistics.spectrum`: the triangular factor for float64
-            probes), used for ``ŝ``, ``v̂``, the rank and the leverages when ``ridge = 0``; ``None``: ``Σ̂``
+            probes), used for :math:`\hat{s}`, :math:`\hat{v}`, the rank and the leverages when ``ridge = 0``;
+            ``None``: :math:`\hat{Σ}`
             truncated at ``rtol``.
-        noise_variance: an upper bound on the exact-arithmetic ``v̂`` from the verdict path (``thm-noise-factor``;
-            ``inf`` when it has none), used in place of ``tr(Σ̂⁺ q)`` with ``spectrum``; ``None``: from ``q``.
+        noise_variance: an upper bound on the exact-arithmetic :math:`\hat{v}` from the verdict path
+            (``thm-noise-factor``;
+            ``inf`` when it has none), used in place of :math:`\operatorname{tr}(\hat{Σ}^+ q)` with ``spectrum``;
+            ``None``: from ``q``.
         score_error: the rounding bound ``e`` on ``|ŝ − s_probe|`` (``thm-score-error``): the interval widens by it.
-        unresolved: dropped directions of the verdict path that may carry score (``def-resolution``): ``ŝ`` is then
-            only a lower bound of the probe's score, and the upper end of the interval is ``γ``.
+        unresolved: dropped directions of the verdict path that may carry score (``def-resolution``): :math:`\hat{s}`
+            is then
+            only a lower bound of the probe's score, and the upper end of the interval is :math:`γ`.
     """
 
     n: int
@@ -64,7 +69,7 @@ class ProbeMoments:
 
     @property
     def k(self) -> int:
-        """``k̃``, the number of (augmented) features."""
+        r""":math:`\tilde{k}`, the number of (augmented) features."""
         return int(self.sigma.shape[0])
 
     @classmethod
@@ -77,10 +82,10 @@ class ProbeMoments:
         rtol: float | None = None,
         keep: bool = True,
     ) -> ProbeMoments:
-        """Moments from per-example feature and gradient rows.
+        r"""Moments from per-example feature and gradient rows.
 
         Args:
-            phi: ``φ̃`` rows, ``(N, k)`` (one unit per example) or ``(N, units, k)``.
+            phi: :math:`\tilde{φ}` rows, ``(N, k)`` (one unit per example) or ``(N, units, k)``.
             g: gradient rows, ``(N, d)`` or ``(N, units, d)``.
             weights: nonnegative integer multiplicities ``(N,)`` (a probe drawn with
                 replacement from a finite population); default all ones.
@@ -155,9 +160,10 @@ class ProbeMoments:
 
 @dataclass
 class Estimate:
-    """Probe estimates: ``ŝ_λ²``, ``v̂``, numerical rank, ``Σ̂_λ⁺``, the probe's largest leverage and ``σ̂²``.
+    r"""Probe estimates: ``ŝ_λ²``, ``v̂``, numerical rank, ``Σ̂_λ⁺``, the probe's largest leverage and ``σ̂²``.
 
-    ``psi_sq`` is ``σ̂² = ‖(1/n) Σ_i Ψ̂_i²‖`` with ``Ψ̂_i = Σ̂_λ^{+1/2} Σ_{x_i} Σ̂_λ^{+1/2}``
+    ``psi_sq`` is :math:`\hat{σ}^2 = ‖(1/n) Σ_i \hat{Ψ}_i^2‖` with
+    :math:`\hat{Ψ}_i = \hat{Σ}_λ^{+1/2} Σ_{x_i} \hat{Σ}_λ^{+1/2}`
     (``thm-empirical-bernstein``); ``nan`` without kept rows or without ``leverage``.
     """
 
@@ -177,9 +183,10 @@ def _half(inv: np.ndarray) -> np.ndarray:
 
 
 def _psi_sq(phi: np.ndarray, w: np.ndarray, n: int, half: np.ndarray) -> float:
-    """``‖(1/n) Σ_i w_i Ψ̂_i²‖`` with ``Ψ̂_i = Hᵀ Φ_iᵀ Φ_i H``, ``H Hᵀ = Σ̂⁺`` (``half``: ``(k, r)``).
+    r"""``‖(1/n) Σ_i w_i Ψ̂_i²‖`` with ``Ψ̂_i = Hᵀ Φ_iᵀ Φ_i H``, ``H Hᵀ = Σ̂⁺`` (``half``: ``(k, r)``).
 
-    ``phi``: ``(N, units, k)``.  Any ``H`` with ``H Hᵀ = Σ̂⁺`` gives the same nonzero spectrum of ``Σ_i w_i Ψ̂_i²``.
+    ``phi``: ``(N, units, k)``.  Any ``H`` with :math:`H H^\top = \hat{Σ}^+` gives the same nonzero spectrum of
+    :math:`Σ_i w_i \hat{Ψ}_i^2`.
     """
     rows = phi @ half  # Φ_i H, (N, units, r)
     gram = np.einsum("irk,isk->irs", rows, rows, optimize=True)  # Φ_i H² Φ_iᵀ
@@ -190,14 +197,14 @@ def _psi_sq(phi: np.ndarray, w: np.ndarray, n: int, half: np.ndarray) -> float:
 
 
 def estimate(m: ProbeMoments, ridge: float, *, leverage: bool = True) -> Estimate:
-    """``ŝ_λ²``, ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖²``, rank, ``Σ̂_λ⁺`` and the probe's max leverage.
+    r"""``ŝ_λ²``, ``v̂ = mean ‖G_x Σ̂_λ^{+1/2}‖²``, rank, ``Σ̂_λ⁺`` and the probe's max leverage.
 
     Args:
         m: the probe's moments.
-        ridge: ``λ ≥ 0`` (feature² units); ``0`` uses the pseudo-inverse with the
+        ridge: :math:`λ ≥ 0` (feature² units); ``0`` uses the pseudo-inverse with the
             cutoff ``m.rtol``.
-        leverage: also compute the probe's largest leverage ``ℓ̂(x) = tr(Σ̂_λ⁺ Σ_x)``
-            (exact with kept rows, else the upper estimate ``max Σ_t‖φ̃_t‖² · ‖Σ̂_λ⁺‖``).
+        leverage: also compute the probe's largest leverage :math:`\hat{ℓ}(x) = \operatorname{tr}(\hat{Σ}_λ^+ Σ_x)`
+            (exact with kept rows, else the upper estimate :math:`\max Σ_t‖\tilde{φ}_t‖^2 · ‖\hat{Σ}_λ^+‖`).
 
     Returns:
         An :class:`Estimate` (``lev_max`` is ``nan`` without ``leverage``; ``psi_sq`` is

@@ -29,23 +29,23 @@ __all__ = ["BoundPlan", "halfwidth", "plan_bound", "required_n"]
 
 @dataclass
 class BoundPlan:
-    """Output of the sample-size calculator (:func:`plan_bound`).
+    r"""Output of the sample-size calculator (:func:`plan_bound`).
 
     Attributes:
         n: the probe size the numbers refer to (the required size when ``target`` is set).
-        delta: ``δ``; ``candidates``: union-bound count ``m``.
-        epsilon_n: additive half-width ``ε_n``.
-        relative_deviation: ``Δ_n``.
-        halfwidth: ``h_n = (ε_n + S Δ_n)/√(1 − Δ_n)``, a bound on ``|ŝ_λ − s_λ|`` for
-            every ``s_λ ≤ S`` (``inf`` when ``Δ_n ≥ 1``).
+        delta: :math:`δ`; ``candidates``: union-bound count ``m``.
+        epsilon_n: additive half-width :math:`ε_n`.
+        relative_deviation: :math:`Δ_n`.
+        halfwidth: :math:`h_n = (ε_n + S Δ_n)/√(1 − Δ_n)`, a bound on :math:`|\hat{s}_λ − s_λ|` for
+            every :math:`s_λ ≤ S` (``inf`` when :math:`Δ_n ≥ 1`).
         score_max: ``S``.
         target: the target half-width (``None`` when ``n`` was given).
         n_required: smallest ``n`` with ``h_n ≤ target`` (``None`` when ``n`` was given).
         n_epsilon_only: smallest ``n`` with ``ε_n ≤ target`` (closed form; ``None`` …).
-        n_nonvacuous: smallest ``n`` with ``Δ_n < 1``.
+        n_nonvacuous: smallest ``n`` with :math:`Δ_n < 1`.
         constants: each constant with its source.
         formulas: the formulas in words.
-        vacuous: ``Δ_n ≥ 1`` at ``n`` (the half-width is infinite, ``None`` in JSON).
+        vacuous: :math:`Δ_n ≥ 1` at ``n`` (the half-width is infinite, ``None`` in JSON).
         notes: further remarks (e.g. the smallest non-vacuous ``n``).
     """
 
@@ -107,35 +107,36 @@ def plan_bound(
     score_max: float | None = None,
     candidates: int = 1,
 ) -> BoundPlan:
-    """Half-width from ``(n, δ, constants)``, or the probe size needed for a half-width.
+    r"""Half-width from ``(n, δ, constants)``, or the probe size needed for a half-width.
 
     Exactly one of ``n`` and ``epsilon`` is given.  ``V`` defaults to the worst case
-    ``R² = γ² L`` (then ``δ`` is split in two, as when ``V`` is given); ``S``
-    (``score_max``) defaults to ``min(γ, √V)``, an a-priori bound on ``s_λ``.  The
+    :math:`R^2 = γ^2 L` (then :math:`δ` is split in two, as when ``V`` is given); ``S``
+    (``score_max``) defaults to :math:`\min(γ, √V)`, an a-priori bound on :math:`s_λ`.  The
     inverse formulas are the sympy derivation of :mod:`depthsat_theory.bounds.formula`.
 
     Args:
-        delta: ``δ ∈ (0, 1)``.
-        n: probe size ``≥ 1``.
+        delta: :math:`δ ∈ (0, 1)`.
+        n: probe size :math:`≥ 1`.
         epsilon: target half-width ``> 0`` (loss units per unit step).
-        grad_max: ``γ``, an almost-sure bound ``γ ≥ ‖g(x)‖_F`` (required).
-        leverage_max: ``L``, an almost-sure bound ``L ≥ ℓ_λ(x) = tr(Σ_λ⁺ Σ_x)``; required unless
-            ``B`` is given with ``μ``/``λ``.
-        feature_norm_max: ``B``, an almost-sure bound on ``(Σ_t ‖φ̃_t‖²)^{1/2}``, giving
-            ``L = B²/(μ + λ)`` with ``μ`` and/or ``λ``.
-        eig_floor: ``μ``, a floor on the nonzero eigenvalues of ``Σ``.
-        ridge: ``λ ≥ 0``, the ridge added to ``Σ`` (the half-width is then for ``s_λ``).
-        variance: ``V``, a bound on ``E‖G_x Σ_λ^{+1/2}‖_F²`` (default: the worst case ``R² = γ² L``).
-        dim: ``D ≥ rank Σ``; when not given, ``⌊L⌋`` for ``λ = 0`` (required when ``λ > 0``).
-        score_max: ``S ≥ 0``: the half-width holds for every ``s_λ ≤ S``.
-        candidates: union-bound count ``m ≥ 1``.
+        grad_max: :math:`γ`, an almost-sure bound :math:`γ ≥ ‖g(x)‖_F` (required).
+        leverage_max: ``L``, an almost-sure bound :math:`L ≥ ℓ_λ(x) = \operatorname{tr}(Σ_λ^+ Σ_x)`; required unless
+            ``B`` is given with :math:`μ`/:math:`λ`.
+        feature_norm_max: ``B``, an almost-sure bound on :math:`(Σ_t ‖\tilde{φ}_t‖^2)^{1/2}`, giving
+            :math:`L = B^2/(μ + λ)` with :math:`μ` and/or :math:`λ`.
+        eig_floor: :math:`μ`, a floor on the nonzero eigenvalues of :math:`Σ`.
+        ridge: :math:`λ ≥ 0`, the ridge added to :math:`Σ` (the half-width is then for :math:`s_λ`).
+        variance: ``V``, a bound on :math:`E‖G_x Σ_λ^{+1/2}‖_F^2` (default: the worst case :math:`R^2 = γ^2 L`).
+        dim: :math:`D ≥ \operatorname{rank} Σ`; when not given, :math:`⌊L⌋` for :math:`λ = 0` (required when
+            :math:`λ > 0`).
+        score_max: :math:`S ≥ 0`: the half-width holds for every :math:`s_λ ≤ S`.
+        candidates: union-bound count :math:`m ≥ 1`.
 
     Returns:
         The :class:`BoundPlan`: with ``n`` given, its half-width; with ``epsilon`` given, also the
         required probe size ``n_required`` (and ``n`` set to it).
 
     Raises:
-        BoundError: on ``δ ∉ (0, 1)``, ``n ≤ 0``, ``epsilon ≤ 0``, both or neither of
+        BoundError: on :math:`δ ∉ (0, 1)`, :math:`n ≤ 0`, ``epsilon ≤ 0``, both or neither of
             ``n``/``epsilon``, or missing/negative/NaN constants.
     """
     delta = check_delta(delta)
@@ -221,8 +222,8 @@ def halfwidth(n: int, delta: float, **constants: Any) -> float:
     """``h_n`` for ``(n, δ, constants)``: see :func:`plan_bound` (``inf`` when vacuous).
 
     Args:
-        n: probe size ``≥ 1``.
-        delta: ``δ ∈ (0, 1)``.
+        n: probe size :math:`≥ 1`.
+        delta: :math:`δ ∈ (0, 1)`.
         **constants: the other keyword arguments of :func:`plan_bound` (``grad_max``, ``leverage_max``, …).
 
     Returns:
@@ -239,11 +240,11 @@ def required_n(epsilon: float, delta: float, **constants: Any) -> int:
 
     Args:
         epsilon: target half-width ``> 0`` (loss units per unit step).
-        delta: ``δ ∈ (0, 1)``.
+        delta: :math:`δ ∈ (0, 1)`.
         **constants: the other keyword arguments of :func:`plan_bound` (``grad_max``, ``leverage_max``, …).
 
     Returns:
-        The smallest probe size ``n ≥ 1`` with ``h_n ≤ epsilon``.
+        The smallest probe size :math:`n ≥ 1` with ``h_n ≤ epsilon``.
 
     Raises:
         BoundError: as :func:`plan_bound`.

@@ -28,7 +28,7 @@ def interval_from_probe(
     seed: int = 0,
     **constants: Any,
 ) -> ScoreInterval:
-    """The ``(1 − δ)`` interval for the score of ``family`` on a vector-site probe (``thm-finite-sample``).
+    """The :math:`(1 − δ)` interval for the score of ``family`` on a vector-site probe (``thm-finite-sample``).
 
     Each row of ``z`` and ``g`` is one example (one unit); the probe's rows are kept, so
     the bootstrap and the exact probe leverage are available.
@@ -37,9 +37,9 @@ def interval_from_probe(
         z: activations, ``(n, d)``, float32 or float64.
         g: activation gradients, ``(n, d)``, same dtype (loss units per activation unit).
         family: a zero-output feature family.
-        delta: ``δ ∈ (0, 1)``.
-        epsilon: the ``ε`` of the saturation certificate (``None``: no such verdict).
-        candidates: union-bound count ``m ≥ 1``.
+        delta: :math:`δ ∈ (0, 1)`.
+        epsilon: the :math:`ε` of the saturation certificate (``None``: no such verdict).
+        candidates: union-bound count :math:`m ≥ 1`.
         bootstrap: bootstrap resamples (``0``: none).
         seed: bootstrap seed.
         **constants: ``grad_max``, ``leverage_max``, ``feature_norm_max``, ``eig_floor``,
@@ -49,7 +49,7 @@ def interval_from_probe(
         The :class:`ScoreInterval`.
 
     Raises:
-        BoundError: bad ``δ``, ``ε``, ``candidates``, ``bootstrap`` or constants (the
+        BoundError: bad :math:`δ`, :math:`ε`, ``candidates``, ``bootstrap`` or constants (the
             message names the Python argument).
         FamilyError: if ``family`` is not a zero-output feature family.
     """

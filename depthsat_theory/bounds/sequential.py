@@ -1,8 +1,8 @@
 """Anytime-valid certification from a probe that grows batch by batch (``thm-sequential``).
 
-Checkpoint ``j`` uses the level ``δ_j = δ/(j(j+1))`` (:func:`spending`); since
-``Σ_j δ_j = δ``, every checkpoint's interval holds simultaneously with probability
-``≥ 1 − δ``, whatever the stopping rule (theory page ``theory/finite-sample.md``).
+Checkpoint ``j`` uses the level :math:`δ_j = δ/(j(j+1))` (:func:`spending`); since
+:math:`Σ_j δ_j = δ`, every checkpoint's interval holds simultaneously with probability
+:math:`≥ 1 − δ`, whatever the stopping rule (theory page ``theory/finite-sample.md``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ _DECISIONS = (Certificate.IMPROVABLE, Certificate.SATURATED)
 
 
 def spending(j: int, delta: float) -> float:
-    """Level ``δ_j = δ / (j (j + 1))`` of checkpoint ``j = 1, 2, …`` (``Σ_j δ_j = δ``).
+    """Level :math:`δ_j = δ / (j (j + 1))` of checkpoint ``j = 1, 2, …`` (:math:`Σ_j δ_j = δ`).
 
     Args:
-        j: checkpoint index ``≥ 1``.
-        delta: total level ``δ ∈ (0, 1)``.
+        j: checkpoint index :math:`≥ 1`.
+        delta: total level :math:`δ ∈ (0, 1)`.
 
     Returns:
-        ``δ_j = δ / (j (j + 1))``.
+        :math:`δ_j = δ / (j (j + 1))`.
     """
     return delta / (j * (j + 1))
 
@@ -40,15 +40,15 @@ class SequentialCertifier:
     """Certify a site either way from a probe that grows batch by batch (``thm-sequential``).
 
     Checkpoint ``j`` (after the ``j``-th call of :meth:`update` / :meth:`add_moments`)
-    reports the interval of :func:`interval_from_moments` at level ``δ_j = δ/(j(j+1))``.
-    Since ``Σ_j δ_j = δ``, all intervals hold simultaneously with probability
-    ``≥ 1 − δ``, so stopping at the first checkpoint that certifies the site
+    reports the interval of :func:`interval_from_moments` at level :math:`δ_j = δ/(j(j+1))`.
+    Since :math:`Σ_j δ_j = δ`, all intervals hold simultaneously with probability
+    :math:`≥ 1 − δ`, so stopping at the first checkpoint that certifies the site
     (improvable, or ε-saturated) keeps the guarantee, whatever the stopping rule.  The
     batch sizes must not depend on the data seen (fixed in advance).
 
     Args:
-        delta: overall ``δ ∈ (0, 1)``.
-        epsilon: the ``ε`` of the saturation certificate (``None``: stop only on
+        delta: overall :math:`δ ∈ (0, 1)`.
+        epsilon: the :math:`ε` of the saturation certificate (``None``: stop only on
             "improvable").
         family, shape, layout: the site, for :meth:`update` (``None``: use
             :meth:`add_moments`).
@@ -56,7 +56,7 @@ class SequentialCertifier:
         **constants: passed to :func:`interval_from_moments` (``grad_max``, …).
 
     Raises:
-        BoundError: on a bad ``δ``, ``ε`` or constant.
+        BoundError: on a bad :math:`δ`, :math:`ε` or constant.
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class SequentialCertifier:
             m: the moments of the cumulative probe up to this checkpoint.
 
         Returns:
-            The checkpoint's :class:`ScoreInterval` at level ``δ_j`` (also appended to ``history``).
+            The checkpoint's :class:`ScoreInterval` at level :math:`δ_j` (also appended to ``history``).
 
         Raises:
             BoundError: as :func:`interval_from_moments`.

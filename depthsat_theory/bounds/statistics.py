@@ -1,4 +1,4 @@
-"""Streaming statistics for the finite-sample bound: ``Σ̂``, ``Ĝ`` plus the moments T7 needs."""
+r"""Streaming statistics for the finite-sample bound: :math:`\hat{Σ}`, :math:`\hat{G}` plus the moments T7 needs."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ __all__ = ["BoundStatistics"]
 
 
 class BoundStatistics(FeatureStatistics):
-    """:class:`~depthsat_theory.statistics.FeatureStatistics` plus what the bound needs.
+    r""":class:`~depthsat_theory.statistics.FeatureStatistics` plus what the bound needs.
 
-    Streams, besides ``Σ̂``, ``Ĝ`` and the ``k × k`` sum ``q_sum`` of ``G_xᵀ G_x`` (all three
+    Streams, besides :math:`\hat{Σ}`, :math:`\hat{G}` and the :math:`k × k` sum ``q_sum`` of :math:`G_x^\top G_x` (all
+    three
     from :class:`~depthsat_theory.statistics.FeatureStatistics`), the maxima
-    ``max ‖g(x)‖_F`` and ``max Σ_t ‖φ̃_t‖²`` (memory ``O(dk + k²)``), the latter declared as the
+    :math:`\max ‖g(x)‖_F` and :math:`\max Σ_t ‖\tilde{φ}_t‖^2` (memory :math:`O(dk + k^2)`), the latter declared as the
     state field ``feat_sq_max`` (maximum) of the statistics protocol
     (:class:`~depthsat_theory.statistics.StreamingStatistic`).  With
-    ``keep_probe=True`` it also keeps every example's ``φ̃`` and ``g`` rows (memory
+    ``keep_probe=True`` it also keeps every example's :math:`\tilde{φ}` and ``g`` rows (memory
     ``O(n · units · (d + k))``), needed by the bootstrap and for the exact probe maximum
     of the leverage; the kept rows are not part of the state (not checkpointed or
     all-reduced; :meth:`merge` concatenates them).
@@ -64,7 +65,7 @@ class BoundStatistics(FeatureStatistics):
 
     @property
     def feat_sq_max(self) -> float:
-        """``max_x Σ_t ‖φ̃_t(x)‖²`` over the probe."""
+        r""":math:`\max_x Σ_t ‖\tilde{φ}_t(x)‖^2` over the probe."""
         return float(self.states["feat_sq_max"])
 
     def update(self, z: Tensor, g: Tensor, mask: Tensor | None = None) -> None:
@@ -107,17 +108,19 @@ class BoundStatistics(FeatureStatistics):
         return self
 
     def moments(self, *, rtol: float | None = None) -> ProbeMoments:
-        """The probe's :class:`ProbeMoments` (rows included when kept).
+        r"""The probe's :class:`ProbeMoments` (rows included when kept).
 
         By default the moments carry the verdict path's resolution (:meth:`FeatureStatistics.result`): its
         spectrum (the triangular factor for float64 probes, resolving what the verdict resolves), its bound on
-        ``v̂`` (``thm-noise-factor``), its rounding bound ``e`` and its count of unresolved directions, so the
+        :math:`\hat{v}` (``thm-noise-factor``), its rounding bound ``e`` and its count of unresolved directions, so the
         interval never certifies from a score the verdict calls a lower bound (theory/finite-sample.md,
         ``cor-certified-saturated``).
 
         Args:
-            rtol: an explicit eigenvalue cutoff on ``Σ̂`` (then ``Σ̂`` is truncated there and none of the above is
-                carried; default: the verdict path's resolution for ``ŝ``, and :func:`default_rtol` for the rank
+            rtol: an explicit eigenvalue cutoff on :math:`\hat{Σ}` (then :math:`\hat{Σ}` is truncated there and none
+                of the above is
+                carried; default: the verdict path's resolution for :math:`\hat{s}`, and :func:`default_rtol` for the
+                rank
                 of the ridge score and the eigenvalue-floor note).
 
         Returns:
@@ -162,7 +165,7 @@ class BoundStatistics(FeatureStatistics):
         """:func:`interval_from_moments` on this probe (keyword arguments passed on).
 
         Args:
-            delta: ``δ ∈ (0, 1)``.
+            delta: :math:`δ ∈ (0, 1)`.
             **kwargs: keyword arguments of :func:`interval_from_moments` (the constants, ``ridge``, …).
 
         Returns:

@@ -524,10 +524,10 @@ def score_error(
 
     .. math::
 
-        e = C_g u_{in} A + \frac{A\,ε_M}{σ_{min} − ε_M} + \frac{A\,γ_{acc}\sqrt{k̃}}{σ_{min}}
-            + \hat s\,\frac{η}{σ_{min}^2},
-        \qquad ε_M = C_φ u_{in} \sqrt{k̃},\; γ_{acc} = C_{acc} (L\,u_{64} + L_{32}\,u_{32}),\;
-        η = k̃\,(γ_{acc} + C_{res} u_{64}),
+        e &= C_g u_{in} A + \frac{A\,ε_M}{σ_{min} − ε_M} + \frac{A\,γ_{acc}\sqrt{k̃}}{σ_{min}}
+            + \hat s\,\frac{η}{σ_{min}^2},\\
+        ε_M &= C_φ u_{in} \sqrt{k̃},\qquad γ_{acc} = C_{acc} (L\,u_{64} + L_{32}\,u_{32}),\\
+        η &= k̃\,(γ_{acc} + C_{res} u_{64}),
 
     with ``A = AG_rms``, ``L`` the length of the float64 sums (largest batch in units plus the
     number of batches), ``L_32`` the length of the float32 per-batch products (the largest batch
