@@ -449,7 +449,7 @@ def diagnose_cmd(
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
-    from depthsat_theory.diagnose import DiagnoseError, diagnose
+    from depthsat_theory.diagnose import DiagnoseError, DiagnoseOptions, diagnose
     from depthsat_theory.diagnose import distributed as dist
 
     dist.init_from_env()
@@ -469,10 +469,7 @@ def diagnose_cmd(
 
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
-            res = diagnose(
-                target.model,
-                target.loss_fn,
-                target.batches,
+            options = DiagnoseOptions(
                 sites=list(_split(sites)) if sites else target.sites,
                 family=family,
                 delta=delta,
@@ -490,6 +487,7 @@ def diagnose_cmd(
                 products=products,
                 **target.extra,
             )
+            res = diagnose(target.model, target.loss_fn, target.batches, options=options)
     except KeyboardInterrupt:
         if checkpoint is None:
             msg = (
