@@ -446,6 +446,20 @@ def diagnose_cmd(
     ),
     gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
     products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),
+    until_decided: bool = typer.Option(
+        False,
+        "--until-decided",
+        help="Read probe batches until every site is decided by the anytime-valid noise test "
+        "(theory/decision.md, thm-anytime-noise-test; level 0.05 whatever the stopping) or the budget is spent; "
+        "reports per site the examples used, the example and batch of the decision, and the anytime forecast. "
+        "Feature families, one process, not with --delta.",
+    ),
+    max_examples: int | None = typer.Option(
+        None,
+        "--max-examples",
+        help="With --until-decided: the budget in probe examples (no batch that would pass it is read; "
+        "default: the whole probe).",
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -485,6 +499,8 @@ def diagnose_cmd(
                 curvature=curvature,
                 gram=gram,
                 products=products,
+                until_decided=until_decided,
+                max_examples=max_examples,
                 **target.extra,
             )
             res = diagnose(target.model, target.loss_fn, target.batches, options=options)

@@ -68,6 +68,7 @@ from depthsat_theory.diagnose.checkpoint import (
     config_diff,
     model_fingerprint,
     read_checkpoint,
+    restore_anytime,
     restore_statistics,
     validate_header,
     write_checkpoint,
@@ -76,6 +77,7 @@ from depthsat_theory.diagnose.discovery import discover_sites, infer_layout
 from depthsat_theory.diagnose.errors import CheckpointError, DiagnoseError
 from depthsat_theory.diagnose.options import DiagnoseOptions, resolve_options
 from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
+from depthsat_theory.diagnose.stream import ANYTIME_PREFIX, AnytimeStreams
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily, parse_family
 from depthsat_theory.statistics import Reduction, StatisticsError, StreamingStatistic, statistics_for
 from depthsat_theory.statistics.feature import FeatureStatistics
@@ -190,6 +192,7 @@ def diagnose(
         betas=betas,
         gram=o.gram,
         products=o.products,
+        anytime=_anytime_streams(o, fam, site_list),
     )
     run.open_checkpoint(o.checkpoint, o.config)
     if o.curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
@@ -206,6 +209,23 @@ def diagnose(
     if betas and _dist.world()[1] == 1:
         check_betas(out, model, loss_fn, batches, fam, run.stats, o.reduction)
     return out
+
+
+def _anytime_streams(o: DiagnoseOptions, fam: ResidualFamily, sites: list[str]) -> AnytimeStreams | None:
+    """The anytime tests of ``until_decided`` (``None`` without it); refuses what they cannot run on."""
+    if not o.until_decided:
+        return None
+    if not isinstance(fam, FeatureFamily):
+        raise DiagnoseError(
+            f"until_decided needs a zero-output feature family (the anytime test uses its features); "
+            f"{fam.spec!r} is a general family"
+        )
+    if _dist.world()[1] > 1:
+        raise DiagnoseError(
+            "until_decided runs in one process: the anytime test needs the probe as one ordered stream "
+            "(run without torchrun, or without until_decided)"
+        )
+    return AnytimeStreams(fam, sites, o.max_examples)
 
 
 def _peek(batches: Iterable) -> tuple[object, Iterable]:
@@ -286,15 +306,28 @@ class _Counted:
     after ``start`` batches, the fingerprint of the batches before ``start`` is compared with
     the stored one (``verify``) as soon as the probe reaches ``start``, before any new batch
     is processed.
+
+    ``stop(next_size)`` (streaming until decided) is asked before each batch at or after ``start``, with
+    ``None`` before fetching it and with its size after: ``True`` ends the probe there (the fetched batch is
+    not counted).
     """
 
-    def __init__(self, items: Iterable, stream: ProbeStream | None, mine: Callable[[int], bool], start: int, verify):
+    def __init__(
+        self,
+        items: Iterable,
+        stream: ProbeStream | None,
+        mine: Callable[[int], bool],
+        start: int,
+        verify,
+        stop: Callable[[int | None], bool] | None = None,
+    ):
         self._it = iter(items)
         self.count = 0
         self.stream = stream
         self._mine = mine
         self._start = start
         self._verify = verify
+        self._stop = stop
 
     def __iter__(self) -> _Counted:
         return self
@@ -304,12 +337,23 @@ class _Counted:
             verify, self._verify = self._verify, None
             verify(self.stream)
 
+    def _end(self, size: int | None) -> bool:
+        """Whether the stop rule ends the probe before this batch (verifying the resumed stream first)."""
+        if self._stop is None or self.count < self._start or not self._stop(size):
+            return False
+        self._check()
+        return True
+
     def __next__(self):
+        if self._end(None):
+            raise StopIteration
         try:
             item = next(self._it)
         except StopIteration:
             self._check()
             raise
+        if self._end(_size_of(item)):
+            raise StopIteration
         if self.count >= self._start:
             self._check()
         index = self.count
@@ -351,6 +395,7 @@ class _Run:
     betas: dict = field(default_factory=dict)
     gram: str = "auto"
     products: str = "float64"
+    anytime: AnytimeStreams | None = None
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -372,6 +417,12 @@ class _Run:
         }
         if self.products != "float64":  # the float32 products' state and bound: resume only with the same
             self.cfg["products"] = self.products
+        if self.anytime is not None:  # a streamed run's tests and stopping rule: resume only with the same
+            self.cfg["until_decided"] = {
+                "max_examples": self.anytime.max_examples,
+                "alpha": self.anytime.alpha,
+                "prior_examples": self.anytime.prior_examples,
+            }
         if checkpoint is None:
             return
         ckpt = Path(checkpoint)
@@ -407,9 +458,12 @@ class _Run:
                     f"checkpoint {ckpt} is damaged or incompatible: header field 'shapes' ({exc}); "
                     f"delete it or pass another checkpoint path to start over"
                 ) from None
-            restore_statistics({**self.stats, LOSS_KEY: self.loss}, tensors, ckpt)
+            restore_statistics({**self.stats, LOSS_KEY: self.loss}, _without_anytime(tensors), ckpt)
             check_counts(ckpt, header, self.stats, self.loss.examples)
             self.shapes_checked = False
+            if self.anytime is not None:
+                self._make_anytime()
+                restore_anytime(ckpt, header, _anytime_tensors(tensors), self.anytime)
         elif tensors:
             restore_statistics({LOSS_KEY: self.loss}, tensors, ckpt)
 
@@ -482,7 +536,11 @@ class _Run:
             "probe": (self.stream_fp or ProbeStream()).to_header(),
             "kink_ties": None if (c := self._counter()) is None else {k: int(v) for k, v in c.ties.items()},
         }
-        write_checkpoint(self.ckpt, header, {**self.stats, LOSS_KEY: self.loss})
+        states: dict = {**self.stats, LOSS_KEY: self.loss}
+        if self.anytime is not None and self.anytime.tests:
+            header["anytime"] = dict(self.anytime.decided_batch)
+            states.update({f"{ANYTIME_PREFIX}{s}": t for s, t in self.anytime.tests.items()})
+        write_checkpoint(self.ckpt, header, states)
 
     def _check_restored_shapes(self, pb: ProbeBatch) -> None:
         """After a resume, the site shapes of the first new batch must fit the restored statistics."""
@@ -512,9 +570,17 @@ class _Run:
                     _adapt_length(self.stats[s], s, pb.z[s], pb.index)
                     self.shapes[s] = tuple(max(a, b) for a, b in zip(self.shapes[s], self.stats[s].shape, strict=False))
             pb.update(self.stats, self.sites)
+            if self.anytime is not None:
+                if not self.anytime.tests:
+                    self._make_anytime()
+                self.anytime.update(pb.index, pb.z, pb.g, pb.mask)
         except (StatisticsError, SiteError) as exc:
             raise DiagnoseError(f"probe batch {pb.index}: {exc}") from None
         self.loss.update(pb.loss_total, pb.size)
+
+    def _make_anytime(self) -> None:
+        """The anytime tests, for the shapes and layouts of the site statistics."""
+        cast(AnytimeStreams, self.anytime).make({s: self.stats[s].shape for s in self.sites}, self.layouts)
 
     def stream(self, loss_fn: Callable, probe: Iterable, progress, total: int | None, every: int) -> int:
         """Run the probe loop over this rank's remaining batches; returns the probe's batch count."""
@@ -527,6 +593,7 @@ class _Run:
             lambda i: i % world == rank,
             start,
             self._verify_stream if self.stored_probe is not None else None,
+            None if self.anytime is None else self._stop,
         )
         beyond = self.beyond or Beyond(self.model, self.sites, self.family, kinks=False, second_order=False)
         loop = probe_batches(
@@ -563,6 +630,10 @@ class _Run:
             self.save(max(counted.count, start), True)
         return counted.count
 
+    def _stop(self, next_size: int | None) -> bool:
+        """The streamed run's stopping rule (:meth:`AnytimeStreams.stop`) at the examples read so far."""
+        return cast(AnytimeStreams, self.anytime).stop(self.loss.examples, next_size)
+
     def reduce(self) -> None:
         """All-reduce the statistics over the ranks (a no-op in one process)."""
         if _dist.world()[1] > 1:
@@ -590,6 +661,12 @@ class _Run:
         if self.beyond is not None:
             self.beyond.reduce()
             self.beyond.finish(out, self.betas, whole_probe=self.start == 0)
+        notes = _notes(loss_units, self.realizability, self.delta, bk["candidates"]) + self._products_note()
+        if self.anytime is not None:
+            streams = self.anytime.outcomes(self.loss.examples)
+            for sd in out:
+                sd.stream = streams[sd.site]
+            notes.append(self.anytime.note(self.loss.examples))
         return Diagnosis(
             sites=out,
             family=self.family.spec,
@@ -601,9 +678,11 @@ class _Run:
             world_size=_dist.world()[1],
             resumed_from=self.start,
             description=description,
-            notes=_notes(loss_units, self.realizability, self.delta, bk["candidates"]) + self._products_note(),
+            notes=notes,
             loss_units=loss_units,
             products=self.products,
+            until_decided=self.anytime is not None,
+            max_examples=None if self.anytime is None else self.anytime.max_examples,
         )
 
     def _products_note(self) -> list[str]:
@@ -617,6 +696,16 @@ class _Run:
             f"L_32 = {l32}; Gram eigenvalues below 2η are dropped and count as unresolved, so verdicts move "
             f"only toward 'undetermined' (theory/numerics.md, thm-score-error)"
         ]
+
+
+def _anytime_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint tensors of the anytime tests (:data:`~depthsat_theory.diagnose.stream.ANYTIME_PREFIX`)."""
+    return {k: v for k, v in tensors.items() if k.startswith(ANYTIME_PREFIX)}
+
+
+def _without_anytime(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint tensors of the site statistics and the loss (everything but the anytime tests)."""
+    return {k: v for k, v in tensors.items() if not k.startswith(ANYTIME_PREFIX)}
 
 
 def _site_results(stats: Mapping, sites: list[str]) -> dict:
