@@ -59,7 +59,7 @@ def test_unknown_keyword_and_wrong_options_type_are_refused():
         ({"reduction": "avg"}, "reduction must be one of"),
         ({"gram": "x"}, "gram must be one of"),
         ({"checkpoint_every": 0}, "checkpoint_every must be >= 1"),
-        ({"max_examples": 10}, "pass until_decided=True as well"),
+        ({"max_examples": 10}, "max_examples needs until_decided"),
         ({"until_decided": True, "max_examples": 0}, "max_examples must be >= 1"),
         ({"until_decided": True, "max_examples": 2.5}, "whole number"),
         ({"until_decided": True, "delta": 0.1}, "until_decided with delta"),

@@ -139,7 +139,7 @@ class DiagnoseOptions:
             raise DiagnoseError("checkpoint_every must be >= 1")
         if self.max_examples is not None:
             if not self.until_decided:
-                raise DiagnoseError("max_examples is the budget of until_decided: pass until_decided=True as well")
+                raise DiagnoseError("max_examples needs until_decided (it is the budget of a streamed run)")
             if isinstance(self.max_examples, bool) or int(self.max_examples) != self.max_examples:
                 raise DiagnoseError(f"max_examples must be a whole number of examples, got {self.max_examples!r}")
             if self.max_examples < 1:
