@@ -146,7 +146,7 @@ def test_budget_is_never_exceeded_and_undecided_sites_say_what_would_decide():
 
 
 def test_fixed_size_rejection_is_not_a_streamed_verdict():
-    """A site whose fixed-size noise test rejects on the examples read, undecided by the anytime test, is undetermined."""
+    """Fixed-size noise test rejects on the examples read, the anytime test has not decided: undetermined."""
     for seed in range(40):
         d = run(probe(seed, signal=0.35, n=512), max_examples=64)
         both = [sd for sd in d.sites if sd.result.verdict is Verdict.IMPROVABLE and sd.decided_at is None]
@@ -219,7 +219,7 @@ def test_checkpoint_of_another_stopping_rule_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
     ckpt2 = tmp_path / "d.safetensors"
     run(batches, checkpoint=ckpt2, max_examples=64)
-    with pytest.raises(CheckpointError, match="until_decided.max_examples"):
+    with pytest.raises(CheckpointError, match=r"until_decided\.max_examples"):
         run(batches, checkpoint=ckpt2, max_examples=96)
 
 
