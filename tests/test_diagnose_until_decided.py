@@ -286,3 +286,110 @@ def test_cli_until_decided_and_max_examples(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "--max-examples needs --until-decided" in bad.output
     bad = runner.invoke(app, ["diagnose", "--model", "stream_factory:make", "--until-decided", "--delta", "0.1"])
     assert bad.exit_code == 2 and "--until-decided with --delta" in bad.output
+
+
+# ----------------------------------------------------------------------------- grow and the training callbacks
+def test_streamed_ranking_puts_decided_sites_first():
+    from depthsat_theory.grow.ranking import BY_DECIDED, rank_sites
+
+    d = run(probe(21, signal=[0.0, 0.9, 0.0, 0.7, 0.0, 0.0, 0.0, 0.0], n=1024), max_examples=512)
+    ranking = rank_sites(d)
+    decided = [sd.site for sd in d.sites if sd.verdict_kind is Verdict.IMPROVABLE]
+    assert {"sites.1", "sites.3"} <= set(decided)
+    assert ranking.by == BY_DECIDED and [r.site for r in ranking.sites[: len(decided)]] == sorted(
+        decided, key=lambda s: -d[s].result.relative_score
+    )
+
+
+def test_grow_cli_until_decided_picks_a_decided_site(tmp_path, model_cache, monkeypatch):
+    monkeypatch.setenv("DEPTHSAT_CACHE", model_cache)
+    out = tmp_path / "g"
+    res = runner.invoke(app, ["grow", "--model", "mlp", "--blocks", "1", "--until-decided", "--out", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "grow-report.json").read_text())
+    assert rep["ranking"]["by"].startswith("anytime decision")
+    chosen = rep["chosen"][0]
+    assert "examples_used" in chosen and "decided_at" in chosen
+    decided = [r["site"] for r in rep["ranking"]["sites"] if r["verdict"] == "improvable"]
+    assert chosen["site"] == (decided[0] if decided else rep["ranking"]["sites"][0]["site"])
+
+
+class _Trainable(NoiseNet):
+    """NoiseNet times a trained scalar ``w``: the activation gradient at site k is ``w · y_k``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.w * super().forward(x)
+
+
+def test_monitor_reports_a_site_decided_once_with_its_step():
+    from depthsat_theory.integrations import SaturationMonitor
+
+    batches = probe(31, signal=[1.0] + [0.0] * (K - 1), n=256)
+    mon = SaturationMonitor(batches, noise_loss, every=2, sites=SITES, until_decided=True, kinks=False)
+    model = _Trainable().double()
+    logged = {}
+    for step in range(1, 7):
+        with torch.no_grad():
+            model.w.mul_(0.9)  # a training step
+        if mon.due(step):
+            logged[step] = mon.measure(model, step)
+    assert sorted(logged) == [2, 4, 6]
+    assert mon.decided["sites.0"] == 2
+    assert logged[2]["depthsat/sites.0/decided_step"] == 2.0
+    assert all("depthsat/sites.0/decided_step" not in logged[s] for s in (4, 6))  # reported once
+    for s in (2, 4, 6):
+        assert 0 < logged[s]["depthsat/sites.0/examples_used"] <= 256
+
+
+def test_lightning_callback_logs_the_decision_step_once(tmp_path):
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from depthsat_theory.integrations.lightning import LightningSaturationCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _Trainable().double()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            z, y = batch
+            return noise_loss(self(z), y).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    pl.seed_everything(0, verbose=False)
+    batches = probe(41, signal=[1.0] + [0.0] * (K - 1), n=256)
+    train = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    cb = LightningSaturationCallback(
+        batches, noise_loss, every=2, sites=[f"net.{s}" for s in SITES], until_decided=True, kinks=False
+    )
+    logger = CSVLogger(str(tmp_path), name="run")
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=[cb],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(Module(), torch.utils.data.DataLoader(train, batch_size=32))
+    with open(f"{logger.log_dir}/metrics.csv", newline="") as fh:
+        rows = {int(r["step"]): r for r in csv.DictReader(fh) if r.get("depthsat/net.sites.0/s")}
+    assert sorted(rows) == [2, 4]
+    assert float(rows[2]["depthsat/net.sites.0/decided_step"]) == 2.0
+    assert rows[4].get("depthsat/net.sites.0/decided_step", "") == ""
+    assert cb.monitor.decided == {"net.sites.0": 2}

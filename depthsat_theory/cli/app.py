@@ -585,6 +585,15 @@ def grow_cmd(
     ),
     checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Training steps between checkpoint writes."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    until_decided: bool = typer.Option(
+        False,
+        "--until-decided",
+        help="Stream the diagnosis until every site is decided by the anytime-valid noise test (as diagnose "
+        "--until-decided); --positions auto then picks the decided sites first.",
+    ),
+    max_examples: int | None = typer.Option(
+        None, "--max-examples", help="With --until-decided: the budget in probe examples (default: the whole probe)."
+    ),
 ) -> None:
     """Diagnose, pick K sites, insert zero-output blocks there, preview the first step, train, write."""
     from depthsat_theory.capture import NotFunctionPreservingError, SiteError
@@ -616,7 +625,12 @@ def grow_cmd(
                 freeze_old=freeze_old,
                 lr=lr,
                 layout=target.layout,
-                diagnose_kwargs={**target.extra, "delta": delta},
+                diagnose_kwargs={
+                    **target.extra,
+                    "delta": delta,
+                    "until_decided": until_decided,
+                    "max_examples": max_examples,
+                },
                 description=target.description,
                 eval_batches=held,
                 checkpoint=checkpoint,
