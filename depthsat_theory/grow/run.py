@@ -175,7 +175,16 @@ _WHY = {"even": "evenly spaced (LLaMA-Pro's placement)", "explicit": "given by -
 
 def _chosen_rows(diagnosis: Any, ranking: Any, chosen: list[str], mode: str) -> list[dict]:
     rank = {r.site: i for i, r in enumerate(ranking.sites)}
-    keep = ("site", "depth", "score", "relative_score", "ag_rms", "ag_max", "verdict", "verdict_detail")
+    keep: tuple[str, ...] = (
+        "site",
+        "depth",
+        "score",
+        "relative_score",
+        "ag_rms",
+        "ag_max",
+        "verdict",
+        "verdict_detail",
+    )
     keep += ("examples_used", "decided_at") if getattr(diagnosis, "until_decided", False) else ()
     rows = []
     for site in chosen:
