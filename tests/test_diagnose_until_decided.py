@@ -7,7 +7,10 @@ exactly ``y_k``, drawn independently of the features ``z_k`` (population score `
 are independent trials; each test runs until the budget (the run stops only when every site is decided).
 
 Measured (the slow test, 3 laws × 150 runs × 8 sites = 1200 trials per law, budget 256 examples in batches
-of 32): pending.  Power: ``y_0 = a z_0 + ε`` at coordinate 0 has
+of 32): 0/1200 improvable for each of Gaussian, Rademacher and t5 (Clopper–Pearson 95% upper bound 0.0031;
+pooled 0/3600) against α = 0.05; the default test (48 trials per law) 0/48 each.  Power over seeds 7–16
+(80 sites per signal): a = 0.5, forecast 320 examples, median decision 214, max 335; a = 0.3, forecast 694,
+median 363, max 748: 79/80 within the forecast, 80/80 within twice it.  Power: ``y_0 = a z_0 + ε`` at coordinate 0 has
 ``s² = a²`` and ``v = E‖g‖²‖φ̃‖² = 5a² + 6`` (closed form for ``z ~ N(0, I₂)``, ``ε ~ N(0, I₂)``, linear
 family with a bias), so the forecast is ``sequential_examples_needed(a², 5a² + 6)`` plus the first batch.
 """
