@@ -396,3 +396,43 @@ def test_lightning_callback_logs_the_decision_step_once(tmp_path):
     assert float(rows[2]["depthsat/net.sites.0/decided_step"]) == 2.0
     assert rows[4].get("depthsat/net.sites.0/decided_step", "") == ""
     assert cb.monitor.decided == {"net.sites.0": 2}
+
+
+class _TrainerModule(_Trainable):
+    """:class:`_Trainable` as a ``transformers.Trainer`` model: ``model(z=…, labels=…)`` returns the loss."""
+
+    def forward(self, z, labels=None):
+        out = super().forward(z)
+        return out if labels is None else {"loss": noise_loss(out, labels).mean()}
+
+
+def test_hf_trainer_callback_logs_the_decision_step_once(tmp_path):
+    import transformers
+
+    from depthsat_theory.integrations.huggingface import TrainerSaturationCallback
+
+    batches = probe(51, signal=[1.0] + [0.0] * (K - 1), n=256)
+    train = [{"z": z[i], "labels": y[i]} for z, y in batches for i in range(z.shape[0])]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=32,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    model = _TrainerModule().double()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=train)
+    cb = TrainerSaturationCallback(
+        batches, every=2, loss_fn=noise_loss, sites=SITES, until_decided=True, kinks=False
+    ).attach(trainer)
+    trainer.train()
+    rows = {r["step"]: r for r in trainer.state.log_history if "depthsat/sites.0/s" in r}
+    assert sorted(rows) == [2, 4]
+    assert rows[2]["depthsat/sites.0/decided_step"] == 2 and "depthsat/sites.0/decided_step" not in rows[4]
+    assert all(0 < rows[s][f"depthsat/{site}/examples_used"] <= 256 for s in rows for site in SITES)
+    assert cb.monitor.decided == {"sites.0": 2}
