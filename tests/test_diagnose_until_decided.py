@@ -436,3 +436,31 @@ def test_hf_trainer_callback_logs_the_decision_step_once(tmp_path):
     assert rows[2]["depthsat/sites.0/decided_step"] == 2 and "depthsat/sites.0/decided_step" not in rows[4]
     assert all(0 < rows[s][f"depthsat/{site}/examples_used"] <= 256 for s in rows for site in SITES)
     assert cb.monitor.decided == {"sites.0": 2}
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda t, h: t.pop("@anytime:sites.0/sums"), r"'@anytime:sites\.0/sums' is missing"),
+        (lambda t, h: t.__setitem__("@anytime:sites.1/n", t["@anytime:sites.1/n"] + 1), "n/weighted/decided_at"),
+        (lambda t, h: h.__setitem__("anytime", {}), "header field 'anytime'"),
+        (
+            lambda t, h: t.__setitem__("@anytime:nope/n", t["@anytime:sites.0/n"].clone()),
+            "not a state of this configuration",
+        ),
+    ],
+)
+def test_damaged_anytime_state_is_refused_in_one_line(tmp_path, damage, match):
+    from safetensors.torch import save_file
+
+    from depthsat_theory.diagnose import read_checkpoint
+
+    batches = probe(61, n=128)
+    ckpt = tmp_path / "c.safetensors"
+    run(batches, checkpoint=ckpt)
+    header, tensors = read_checkpoint(ckpt)
+    damage(tensors, header)
+    save_file(tensors, str(ckpt), metadata={"depthsat_diagnose": json.dumps(header)})
+    with pytest.raises(CheckpointError, match=match) as err:
+        run(batches, checkpoint=ckpt)
+    assert "\n" not in str(err.value)
