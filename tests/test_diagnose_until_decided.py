@@ -127,7 +127,9 @@ def test_the_consistency_check_can_fail():
 @pytest.mark.parametrize("a", [0.5, 0.3])
 def test_planted_signals_decide_within_the_forecast(a):
     """Every site decides within 2× the closed-form forecast; the median within the forecast."""
-    forecast = sequential_examples_needed(a * a, 5 * a * a + 6) + BATCH  # the first batch only sets the weights
+    need = sequential_examples_needed(a * a, 5 * a * a + 6)
+    assert need is not None
+    forecast = need + BATCH  # the first batch only sets the weights
     d = run(probe(7, signal=a, n=4 * forecast - 4 * forecast % BATCH))
     ats = [sd.decided_at for sd in d.sites]
     assert all(at is not None and at <= 2 * forecast for at in ats), (forecast, ats)
