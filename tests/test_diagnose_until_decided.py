@@ -230,6 +230,8 @@ def test_checkpoint_of_another_stopping_rule_is_refused_in_one_line(tmp_path):
 
 def test_refusals(monkeypatch):
     batches = probe(13, n=64)
+    with pytest.raises(DiagnoseError, match="max_examples = 20 is smaller than the first probe batch"):
+        run(batches, max_examples=20)
     with pytest.raises(DiagnoseError, match="until_decided needs a zero-output feature family"):
         run(batches, family="product:1")
     from depthsat_theory.diagnose import distributed

@@ -626,6 +626,11 @@ class _Run:
                 f"checkpoint {self.ckpt} already holds {start} batches but this probe has only "
                 f"{counted.count}; pass the same probe (the same batches) or another checkpoint path"
             )
+        if self.anytime is not None and not self.stats and self.anytime.stopped == "budget":
+            raise DiagnoseError(
+                f"max_examples = {self.anytime.max_examples} is smaller than the first probe batch: give at "
+                f"least one batch's examples"
+            )
         if self.stats:
             self.save(max(counted.count, start), True)
         return counted.count
