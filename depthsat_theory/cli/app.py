@@ -446,10 +446,24 @@ def diagnose_cmd(
     ),
     gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
     products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),
+    until_decided: bool = typer.Option(
+        False,
+        "--until-decided",
+        help="Read probe batches until every site is decided by the anytime-valid noise test "
+        "(theory/decision.md, thm-anytime-noise-test; level 0.05 whatever the stopping) or the budget is spent; "
+        "reports per site the examples used, the example and batch of the decision, and the anytime forecast. "
+        "Feature families, one process, not with --delta.",
+    ),
+    max_examples: int | None = typer.Option(
+        None,
+        "--max-examples",
+        help="With --until-decided: the budget in probe examples (no batch that would pass it is read; "
+        "default: the whole probe).",
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
-    from depthsat_theory.diagnose import DiagnoseError, diagnose
+    from depthsat_theory.diagnose import DiagnoseError, DiagnoseOptions, diagnose
     from depthsat_theory.diagnose import distributed as dist
 
     dist.init_from_env()
@@ -469,10 +483,7 @@ def diagnose_cmd(
 
         with render.progress(disable=quiet or not main_rank) as bar:
             task = bar.add_task("probe batches", total=None)
-            res = diagnose(
-                target.model,
-                target.loss_fn,
-                target.batches,
+            options = DiagnoseOptions(
                 sites=list(_split(sites)) if sites else target.sites,
                 family=family,
                 delta=delta,
@@ -488,8 +499,11 @@ def diagnose_cmd(
                 curvature=curvature,
                 gram=gram,
                 products=products,
+                until_decided=until_decided,
+                max_examples=max_examples,
                 **target.extra,
             )
+            res = diagnose(target.model, target.loss_fn, target.batches, options=options)
     except KeyboardInterrupt:
         if checkpoint is None:
             msg = (
@@ -571,6 +585,15 @@ def grow_cmd(
     ),
     checkpoint_every: int = typer.Option(1, "--checkpoint-every", help="Training steps between checkpoint writes."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    until_decided: bool = typer.Option(
+        False,
+        "--until-decided",
+        help="Stream the diagnosis until every site is decided by the anytime-valid noise test (as diagnose "
+        "--until-decided); --positions auto then picks the decided sites first.",
+    ),
+    max_examples: int | None = typer.Option(
+        None, "--max-examples", help="With --until-decided: the budget in probe examples (default: the whole probe)."
+    ),
 ) -> None:
     """Diagnose, pick K sites, insert zero-output blocks there, preview the first step, train, write."""
     from depthsat_theory.capture import NotFunctionPreservingError, SiteError
@@ -602,7 +625,12 @@ def grow_cmd(
                 freeze_old=freeze_old,
                 lr=lr,
                 layout=target.layout,
-                diagnose_kwargs={**target.extra, "delta": delta},
+                diagnose_kwargs={
+                    **target.extra,
+                    "delta": delta,
+                    "until_decided": until_decided,
+                    "max_examples": max_examples,
+                },
                 description=target.description,
                 eval_batches=held,
                 checkpoint=checkpoint,

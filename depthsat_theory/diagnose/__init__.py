@@ -2,6 +2,7 @@
 
 Modules: :mod:`~depthsat_theory.diagnose.discovery` (sites and layouts),
 :mod:`~depthsat_theory.diagnose.run` (:func:`diagnose`),
+:mod:`~depthsat_theory.diagnose.options` (:class:`DiagnoseOptions`, its options),
 :mod:`~depthsat_theory.diagnose.report` (results, table, plot),
 :mod:`~depthsat_theory.diagnose.checkpoint` (resume), and
 :mod:`~depthsat_theory.diagnose.distributed` (torchrun all-reduce).
@@ -19,6 +20,7 @@ from depthsat_theory.diagnose.distributed import (
     world,
 )
 from depthsat_theory.diagnose.errors import CheckpointError, DiagnoseError
+from depthsat_theory.diagnose.options import DiagnoseOptions
 from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
 from depthsat_theory.diagnose.run import ProbeLoss, diagnose
 
@@ -27,6 +29,7 @@ __all__ = [
     "SITE_PATTERNS",
     "CheckpointError",
     "DiagnoseError",
+    "DiagnoseOptions",
     "Diagnosis",
     "ProbeLoss",
     "SiteDiagnosis",

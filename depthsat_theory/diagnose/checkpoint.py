@@ -26,6 +26,12 @@ Format versions: ``1`` (before the statistics protocol: hand-listed fields, a ``
 code), ``2`` (no probe fingerprint) and ``3`` (no kink tie counts: a resumed run would miss the
 ties of the restored batches and could call *improvable* what is *undetermined*) are refused with
 a one-line :class:`CheckpointError`; ``4`` is the current one.
+
+A run streamed until decided (``until_decided``) also stores its anytime tests' state under
+``"@anytime:<site>/<name>"`` and the probe batch of each decision in the header field ``anytime``
+(:func:`restore_anytime`); its configuration carries an ``until_decided`` object, so such a checkpoint
+and one of a whole-probe run never resume each other (the format version is unchanged: version-4
+files of whole-probe runs stay valid).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ __all__ = [
     "config_diff",
     "model_fingerprint",
     "read_checkpoint",
+    "restore_anytime",
     "restore_statistics",
     "validate_header",
     "write_checkpoint",
@@ -479,3 +486,65 @@ def config_diff(a: dict, b: dict) -> list[str]:
         else:
             out.append(k)
     return out
+
+
+def restore_anytime(path: str | os.PathLike, header: dict, tensors: Mapping[str, Tensor], streams: Any) -> None:
+    """Load the anytime tests of a streamed run (``"@anytime:<site>/…"`` tensors, header ``anytime``), validated.
+
+    Args:
+        path: the checkpoint, for messages.
+        header: the header of :func:`read_checkpoint` (its ``examples`` must equal every test's ``n``).
+        tensors: the ``"@anytime:"`` tensors, as read.
+        streams: the run's :class:`~depthsat_theory.diagnose.stream.AnytimeStreams`, its tests made.
+
+    Raises:
+        CheckpointError: naming the missing, extra, mistyped, misshapen or inconsistent tensor or field.
+    """
+    from depthsat_theory.diagnose.stream import ANYTIME_PREFIX
+
+    batches = header.get("anytime")
+    if not (isinstance(batches, dict) and set(batches) == set(streams.sites)):
+        raise _damaged(path, "header field 'anytime'", f"is {batches!r}, not a batch index or null for each site")
+    known: set[str] = set()
+    for site in streams.sites:
+        pre = f"{ANYTIME_PREFIX}{site}/"
+        state = {k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)}
+        known.update(pre + k for k in state)
+        _check_anytime_state(path, pre, state, header["examples"])
+        at = batches[site]
+        if (at is None) != (int(state["decided_at"]) < 0) or not (at is None or _is_int(at)):
+            raise _damaged(path, f"header field 'anytime.{site}'", f"is {at!r}, inconsistent with the test's decision")
+        streams.tests[site].load_state_dict(state)
+        streams.decided_batch[site] = at
+    extra = sorted(set(tensors) - known)
+    if extra:
+        raise _damaged(path, f"tensor {extra[0]!r}", "is not a state of this configuration")
+
+
+def _check_anytime_state(path, pre: str, state: Mapping[str, Tensor], examples: int) -> None:
+    """One anytime test's tensors: int64 counts, float64 sums, square Grams, counts that agree with the header."""
+    for name, dtype, shape in (
+        ("n", torch.int64, ()),
+        ("weighted", torch.int64, ()),
+        ("decided_at", torch.int64, ()),
+        ("sums", torch.float64, (3,)),
+    ):
+        if name not in state:
+            raise _damaged(path, f"tensor {pre + name!r}", "is missing")
+        _check_tensor(path, pre + name, state[name], dtype, shape)
+    n, weighted, at = int(state["n"]), int(state["weighted"]), int(state["decided_at"])
+    if n != examples or not 0 <= weighted <= n or not (at == -1 or 1 <= at <= n):
+        raise _damaged(
+            path, f"tensors {pre}n/weighted/decided_at", f"hold {n}/{weighted}/{at}, the header {examples} examples"
+        )
+    if n == 0:
+        return
+    for name in ("sigma", "cross", "q"):
+        if name not in state:
+            raise _damaged(path, f"tensor {pre + name!r}", "is missing")
+    k = int(state["sigma"].shape[-1]) if state["sigma"].dim() == 2 else -1
+    _check_tensor(path, pre + "sigma", state["sigma"], torch.float64, (k, k))
+    _check_tensor(path, pre + "q", state["q"], torch.float64, (k, k))
+    _check_tensor(path, pre + "cross", state["cross"], torch.float64, None)
+    if state["cross"].dim() != 2 or int(state["cross"].shape[1]) != k:
+        raise _damaged(path, f"tensor {pre + 'cross'!r}", f"has shape {tuple(state['cross'].shape)}, expected (d, {k})")

@@ -22,6 +22,7 @@ from depthsat_theory.vocabulary import Layout, Verdict
 if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
     from depthsat_theory.capture.curvature import FieldCurvature, StepCheck
+    from depthsat_theory.diagnose.stream import SiteStream
 
 __all__ = ["Diagnosis", "SiteDiagnosis"]
 
@@ -45,6 +46,9 @@ class SiteDiagnosis:
         beta_check: the loss change of the step ``−Πg/β`` measured on the probe
             (``cor-beta-refuted``), or ``None`` when it could not be run (a streamed probe, a
             non-feature family, per-batch losses).
+        stream: what the anytime noise test says when the probe was streamed until decided
+            (``until_decided=True``; theory/decision.md, ``thm-anytime-noise-test``), else ``None``; then the
+            verdict is the streamed one (:func:`~depthsat_theory.diagnose.stream.stream_verdict`).
     """
 
     site: str
@@ -57,6 +61,17 @@ class SiteDiagnosis:
     beta: float | None = None
     curvature: FieldCurvature | None = None
     beta_check: StepCheck | None = None
+    stream: SiteStream | None = None
+
+    @property
+    def examples_used(self) -> int | None:
+        """Examples the streamed verdict rests on (up to the decision, or all read); ``None`` when not streamed."""
+        return None if self.stream is None else self.stream.examples_used
+
+    @property
+    def decided_at(self) -> int | None:
+        """The example at which the anytime test decided (``None``: not streamed, or not decided)."""
+        return None if self.stream is None else self.stream.decided_at
 
     @property
     def beta_status(self) -> str | None:
@@ -90,6 +105,8 @@ class SiteDiagnosis:
     @property
     def verdict(self) -> str:
         """``degenerate``, ``saturated (rounding)``, ``undetermined: …``, the certificate, or ``improvable``."""
+        if self.stream is not None:
+            return _streamed_detail(self.stream, self.result)
         v = self.result.verdict
         if v is Verdict.DEGENERATE:
             return "degenerate (T = {0})"
@@ -110,6 +127,10 @@ class SiteDiagnosis:
         when certified improvable, ``SATURATED`` when certified ε-saturated, ``UNDETERMINED``
         when it certifies neither.
         """
+        if self.stream is not None:  # streamed until decided: the anytime test's verdict (no interval then)
+            from depthsat_theory.diagnose.stream import stream_verdict
+
+            return stream_verdict(self.stream, self.result)[0]
         v = self.result.verdict
         if v in (Verdict.DEGENERATE, Verdict.SATURATED) or self.interval is None:
             return v
@@ -137,6 +158,9 @@ class SiteDiagnosis:
             "beta_step_decrease": None if self.beta_check is None else self.beta_check.decrease,
             "saddle": None if self.saddle is None else self.saddle.to_dict(),
             "curvature": None if self.curvature is None else _finite_dict(asdict(self.curvature)),
+            "examples_used": self.examples_used,
+            "decided_at": self.decided_at,
+            "anytime": None if self.stream is None else self.stream.to_dict(),
         }
 
 
@@ -155,6 +179,8 @@ class Diagnosis:
         resumed_from: batches restored from a checkpoint (``0``: fresh run).
         products: dtype of the per-batch products, ``"float64"`` or the opt-in ``"float32"`` (whose
             wider rounding bound is in every site's ``score_error``, theory/numerics.md ``thm-score-error``).
+        until_decided: whether the probe was streamed until decided (each site's ``stream``);
+            ``max_examples``: its budget in examples (``None``: the whole probe).
         description: free text (model name, probe).
         notes: caveats printed with the table.
     """
@@ -172,6 +198,8 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     loss_units: str = "nats per example"
     products: str = "float64"
+    until_decided: bool = False
+    max_examples: int | None = None
 
     @property
     def joint_score(self) -> float:
@@ -204,6 +232,8 @@ class Diagnosis:
             "world_size": self.world_size,
             "resumed_from": self.resumed_from,
             "products": self.products,
+            "until_decided": self.until_decided,
+            "max_examples": self.max_examples,
             "notes": list(self.notes),
             "joint_score": _finite(self.joint_score),
             "sites": [s.to_dict() for s in self.sites],
@@ -240,16 +270,21 @@ class Diagnosis:
         if self.delta is not None:
             cols += [f"{1 - self.delta:g} interval"]
         cols += ["verdict"]
-        noisy = [sd for sd in self.sites if sd.result.verdict is Verdict.UNDETERMINED]
+        noisy = [sd for sd in self.sites if sd.result.verdict is Verdict.UNDETERMINED and sd.stream is None]
         if noisy:
             cols += ["n to decide"]
+        streamed = any(sd.stream is not None for sd in self.sites)
+        if streamed:
+            cols += _STREAM_COLUMNS
         uncertified = [sd for sd in self.sites if sd.interval is not None and sd.interval.score_lower == 0]
         if uncertified:
             cols += ["n to certify"]
         for c in cols:
             t.add_column(c, justify="left" if c in ("site", "verdict") else "right", no_wrap=c != "verdict")
         for sd in self.sites:
-            t.add_row(*self._row(sd, extra, noisy=bool(noisy), uncertified=bool(uncertified)))
+            t.add_row(
+                *self._row(sd, extra, noisy=bool(noisy), uncertified=bool(uncertified)), *_stream_cells(sd, streamed)
+            )
         return t
 
     def _row(self, sd, extra: list[str], *, noisy: bool, uncertified: bool) -> list[str]:
@@ -343,6 +378,36 @@ class Diagnosis:
         return out
 
 
+#: The columns of a run streamed until decided (``until_decided``): examples the verdict rests on, the example
+#: (and probe batch) of the anytime decision, and the anytime forecast of an undecided site.
+_STREAM_COLUMNS = ["examples used", "decided at", "n to decide (anytime)"]
+
+
+def _stream_cells(sd: SiteDiagnosis, streamed: bool) -> list[str]:
+    """A site's cells of :data:`_STREAM_COLUMNS` (none when the run was not streamed)."""
+    if not streamed:
+        return []
+    st = sd.stream
+    if st is None:
+        return ["—"] * len(_STREAM_COLUMNS)
+    at = "—" if st.decided_at is None else f"{st.decided_at} (batch {st.decided_batch})"
+    return [str(st.examples_used), at, "—" if st.examples_needed is None else str(st.examples_needed)]
+
+
+def _streamed_detail(stream: SiteStream, result: SaturationResult) -> str:
+    """The verdict text of a streamed site: the verdict and the test it comes from."""
+    from depthsat_theory.diagnose.stream import stream_verdict
+
+    verdict, reason = stream_verdict(stream, result)
+    if verdict is Verdict.IMPROVABLE:
+        return "improvable (anytime test)"
+    if verdict is Verdict.DEGENERATE:
+        return "degenerate (T = {0})"
+    if verdict is Verdict.SATURATED:
+        return "saturated (within rounding)"
+    return f"undetermined: {reason}"
+
+
 _SHORT = {
     "certified improvable": "cert. improvable",
     "certified ε-saturated": "cert. ε-saturated",
@@ -350,6 +415,7 @@ _SHORT = {
     "degenerate (T = {0})": "degenerate",
     "saturated (within rounding)": "saturated",
     "improvable": "improvable",
+    "improvable (anytime test)": "improvable (anytime)",
 }
 
 

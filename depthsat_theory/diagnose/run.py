@@ -42,13 +42,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from depthsat_theory.capture import (
-    REDUCTIONS,
     ProbeBatch,
     SiteError,
     SiteRecorder,
@@ -69,20 +68,23 @@ from depthsat_theory.diagnose.checkpoint import (
     config_diff,
     model_fingerprint,
     read_checkpoint,
+    restore_anytime,
     restore_statistics,
     validate_header,
     write_checkpoint,
 )
 from depthsat_theory.diagnose.discovery import discover_sites, infer_layout
 from depthsat_theory.diagnose.errors import CheckpointError, DiagnoseError
+from depthsat_theory.diagnose.options import DiagnoseOptions, resolve_options
 from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
+from depthsat_theory.diagnose.stream import ANYTIME_PREFIX, AnytimeStreams
 from depthsat_theory.families import FamilyError, FeatureFamily, ResidualFamily, parse_family
 from depthsat_theory.statistics import Reduction, StatisticsError, StreamingStatistic, statistics_for
-from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES, FeatureStatistics
+from depthsat_theory.statistics.feature import FeatureStatistics
 from depthsat_theory.statistics.linalg import EIGH_BATCH_MAX_ELEMENTS, eigh_batched
 from depthsat_theory.vocabulary import Layout
 
-__all__ = ["ProbeLoss", "diagnose"]
+__all__ = ["DiagnoseOptions", "ProbeLoss", "diagnose"]
 
 
 def _adapt_length(acc, site: str, z: Tensor, index: int) -> None:
@@ -108,31 +110,8 @@ def diagnose(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     batches: Iterable[tuple],
-    *,
-    sites: Sequence[str] | None = None,
-    family: str | ResidualFamily = "linear",
-    delta: float | None = None,
-    realizability: bool = False,
-    progress: Callable[[int, int | None], None] | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 1,
-    layout: str | dict | None = None,
-    total: int | None = None,
-    config: dict | None = None,
-    description: str = "",
-    bound_kwargs: dict | None = None,
-    reduction: str = "none",
-    mask_fn: Callable | None = None,
-    output_key=None,
-    batchnorm: str = "error",
-    loss_units: str = "nats per example",
-    batch_dim: int | dict | None = None,
-    beta: float | Mapping[str, float] | None = None,
-    second_order: bool = False,
-    kinks: bool = True,
-    curvature: bool = False,
-    gram: str = "auto",
-    products: str = "float64",
+    options: DiagnoseOptions | None = None,
+    **overrides: Any,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -144,101 +123,34 @@ def diagnose(
     :class:`~depthsat_theory.bounds.statistics.BoundStatistics` with ``delta``) adds the batch.
     No parameter gradients are formed.
 
+    The options (sites, family, ``delta``, checkpoint, layout, reduction, ``until_decided``, …) are the
+    fields of :class:`~depthsat_theory.diagnose.options.DiagnoseOptions`, documented there; give them as
+    ``options=DiagnoseOptions(...)``, as keywords, or both (keywords override the object's fields).
+
+    With ``until_decided=True`` the probe is read batch by batch until every site is decided by the
+    anytime-valid noise test (theory/decision.md, ``thm-anytime-noise-test``) or ``max_examples`` is
+    reached; see :mod:`depthsat_theory.diagnose.stream`.
+
     Args:
         model: the reference network (put BatchNorm models in eval mode).
-        loss_fn: per-example losses ``(B,)``; a batch-mean reduction would rescale
+        loss_fn: per-example losses ``(B,)`` (or as ``reduction`` says); a batch-mean reduction would rescale
             ``g`` by ``1/B`` (theory/definitions.md, def-setting), so it is rejected by the shape check.
         batches: iterable of ``(inputs, targets)`` (or ``(inputs, targets, mask)``, or Hugging
             Face mappings with ``"labels"``: :func:`~depthsat_theory.capture.probe.unpack_batch`)
             in a fixed order (resuming and sharding address batches by their index).  Inputs
             may be a tensor or a dict of keyword tensors.
-        sites: module names; default :func:`discover_sites` (shape check on the
-            first batch: one extra no-grad forward, only when the model has no
-            ``site_names()``).
-        family: a :class:`~depthsat_theory.families.base.ResidualFamily` or a spec string
-            (:func:`~depthsat_theory.families.parse_family`), the same at every site.
-        delta: ``δ ∈ (0, 1)``: add the ``(1 − δ)`` interval (zero-output feature
-            families only), union-bounded over the sites (``candidates = len(sites)``).
-        realizability: pool exactly equal units to report ``r̂`` and ``ρ̂``
-            (memory grows with the number of distinct units).
-        progress: called after each processed batch with ``(batches done on this
-            rank, total or None)``.
-        checkpoint: path of a checkpoint file (see :func:`read_checkpoint`); resumed
-            from when it exists and matches, rewritten atomically every
-            ``checkpoint_every`` batches and at the end.  Under ``torchrun`` each rank
-            uses ``<path>.rank<r>-of-<N>``.
-        checkpoint_every: batches between checkpoint writes.
-        layout: a layout for all sites, or ``{site: layout}``; default: the model's
-            ``layout`` attribute, else inferred from the site tensor's rank and, for
-            ``(B, ·, ·)`` site tensors, from the site module
-            (:func:`~depthsat_theory.diagnose.discovery.infer_layout`): ``"sequence"`` reads
-            ``(B, T, d)`` as ``T`` rows of dimension ``d``; ``"image"`` reads a channel-first
-            ``(B, C, L)`` (``Conv1d``) as the image ``(B, C, 1, L)``: ``L`` units of dimension ``C``.
-        total: the number of batches (for ``progress``; default ``len(batches)`` when
-            available).
-        config: extra JSON-serialisable configuration that must match to resume
-            (e.g. the CLI's model name and batch size).
-        description: free text stored in the result.
-        bound_kwargs: passed to :meth:`~depthsat_theory.bounds.statistics.BoundStatistics.interval`
-            (``grad_max``, ``leverage_max``, ``epsilon``, …).
-        reduction: how ``loss_fn`` reduces (:data:`~depthsat_theory.capture.probe.REDUCTIONS`):
-            ``"none"`` per-example ``(B,)``; ``"sum"``/``"mean"`` a scalar over the batch
-            (``mean`` is multiplied by ``B``); ``"token_mean"`` per-token ``(B, T)``
-            losses averaged over each example's own non-padded tokens.  ``g`` is always
-            the gradient of each example's own loss (as in
-            :func:`~depthsat_theory.capture.probe.accumulate`).
-        mask_fn: ``mask_fn(inputs, targets) -> (B, T)`` bool padding mask (``True`` at
-            real tokens) for batches without one; batches may also be
-            ``(inputs, targets, mask)``.  Padded rows are dropped from the statistics of
-            sequence sites and must have ``g = 0``.  Default for dict (Hugging Face)
-            inputs: their ``attention_mask``.
-        output_key: where the site tensor is in a structured output (``None``, an index, a key, or
-            ``{site: key}``), as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
-        batchnorm: ``"error"``, ``"warn"`` or ``"ignore"`` when a BatchNorm normalizes with batch
-            statistics, as in :class:`~depthsat_theory.capture.sites.SiteRecorder`.
-        loss_units: units of the per-example loss, for the outputs (scores are in
-            these units per unit function-space step).
-        batch_dim: where the batch is in the site tensors: ``None`` (default: the dimension
-            whose size is the number of per-example losses; a 3-D site with ``T = B`` is decided by
-            its module's ``batch_first`` or by the support of the first example's loss gradient, else
-            needs a declaration), ``0`` (batch-first), ``1``
-            (sequence-first ``(T, B, d)``, e.g. ``nn.TransformerEncoderLayer(batch_first=False)``)
-            or ``{site: dim}`` (:mod:`depthsat_theory.capture.batchdim`).
-        beta: the smoothness ``β`` of the loss in the added field (one for every site or
-            ``{site: β}``; e.g. :func:`~depthsat_theory.statistics.decrease.cross_entropy_smoothness`
-            at a site feeding a linear cross-entropy head): each site then reports the guaranteed
-            decrease ``s²/(2β)`` in loss units (``thm-guaranteed-decrease``), and with ``delta``
-            the ``ε`` of "certified ε-saturated" defaults to ``sqrt(2 β · 10⁻³)`` (``10⁻³`` nats).
-            ``½‖W‖₂²`` is proven at the head's input only (``lem-ce-smoothness``); deeper sites need
-            ``prop-beta-composed``.  Every given ``β`` is checked on the probe (a list probe, a
-            feature family, per-example losses, a vector site): the step ``−Πg/β`` is run, and
-            where it removes less than ``s²/(2β)`` the site's ``beta_status`` is ``"refuted"`` and
-            no decrease is reported (``cor-beta-refuted``); elsewhere ``"consistent"`` or ``"unchecked"``.
-        second_order: also stream the cross block of the Hessian and report the saddle score
-            (``thm-strict-saddle``; random-feature families ``relu:K``/``gelu:K``/``tanh:K``; fresh
-            single-process runs only: not checkpointed or sharded).
-        kinks: count exact ties at kinks after each site (``thm-gradient``); a positive count makes
-            the verdict ``undetermined``.  Summed over the ranks under ``torchrun``; the counts of the
-            batches in a checkpoint are stored with it, so a resumed run counts the whole probe.
-        curvature: also measure ``κ``, the curvature of the loss along the steepest field ``Πg``
-            (one more forward and double backward per batch and site: ``batches`` must be a list
-            or tuple; per-example losses, unmasked), and report the local decrease ``s²/(2κ)``
-            of the quadratic model (:mod:`depthsat_theory.capture.curvature`; not a guarantee).
-        gram: ``"auto"`` (default), ``"features"`` or ``"units"``: whether feature-family sites stream the
-            ``k̃ × k̃`` Gram or keep the unit rows (:class:`~depthsat_theory.statistics.FeatureStatistics`,
-            theory/numerics.md ``thm-unit-gram``; the same ``ŝ`` within its bound); ignored by general families.
-        products: ``"float64"`` (default) or ``"float32"``: the dtype of the per-batch products of
-            feature-family sites, summed in float64 either way (``"float32"``: about half the cost, with
-            the wider rounding bound and resolution of thm-score-error, so more sites may be
-            ``undetermined``); ignored by general families.
+        options: a :class:`~depthsat_theory.diagnose.options.DiagnoseOptions` (default: all defaults).
+        **overrides: any field of :class:`~depthsat_theory.diagnose.options.DiagnoseOptions`, replacing the
+            one in ``options``.
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
 
     Raises:
+        TypeError: a keyword that is not a field of ``DiagnoseOptions``.
         DiagnoseError: no discoverable sites, an empty probe, a NaN/Inf loss, losses of
             the wrong shape, a site the family does not fit, ``delta`` with a
-            non-feature family (messages name the probe batch).
+            non-feature family, options that do not go together (messages name the probe batch or option).
         CheckpointError: a checkpoint of another configuration, of another format
             version, or an unreadable one.
         SiteError: an unknown site name, a site that runs other than once, or a nonzero
@@ -246,56 +158,74 @@ def diagnose(
     """
     from depthsat_theory.bounds import check_delta
 
-    fam = parse_family(family) if isinstance(family, str) else family
+    o = resolve_options(options, overrides)
+    o.check()
+    fam = parse_family(o.family) if isinstance(o.family, str) else o.family
+    delta = o.delta
     if delta is not None:
         delta = check_delta(delta)
         if not isinstance(fam, FeatureFamily):
             raise DiagnoseError(
                 f"delta needs a zero-output feature family; {fam.spec!r} is a general family (no finite-sample bound)"
             )
-    if reduction not in REDUCTIONS:
-        raise DiagnoseError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-    if gram not in GRAM_MODES:
-        raise DiagnoseError(f"gram must be one of {', '.join(GRAM_MODES)}, got {gram!r}")
-    if products not in PRODUCT_DTYPES:
-        raise DiagnoseError(f"products must be one of {', '.join(PRODUCT_DTYPES)}, got {products!r}")
-    if checkpoint_every < 1:
-        raise DiagnoseError("checkpoint_every must be >= 1")
+    total = o.total
     if total is None and isinstance(batches, Sized):
         total = len(batches)
     first, probe = _peek(batches)
-    site_list = _resolve_sites(model, sites, first)
-    betas = site_betas(beta, site_list)
+    site_list = _resolve_sites(model, o.sites, first)
+    betas = site_betas(o.beta, site_list)
     run = _Run(
         model=model,
         family=fam,
         sites=site_list,
-        layouts=_resolve_layouts(model, site_list, layout),
+        layouts=_resolve_layouts(model, site_list, o.layout),
         delta=delta,
-        realizability=bool(realizability),
+        realizability=bool(o.realizability),
         probe_options=dict(
-            reduction=reduction, mask_fn=mask_fn, output_key=output_key, batchnorm=batchnorm, batch_dim=batch_dim
+            reduction=o.reduction,
+            mask_fn=o.mask_fn,
+            output_key=o.output_key,
+            batchnorm=o.batchnorm,
+            batch_dim=o.batch_dim,
         ),
-        beyond=Beyond(model, site_list, fam, kinks=kinks, second_order=second_order),
+        beyond=Beyond(model, site_list, fam, kinks=o.kinks, second_order=o.second_order),
         betas=betas,
-        gram=gram,
-        products=products,
+        gram=o.gram,
+        products=o.products,
+        anytime=_anytime_streams(o, fam, site_list),
     )
-    run.open_checkpoint(checkpoint, config)
-    if curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
+    run.open_checkpoint(o.checkpoint, o.config)
+    if o.curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
         raise DiagnoseError("curvature needs the probe as a list or tuple of batches and a zero-output feature family")
-    if curvature and reduction != "none":
-        raise DiagnoseError(f"curvature needs per-example losses (reduction 'none'), not reduction {reduction!r}")
-    n_batches = run.stream(loss_fn, probe, progress, total, checkpoint_every)
+    if o.curvature and o.reduction != "none":
+        raise DiagnoseError(f"curvature needs per-example losses (reduction 'none'), not reduction {o.reduction!r}")
+    n_batches = run.stream(loss_fn, probe, o.progress, total, o.checkpoint_every)
     run.reduce()
-    out = run.finish(n_batches, bound_kwargs, description, loss_units)
-    if second_order and run.start > 0:
+    out = run.finish(n_batches, o.bound_kwargs, o.description, o.loss_units)
+    if o.second_order and run.start > 0:
         out.notes.append("saddle scores not reported: the cross blocks are not checkpointed (rerun without resuming)")
-    if curvature:
+    if o.curvature:
         measure_curvatures(out, model, loss_fn, cast(list, batches), cast(FeatureFamily, fam), run.stats)
     if betas and _dist.world()[1] == 1:
-        check_betas(out, model, loss_fn, batches, fam, run.stats, reduction)
+        check_betas(out, model, loss_fn, batches, fam, run.stats, o.reduction)
     return out
+
+
+def _anytime_streams(o: DiagnoseOptions, fam: ResidualFamily, sites: list[str]) -> AnytimeStreams | None:
+    """The anytime tests of ``until_decided`` (``None`` without it); refuses what they cannot run on."""
+    if not o.until_decided:
+        return None
+    if not isinstance(fam, FeatureFamily):
+        raise DiagnoseError(
+            f"until_decided needs a zero-output feature family (the anytime test uses its features); "
+            f"{fam.spec!r} is a general family"
+        )
+    if _dist.world()[1] > 1:
+        raise DiagnoseError(
+            "until_decided runs in one process: the anytime test needs the probe as one ordered stream "
+            "(run without torchrun, or without until_decided)"
+        )
+    return AnytimeStreams(fam, sites, o.max_examples)
 
 
 def _peek(batches: Iterable) -> tuple[object, Iterable]:
@@ -376,15 +306,28 @@ class _Counted:
     after ``start`` batches, the fingerprint of the batches before ``start`` is compared with
     the stored one (``verify``) as soon as the probe reaches ``start``, before any new batch
     is processed.
+
+    ``stop(next_size)`` (streaming until decided) is asked before each batch at or after ``start``, with
+    ``None`` before fetching it and with its size after: ``True`` ends the probe there (the fetched batch is
+    not counted).
     """
 
-    def __init__(self, items: Iterable, stream: ProbeStream | None, mine: Callable[[int], bool], start: int, verify):
+    def __init__(
+        self,
+        items: Iterable,
+        stream: ProbeStream | None,
+        mine: Callable[[int], bool],
+        start: int,
+        verify,
+        stop: Callable[[int | None], bool] | None = None,
+    ):
         self._it = iter(items)
         self.count = 0
         self.stream = stream
         self._mine = mine
         self._start = start
         self._verify = verify
+        self._stop = stop
 
     def __iter__(self) -> _Counted:
         return self
@@ -394,12 +337,23 @@ class _Counted:
             verify, self._verify = self._verify, None
             verify(self.stream)
 
+    def _end(self, size: int | None) -> bool:
+        """Whether the stop rule ends the probe before this batch (verifying the resumed stream first)."""
+        if self._stop is None or self.count < self._start or not self._stop(size):
+            return False
+        self._check()
+        return True
+
     def __next__(self):
+        if self._end(None):
+            raise StopIteration
         try:
             item = next(self._it)
         except StopIteration:
             self._check()
             raise
+        if self._end(_size_of(item)):
+            raise StopIteration
         if self.count >= self._start:
             self._check()
         index = self.count
@@ -441,6 +395,7 @@ class _Run:
     betas: dict = field(default_factory=dict)
     gram: str = "auto"
     products: str = "float64"
+    anytime: AnytimeStreams | None = None
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -462,6 +417,12 @@ class _Run:
         }
         if self.products != "float64":  # the float32 products' state and bound: resume only with the same
             self.cfg["products"] = self.products
+        if self.anytime is not None:  # a streamed run's tests and stopping rule: resume only with the same
+            self.cfg["until_decided"] = {
+                "max_examples": self.anytime.max_examples,
+                "alpha": self.anytime.alpha,
+                "prior_examples": self.anytime.prior_examples,
+            }
         if checkpoint is None:
             return
         ckpt = Path(checkpoint)
@@ -497,9 +458,12 @@ class _Run:
                     f"checkpoint {ckpt} is damaged or incompatible: header field 'shapes' ({exc}); "
                     f"delete it or pass another checkpoint path to start over"
                 ) from None
-            restore_statistics({**self.stats, LOSS_KEY: self.loss}, tensors, ckpt)
+            restore_statistics({**self.stats, LOSS_KEY: self.loss}, _without_anytime(tensors), ckpt)
             check_counts(ckpt, header, self.stats, self.loss.examples)
             self.shapes_checked = False
+            if self.anytime is not None:
+                self._make_anytime()
+                restore_anytime(ckpt, header, _anytime_tensors(tensors), self.anytime)
         elif tensors:
             restore_statistics({LOSS_KEY: self.loss}, tensors, ckpt)
 
@@ -572,7 +536,11 @@ class _Run:
             "probe": (self.stream_fp or ProbeStream()).to_header(),
             "kink_ties": None if (c := self._counter()) is None else {k: int(v) for k, v in c.ties.items()},
         }
-        write_checkpoint(self.ckpt, header, {**self.stats, LOSS_KEY: self.loss})
+        states: dict = {**self.stats, LOSS_KEY: self.loss}
+        if self.anytime is not None and self.anytime.tests:
+            header["anytime"] = dict(self.anytime.decided_batch)
+            states.update({f"{ANYTIME_PREFIX}{s}": t for s, t in self.anytime.tests.items()})
+        write_checkpoint(self.ckpt, header, states)
 
     def _check_restored_shapes(self, pb: ProbeBatch) -> None:
         """After a resume, the site shapes of the first new batch must fit the restored statistics."""
@@ -602,9 +570,17 @@ class _Run:
                     _adapt_length(self.stats[s], s, pb.z[s], pb.index)
                     self.shapes[s] = tuple(max(a, b) for a, b in zip(self.shapes[s], self.stats[s].shape, strict=False))
             pb.update(self.stats, self.sites)
+            if self.anytime is not None:
+                if not self.anytime.tests:
+                    self._make_anytime()
+                self.anytime.update(pb.index, pb.z, pb.g, pb.mask)
         except (StatisticsError, SiteError) as exc:
             raise DiagnoseError(f"probe batch {pb.index}: {exc}") from None
         self.loss.update(pb.loss_total, pb.size)
+
+    def _make_anytime(self) -> None:
+        """The anytime tests, for the shapes and layouts of the site statistics."""
+        cast(AnytimeStreams, self.anytime).make({s: self.stats[s].shape for s in self.sites}, self.layouts)
 
     def stream(self, loss_fn: Callable, probe: Iterable, progress, total: int | None, every: int) -> int:
         """Run the probe loop over this rank's remaining batches; returns the probe's batch count."""
@@ -617,6 +593,7 @@ class _Run:
             lambda i: i % world == rank,
             start,
             self._verify_stream if self.stored_probe is not None else None,
+            None if self.anytime is None else self._stop,
         )
         beyond = self.beyond or Beyond(self.model, self.sites, self.family, kinks=False, second_order=False)
         loop = probe_batches(
@@ -649,9 +626,18 @@ class _Run:
                 f"checkpoint {self.ckpt} already holds {start} batches but this probe has only "
                 f"{counted.count}; pass the same probe (the same batches) or another checkpoint path"
             )
+        if self.anytime is not None and not self.stats and self.anytime.stopped == "budget":
+            raise DiagnoseError(
+                f"max_examples = {self.anytime.max_examples} is smaller than the first probe batch: give at "
+                f"least one batch's examples"
+            )
         if self.stats:
             self.save(max(counted.count, start), True)
         return counted.count
+
+    def _stop(self, next_size: int | None) -> bool:
+        """The streamed run's stopping rule (:meth:`AnytimeStreams.stop`) at the examples read so far."""
+        return cast(AnytimeStreams, self.anytime).stop(self.loss.examples, next_size)
 
     def reduce(self) -> None:
         """All-reduce the statistics over the ranks (a no-op in one process)."""
@@ -680,6 +666,12 @@ class _Run:
         if self.beyond is not None:
             self.beyond.reduce()
             self.beyond.finish(out, self.betas, whole_probe=self.start == 0)
+        notes = _notes(loss_units, self.realizability, self.delta, bk["candidates"]) + self._products_note()
+        if self.anytime is not None:
+            streams = self.anytime.outcomes(self.loss.examples)
+            for sd in out:
+                sd.stream = streams[sd.site]
+            notes.append(self.anytime.note(self.loss.examples))
         return Diagnosis(
             sites=out,
             family=self.family.spec,
@@ -691,9 +683,11 @@ class _Run:
             world_size=_dist.world()[1],
             resumed_from=self.start,
             description=description,
-            notes=_notes(loss_units, self.realizability, self.delta, bk["candidates"]) + self._products_note(),
+            notes=notes,
             loss_units=loss_units,
             products=self.products,
+            until_decided=self.anytime is not None,
+            max_examples=None if self.anytime is None else self.anytime.max_examples,
         )
 
     def _products_note(self) -> list[str]:
@@ -707,6 +701,16 @@ class _Run:
             f"L_32 = {l32}; Gram eigenvalues below 2η are dropped and count as unresolved, so verdicts move "
             f"only toward 'undetermined' (theory/numerics.md, thm-score-error)"
         ]
+
+
+def _anytime_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint tensors of the anytime tests (:data:`~depthsat_theory.diagnose.stream.ANYTIME_PREFIX`)."""
+    return {k: v for k, v in tensors.items() if k.startswith(ANYTIME_PREFIX)}
+
+
+def _without_anytime(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The checkpoint tensors of the site statistics and the loss (everything but the anytime tests)."""
+    return {k: v for k, v in tensors.items() if not k.startswith(ANYTIME_PREFIX)}
 
 
 def _site_results(stats: Mapping, sites: list[str]) -> dict:

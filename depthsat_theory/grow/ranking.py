@@ -15,12 +15,17 @@ from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
 from depthsat_theory.grow.errors import GrowError
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["BY_CERTIFIED", "BY_POINT", "RankedSite", "SiteRanking", "even_positions", "rank_sites"]
+__all__ = ["BY_CERTIFIED", "BY_DECIDED", "BY_POINT", "RankedSite", "SiteRanking", "even_positions", "rank_sites"]
 
 #: ``SiteRanking.by`` when sites were ranked by the certified lower end of the scale-free score.
 BY_CERTIFIED = "certified lower end of s/AG_rms"
 #: ``SiteRanking.by`` when sites were ranked by the point estimate ``s/AG_rms`` (vacuous intervals).
 BY_POINT = "point estimate of s/AG_rms"
+
+#: :attr:`SiteRanking.by` of a probe streamed until decided (``diagnose(..., until_decided=True)``): the sites
+#: the anytime noise test decided (improvable at its level whatever the stopping, ``thm-anytime-noise-test``)
+#: first, each group in order of the point estimate
+BY_DECIDED = "anytime decision, then point estimate of s/AG_rms"
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ class SiteRanking:
 
     Attributes:
         sites: the ranked sites, largest ``key`` first (ties: shallower first).
-        by: :data:`BY_CERTIFIED` or :data:`BY_POINT`: what was ranked on.
+        by: :data:`BY_CERTIFIED`, :data:`BY_POINT` or :data:`BY_DECIDED` (streamed until decided): what was ranked on.
         reason: one line saying why.
     """
 
@@ -139,6 +144,8 @@ def rank_sites(diagnosis: Diagnosis) -> SiteRanking:
     """
     if not diagnosis.sites:
         raise GrowError("the diagnosis has no sites to rank")
+    if getattr(diagnosis, "until_decided", False):
+        return _rank_streamed(diagnosis)
     intervals = [sd.interval for sd in diagnosis.sites]
     if all(iv is not None for iv in intervals):
         vacuous = [sd.site for sd in diagnosis.sites if sd.interval is not None and sd.interval.vacuous]
@@ -152,6 +159,19 @@ def rank_sites(diagnosis: Diagnosis) -> SiteRanking:
         certified, reason = False, "no confidence intervals (diagnose without --delta)"
     ranked = sorted((_entry(sd, certified) for sd in diagnosis.sites), key=lambda r: (-r.key, r.depth))
     return SiteRanking(ranked, BY_CERTIFIED if certified else BY_POINT, reason)
+
+
+def _rank_streamed(diagnosis: Diagnosis) -> SiteRanking:
+    """:func:`rank_sites` for a streamed diagnosis: decided sites first (:data:`BY_DECIDED`)."""
+    decided = {sd.site for sd in diagnosis.sites if sd.verdict_kind is Verdict.IMPROVABLE}
+    ranked = sorted(
+        (_entry(sd, False) for sd in diagnosis.sites), key=lambda r: (r.site not in decided, -r.key, r.depth)
+    )
+    reason = (
+        f"streamed until decided: the {len(decided)} of {len(diagnosis.sites)} site(s) the anytime noise test "
+        f"decided come first (thm-anytime-noise-test)"
+    )
+    return SiteRanking(ranked, BY_DECIDED, reason)
 
 
 def even_positions(n: int, k: int) -> list[int]:

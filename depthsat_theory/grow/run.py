@@ -175,7 +175,17 @@ _WHY = {"even": "evenly spaced (LLaMA-Pro's placement)", "explicit": "given by -
 
 def _chosen_rows(diagnosis: Any, ranking: Any, chosen: list[str], mode: str) -> list[dict]:
     rank = {r.site: i for i, r in enumerate(ranking.sites)}
-    keep = ("site", "depth", "score", "relative_score", "ag_rms", "ag_max", "verdict", "verdict_detail")
+    keep: tuple[str, ...] = (
+        "site",
+        "depth",
+        "score",
+        "relative_score",
+        "ag_rms",
+        "ag_max",
+        "verdict",
+        "verdict_detail",
+    )
+    keep += ("examples_used", "decided_at") if getattr(diagnosis, "until_decided", False) else ()
     rows = []
     for site in chosen:
         d = diagnosis[site].to_dict()
@@ -445,7 +455,11 @@ def grow(
         freeze_old: train only the new parameters.
         lr: the learning rate of the preview step and of training.
         layout: the sites' layout (as for :func:`~depthsat_theory.diagnose.diagnose`).
-        diagnose_kwargs: further keyword arguments of :func:`~depthsat_theory.diagnose.diagnose`.
+        diagnose_kwargs: further keyword arguments of :func:`~depthsat_theory.diagnose.diagnose` (fields of
+            :class:`~depthsat_theory.diagnose.DiagnoseOptions`); with ``until_decided=True`` the probe is streamed
+            until decided and ``positions="auto"`` puts the sites the anytime test decided first
+            (:data:`~depthsat_theory.grow.ranking.BY_DECIDED`); the chosen rows then carry ``examples_used`` and
+            ``decided_at``.
         description: one line about the model and probe.
         eval_batches: held-out batches (same form as ``batches``, never trained on): the report
             gives their mean loss before growth and after training.
@@ -492,7 +506,8 @@ def grow(
     eval_before = mean_probe_loss(model, loss_fn, eval_batches, progress) if eval_batches else None
     lap("diagnose")
     probe = unpack_batch(batches[0])[0]
-    by_copy = family is None and pos == "auto"
+    # streamed until decided: the anytime decisions drive the choice (rank_sites), not the copy scores
+    by_copy = family is None and pos == "auto" and not diagnosis.until_decided
     ranking, copy_note = _copy_ranking(model, loss_fn, batches, sites, probe) if by_copy else (None, None)
     ranking = ranking or rank_sites(diagnosis)
     chosen = _pick(ranking, sites, pos, blocks)

@@ -11,6 +11,7 @@ from torch import nn
 from depthsat_theory.diagnose import Diagnosis, diagnose
 from depthsat_theory.families import ResidualFamily
 from depthsat_theory.tasks.custom import to_device
+from depthsat_theory.vocabulary import Verdict
 
 __all__ = ["METRICS", "SaturationMonitor", "saturation_metrics"]
 
@@ -50,12 +51,21 @@ class SaturationMonitor:
         sites: site names (default: discovered on the first measurement, then kept).
         family: the residual family (spec or object), as for ``diagnose``.
         prefix: first component of the metric names (:func:`saturation_metrics`).
-        **diagnose_kwargs: further keyword arguments of ``diagnose`` (``layout``, ``reduction``,
-            ``mask_fn``, ``output_key``, ``loss_units``, ...; not ``checkpoint`` or ``delta``).
+        **diagnose_kwargs: further keyword arguments of ``diagnose`` (fields of
+            :class:`~depthsat_theory.diagnose.DiagnoseOptions`: ``layout``, ``reduction``, ``mask_fn``,
+            ``output_key``, ``loss_units``, ``until_decided``, ``max_examples``, ...; not ``checkpoint`` or
+            ``delta``).  With ``until_decided=True`` each measurement streams the probe until every site is
+            decided by the anytime noise test (``thm-anytime-noise-test``, level α per measurement) or
+            ``max_examples`` is spent; the metrics add ``examples_used`` per site, and ``decided_step`` (the
+            optimizer step) once, at the first measurement that decides the site.
 
     Attributes:
         diagnosis: the last :class:`~depthsat_theory.diagnose.Diagnosis` (``None`` before the first).
         step: the optimizer step it was measured at.
+        decided: ``{site: optimizer step}`` of the first measurement at which the anytime test decided each
+            site (``until_decided`` only; a site is reported decided once).  Each measurement is a level-α
+            test of its own model; over many measurements the chance that some measurement decides a site
+            whose score is zero throughout is not bounded by α.
 
     Raises:
         ValueError: ``every < 1``, an empty probe, or a ``checkpoint``/``delta`` keyword.
@@ -88,6 +98,7 @@ class SaturationMonitor:
         self.kwargs = diagnose_kwargs
         self.diagnosis: Diagnosis | None = None
         self.step: int | None = None
+        self.decided: dict[str, int] = {}
         self._placed: tuple[torch.device | None, list] = (None, self.batches)
 
     def due(self, step: int) -> bool:
@@ -120,7 +131,8 @@ class SaturationMonitor:
             step: the optimizer step, stored in :attr:`step`.
 
         Returns:
-            ``{f"{prefix}/{site}/{metric}": float}``.
+            ``{f"{prefix}/{site}/{metric}": float}`` (with ``until_decided``: also ``examples_used`` per site and
+            ``decided_step`` for a site decided for the first time).
 
         Raises:
             depthsat_theory.diagnose.DiagnoseError, depthsat_theory.capture.SiteError: as ``diagnose``.
@@ -138,4 +150,17 @@ class SaturationMonitor:
         if self.sites is None:
             self.sites = [s.site for s in d.sites]
         self.diagnosis, self.step = d, step
-        return saturation_metrics(d, self.prefix)
+        metrics = saturation_metrics(d, self.prefix)
+        if d.until_decided:
+            metrics.update(self._decisions(d, step))
+        return metrics
+
+    def _decisions(self, d: Diagnosis, step: int) -> dict[str, float]:
+        """A streamed measurement's metrics: examples used per site, and each new decision once, with its step."""
+        out: dict[str, float] = {}
+        for sd in d.sites:
+            out[f"{self.prefix}/{sd.site}/examples_used"] = float(sd.examples_used or 0)
+            if sd.verdict_kind is Verdict.IMPROVABLE and sd.site not in self.decided:
+                self.decided[sd.site] = step
+                out[f"{self.prefix}/{sd.site}/decided_step"] = float(step)
+        return out
