@@ -446,6 +446,13 @@ def diagnose_cmd(
     ),
     gram: str = typer.Option("auto", "--gram", help=GRAM_HELP),
     products: str = typer.Option("float64", "--products", help=PRODUCTS_HELP),
+    decision: bool = typer.Option(
+        False,
+        "--decision",
+        help="Also decide per site: add depth here, train longer first, enough depth or undetermined, from the "
+        "stationarity score of the existing last linear map at the site and the score beyond training "
+        "(theory/decision.md; feature families; one process).",
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -488,6 +495,7 @@ def diagnose_cmd(
                 curvature=curvature,
                 gram=gram,
                 products=products,
+                decision=decision,
                 **target.extra,
             )
     except KeyboardInterrupt:

@@ -50,6 +50,7 @@ DIAGNOSE_FLAGS: dict[str, str] = {
     "beta": "--beta",
     "second_order": "--second-order",
     "curvature": "--curvature",
+    "decision": "--decision",
     "user.model": "--model",
     "user.seed": "--seed",
     "user.batch_size": "--batch-size",

@@ -36,13 +36,14 @@ Under ``torchrun`` the probe is sharded and the sums all-reduced
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -81,6 +82,9 @@ from depthsat_theory.statistics import Reduction, StatisticsError, StreamingStat
 from depthsat_theory.statistics.feature import GRAM_MODES, PRODUCT_DTYPES, FeatureStatistics
 from depthsat_theory.statistics.linalg import EIGH_BATCH_MAX_ELEMENTS, eigh_batched
 from depthsat_theory.vocabulary import Layout
+
+if TYPE_CHECKING:
+    from depthsat_theory.diagnose.decision import SiteDecisions
 
 __all__ = ["ProbeLoss", "diagnose"]
 
@@ -133,6 +137,7 @@ def diagnose(
     curvature: bool = False,
     gram: str = "auto",
     products: str = "float64",
+    decision: bool = False,
 ) -> Diagnosis:
     """Saturation diagnosis of every site of ``model`` on a probe, in one pass per batch.
 
@@ -231,6 +236,11 @@ def diagnose(
             feature-family sites, summed in float64 either way (``"float32"``: about half the cost, with
             the wider rounding bound and resolution of thm-score-error, so more sites may be
             ``undetermined``); ignored by general families.
+        decision: also decide, per site, between *add depth here*, *train longer first*, *enough depth* and
+            *undetermined* (theory/decision.md, ``def-depth-decision``): the stationarity score of the existing
+            last linear map writing into the stream at the site and the score beyond training of the family
+            (:mod:`depthsat_theory.diagnose.decision`; feature families only; rows held up to
+            :data:`~depthsat_theory.diagnose.decision.DECISION_MAX_BYTES`; one process, not resumed).
 
     Returns:
         A :class:`Diagnosis` (the same on every rank under ``torchrun``).
@@ -281,6 +291,7 @@ def diagnose(
         gram=gram,
         products=products,
     )
+    run.decision = _decisions(model, site_list, first, fam, output_key, mask_fn) if decision else None
     run.open_checkpoint(checkpoint, config)
     if curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
         raise DiagnoseError("curvature needs the probe as a list or tuple of batches and a zero-output feature family")
@@ -296,6 +307,19 @@ def diagnose(
     if betas and _dist.world()[1] == 1:
         check_betas(out, model, loss_fn, batches, fam, run.stats, reduction)
     return out
+
+
+def _decisions(model: nn.Module, sites: list[str], first, fam: ResidualFamily, output_key, mask_fn):
+    """The :class:`~depthsat_theory.diagnose.decision.SiteDecisions` of a ``decision=True`` run."""
+    from depthsat_theory.diagnose.decision import SiteDecisions, find_last_maps
+
+    if not isinstance(fam, FeatureFamily):
+        raise DiagnoseError(f"decision needs a zero-output feature family; {fam.spec!r} is a general family")
+    try:
+        maps, reasons = find_last_maps(model, sites, first, output_key=output_key, mask_fn=mask_fn)
+    except (ValueError, RuntimeError) as exc:
+        raise DiagnoseError(f"decision: locating the last maps on probe batch 0 failed: {exc}") from None
+    return SiteDecisions(model, maps, reasons, fam)
 
 
 def _peek(batches: Iterable) -> tuple[object, Iterable]:
@@ -441,6 +465,7 @@ class _Run:
     betas: dict = field(default_factory=dict)
     gram: str = "auto"
     products: str = "float64"
+    decision: SiteDecisions | None = None
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -628,11 +653,14 @@ class _Run:
             **self.probe_options,
         )
         done = 0
+        decision = self.decision.context() if self.decision is not None else contextlib.nullcontext()
         try:
-            with beyond.context():
+            with beyond.context(), decision:
                 for pb in loop:
                     self._add(pb)
                     beyond.add(pb, self.layouts)
+                    if self.decision is not None:
+                        self.decision.add(pb, self.layouts)
                     done += 1
                     if done % every == 0:
                         self.save(pb.index + 1, False)
@@ -680,6 +708,8 @@ class _Run:
         if self.beyond is not None:
             self.beyond.reduce()
             self.beyond.finish(out, self.betas, whole_probe=self.start == 0)
+        if self.decision is not None:
+            self.decision.finish(out, whole_probe=self.start == 0, world=_dist.world()[1])
         return Diagnosis(
             sites=out,
             family=self.family.spec,
