@@ -317,8 +317,9 @@ def _decisions(model: nn.Module, sites: list[str], first, fam: ResidualFamily, o
         raise DiagnoseError(f"decision needs a zero-output feature family; {fam.spec!r} is a general family")
     try:
         maps, reasons = find_last_maps(model, sites, first, output_key=output_key, mask_fn=mask_fn)
-    except (ValueError, RuntimeError) as exc:
-        raise DiagnoseError(f"decision: locating the last maps on probe batch 0 failed: {exc}") from None
+    except (ValueError, RuntimeError) as exc:  # e.g. an in-place operation on a tapped output: decide nothing
+        line = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        maps, reasons = {}, dict.fromkeys(sites, f"locating the last maps on probe batch 0 failed: {line}")
     return SiteDecisions(model, maps, reasons, fam)
 
 
