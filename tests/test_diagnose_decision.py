@@ -143,6 +143,56 @@ def test_linear_model_closed_form_values():
     assert sd.decision is DepthDecision.TRAIN_LONGER
 
 
+class StreamBlock(nn.Module):
+    """``z = x + o(p(x))``: the stream ``x`` itself is ``z_in`` (no map makes it), ``p`` linear (no activation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(2, 1, bias=False)
+        self.o = nn.Linear(1, 2)
+
+    def forward(self, x):
+        return x + self.o(self.p(x))
+
+
+class StreamNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = StreamBlock()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_linear_model_with_a_direction_beyond_training():
+    """(a) ``x = (H₁, H₅)``, ``ψ = H₁``: the existing tangent is span(H₁, 1) per coordinate, the linear family adds H₅.
+
+    By hand (``o = [[½], [¼]]``, bias ``(⅛, 0)``, ``y = (½H₅ + ¼H₃, −¾H₁ + ½H₅)``):
+    ``g = (3/2 H₁ + ⅛ − ½H₅ − ¼H₃, H₁ + ½H₅)``, so ``s²_old = 9/4 + 1/64 + 1 = 209/64`` and
+    ``s²_beyond = ¼ + ¼ = ½`` (the H₅ coefficients); the noise moments from the rational Schur form.
+    """
+    n = 64
+    h = hadamard(n)
+    x = torch.tensor(np.c_[h[:, 1], h[:, 5]])
+    y = torch.tensor(np.c_[0.5 * h[:, 5] + 0.25 * h[:, 3], -0.75 * h[:, 1] + 0.5 * h[:, 5]])
+    net = StreamNet().double()
+    _set(net.block.p, [[1.0, 0.0]])
+    _set(net.block.o, [[0.5], [0.25]], [0.125, 0.0])
+    sd = run(net, x, y)["block"]
+    assert sd.decision_reason.endswith("(existing last map: block.o)")
+    assert sd.stationarity.score**2 == pytest.approx(209 / 64, rel=1e-12)
+    assert sd.beyond_training.score**2 == pytest.approx(0.5, rel=1e-12)
+    z = np.c_[1.5 * h[:, 1] + 0.125, h[:, 5] + 0.25 * h[:, 1]]
+    g = z - y.numpy()
+    ex = exact_scores(np.c_[h[:, 1], np.ones(n)], np.c_[z, np.ones(n)], g)
+    assert ex["old"] == F(209, 64) and ex["beyond"] == F(1, 2)
+    assert sd.stationarity.noise_variance == pytest.approx(float(ex["v_old"]), rel=1e-12)
+    assert sd.beyond_training.noise_variance == pytest.approx(float(ex["v_beyond"]), rel=1e-12)
+    # both noise ratios n ŝ²/v̂ are far above 3.84 here: both improvable, so the beyond score decides
+    assert sd.stationarity.verdict is Verdict.IMPROVABLE and sd.beyond_training.verdict is Verdict.IMPROVABLE
+    assert sd.decision is DepthDecision.ADD_DEPTH
+
+
 def _features_case(seed: int, n: int, teacher):
     """A 4-d stream ``z = s(x) + o(relu(p x))`` read at ``z₀``, ``x ~ N(0, I₃)``, 6 random ReLU hidden units.
 
