@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="training steps before the diagnosis (of 300)")
     ap.add_argument("--more", type=int, default=60, help="further steps: existing weights vs grown model")
     ap.add_argument("--probe", type=int, default=32, help="probe windows (64 characters each)")
+    ap.add_argument("--seeds", type=int, default=1, help="initialisations of each grown block")
+    ap.add_argument("--baseline", action="store_true", help="also time diagnose() without the decision")
     args = ap.parse_args()
     torch.manual_seed(0)
     vocab = CharVocabulary(load_kjv_text())
@@ -86,6 +88,10 @@ def main() -> None:
     res = diagnose(m64, token_loss, batches, decision=True, kinks=False, description=f"CharGPT after {args.steps}")
     took = time.perf_counter() - t0
     print(f"probe loss after {args.steps} steps: {res.loss:.4f} nats/token-mean; diagnose(decision=True) {took:.1f} s")
+    if args.baseline:
+        t0 = time.perf_counter()
+        diagnose(m64, token_loss, batches, kinks=False)
+        print(f"diagnose() without the decision: {time.perf_counter() - t0:.1f} s")
     for sd in res.sites:
         st, bt = sd.stationarity, sd.beyond_training
         print(
@@ -105,11 +111,13 @@ def main() -> None:
         train(trained, windows, args.more, start=args.steps)
         line = [f"{args.more} more steps: existing weights {probe_loss(trained, x, y):.4f}"]
         for sd in res.sites:  # the same steps on the model grown by one zero-output block at each site in turn
-            grown = copy.deepcopy(model)
-            i = int(sd.site.split(".")[1])
-            grown.blocks[i] = Grown(grown.blocks[i], 64)
-            train(grown, windows, args.more, start=args.steps)
-            line.append(f"grown at {sd.site} {probe_loss(grown, x, y):.4f}")
+            for seed in range(args.seeds):
+                torch.manual_seed(100 + seed)
+                grown = copy.deepcopy(model)
+                i = int(sd.site.split(".")[1])
+                grown.blocks[i] = Grown(grown.blocks[i], 64)
+                train(grown, windows, args.more, start=args.steps)
+                line.append(f"grown at {sd.site} (seed {seed}) {probe_loss(grown, x, y):.4f}")
         print(", ".join(line))
 
 
