@@ -326,3 +326,23 @@ def test_not_requested_is_none():
     sd = diagnose(net, sq_loss, [(x, y)], sites=["block"], kinks=False)["block"]
     assert sd.decision is None and sd.to_dict()["decision"] is None
     assert SiteDecisions is not None
+
+
+def test_cli_decision_json_and_table():
+    """``depthsat diagnose --decision``: every site has the keys; the embedding site (a linear map of the input,
+    so the linear family's ``φ̃ = (z, 1)`` lies in its tangent) has no direction beyond training."""
+    from typer.testing import CliRunner
+
+    from depthsat_theory.cli import app
+
+    args = ["diagnose", "--model", "mlp", "--batches", "1", "--batch-size", "16", "-q", "--decision", "--json", "-"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout[out.stdout.index("{") :])
+    vocab = {d.value for d in DepthDecision}
+    for site in data["sites"]:
+        assert site["decision"] in vocab and site["decision_reason"]
+        assert {"stationarity", "beyond_training"} <= set(site)
+    embed = data["sites"][0]
+    assert embed["site"] == "embed" and embed["beyond_training"]["tangent_rank"] == 0
+    assert embed["decision"] == DepthDecision.ENOUGH_DEPTH.value or embed["stationarity"]["verdict"] == "improvable"

@@ -91,7 +91,6 @@ def find_last_maps(
     candidates = [(n, m) for n, m in model.named_modules() if _is_linear_map(m)]
     taps: dict[str, list[Tensor]] = {}
     outs: dict[str, list[Tensor]] = {}
-    handles = []
 
     def tap(name):
         def hook(_mod, _inp, out):
@@ -111,15 +110,15 @@ def find_last_maps(
 
     reasons: dict[str, str] = {}
     plain = []
-    for s in sites:
-        base, occ = parse_site(s)
-        if occ is not None:
-            reasons[s] = f"site {s!r} is one call of a module that runs several times: its last map is not located"
-            continue
-        plain.append(s)
-        handles.append(resolve_module(model, base).register_forward_hook(grab(s, base)))
-    handles += [m.register_forward_hook(tap(n)) for n, m in candidates]
+    handles = [m.register_forward_hook(tap(n)) for n, m in candidates]  # first: a site module's own tap is seen
     try:
+        for s in sites:
+            base, occ = parse_site(s)
+            if occ is not None:
+                reasons[s] = f"site {s!r} is one call of a module that runs several times: its last map is not located"
+                continue
+            plain.append(s)
+            handles.append(resolve_module(model, base).register_forward_hook(grab(s, base)))
         with torch.enable_grad():
             call_model(model, x)
     finally:
