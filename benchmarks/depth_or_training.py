@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from torch import nn
 from depthsat_theory.diagnose import diagnose
 from depthsat_theory.tasks.data import CharVocabulary, kjv_sequences, load_kjv_text
 from depthsat_theory.tasks.models import CharGPT, token_loss
+from depthsat_theory.tasks.training import _train_gpt
 
 
 class Grown(nn.Module):
@@ -43,22 +43,9 @@ class Grown(nn.Module):
         return z + self.new(z)
 
 
-def train(model, windows, steps, *, lr=5e-3, total=300, start=0):
-    """AdamW on windows ``[start, start + steps)`` of 32, the recipe's OneCycle schedule over ``total`` steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total)
-    with warnings.catch_warnings():  # move the schedule to step `start` (no optimizer step yet: warned)
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(start):
-            sched.step()
-    model.train()
-    for s in range(start, start + steps):
-        batch = windows[s * 32 : (s + 1) * 32]
-        loss = token_loss(model(batch[:, :-1]), batch[:, 1:]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+def train(model, windows, steps, *, start=0):
+    """The project's gpt recipe (AdamW, OneCycle over 300 steps) on batches ``[start, start + steps)``."""
+    _train_gpt(model, windows, steps=steps, start=start)
     model.eval()
 
 

@@ -291,7 +291,7 @@ def diagnose(
         gram=gram,
         products=products,
     )
-    run.decision = _decisions(model, site_list, first, fam, output_key, mask_fn) if decision else None
+    run.decision = _decisions(model, site_list, first, fam, output_key, mask_fn, wanted=decision)
     run.open_checkpoint(checkpoint, config)
     if curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
         raise DiagnoseError("curvature needs the probe as a list or tuple of batches and a zero-output feature family")
@@ -309,10 +309,12 @@ def diagnose(
     return out
 
 
-def _decisions(model: nn.Module, sites: list[str], first, fam: ResidualFamily, output_key, mask_fn):
-    """The :class:`~depthsat_theory.diagnose.decision.SiteDecisions` of a ``decision=True`` run."""
+def _decisions(model: nn.Module, sites: list[str], first, fam: ResidualFamily, output_key, mask_fn, *, wanted: bool):
+    """The :class:`~depthsat_theory.diagnose.decision.SiteDecisions` of a ``decision=True`` run (else ``None``)."""
     from depthsat_theory.diagnose.decision import SiteDecisions, find_last_maps
 
+    if not wanted:
+        return None
     if not isinstance(fam, FeatureFamily):
         raise DiagnoseError(f"decision needs a zero-output feature family; {fam.spec!r} is a general family")
     try:
