@@ -346,3 +346,21 @@ def test_cli_decision_json_and_table():
     embed = data["sites"][0]
     assert embed["site"] == "embed" and embed["beyond_training"]["tangent_rank"] == 0
     assert embed["decision"] == DepthDecision.ENOUGH_DEPTH.value or embed["stationarity"]["verdict"] == "improvable"
+
+
+@pytest.mark.parametrize(
+    ("arch", "sites", "last"),
+    [
+        ("llama", ["model.layers.0", "model.layers.1"], "mlp.down_proj"),
+        ("gpt2", ["transformer.h.0", "transformer.h.1"], "mlp.c_proj"),
+    ],
+)
+def test_last_maps_of_hugging_face_blocks(arch, sites, last):
+    """Pre-LN Hugging Face blocks (tuple outputs; GPT-2's ``Conv1D``): the MLP's output projection, not the
+    attention's (the MLP reads the attention's output, so its Jacobian to the block output is not the identity)."""
+    from tiny_hf import tiny_causal_lm
+
+    model = tiny_causal_lm(arch)
+    ids = torch.randint(0, 10, (2, 8), generator=torch.Generator().manual_seed(0))
+    maps, reasons = find_last_maps(model, sites, {"input_ids": ids, "labels": ids})
+    assert maps == {s: [f"{s}.{last}"] for s in sites} and not reasons
