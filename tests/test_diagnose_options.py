@@ -64,6 +64,7 @@ def test_unknown_keyword_and_wrong_options_type_are_refused():
         ({"until_decided": True, "max_examples": 2.5}, "whole number"),
         ({"until_decided": True, "delta": 0.1}, "until_decided with delta"),
         ({"until_decided": True, "second_order": True}, "need the whole probe"),
+        ({"until_decided": True, "decision": True}, "decision does not go with until_decided"),
     ],
 )
 def test_options_that_cannot_go_together_are_refused_in_one_line(kwargs, match):

@@ -460,6 +460,13 @@ def diagnose_cmd(
         help="With --until-decided: the budget in probe examples (no batch that would pass it is read; "
         "default: the whole probe).",
     ),
+    decision: bool = typer.Option(
+        False,
+        "--decision",
+        help="Also decide per site: add depth here, train longer first, enough depth or undetermined, from the "
+        "stationarity score of the existing last linear map at the site and the score beyond training "
+        "(theory/decision.md; feature families; one process).",
+    ),
 ) -> None:
     """Saturation score of every residual-stream site of a model, one forward+backward per batch."""
     from depthsat_theory.capture import SiteError
@@ -501,6 +508,7 @@ def diagnose_cmd(
                 products=products,
                 until_decided=until_decided,
                 max_examples=max_examples,
+                decision=decision,
                 **target.extra,
             )
             res = diagnose(target.model, target.loss_fn, target.batches, options=options)

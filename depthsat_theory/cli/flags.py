@@ -53,6 +53,7 @@ DIAGNOSE_FLAGS: dict[str, str] = {
     "until_decided.max_examples": "--max-examples",
     "until_decided": "--until-decided",
     "max_examples": "--max-examples",
+    "decision": "--decision",
     "user.model": "--model",
     "user.seed": "--seed",
     "user.batch_size": "--batch-size",

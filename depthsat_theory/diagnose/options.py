@@ -90,6 +90,12 @@ class DiagnoseOptions:
             no ``delta``).
         max_examples: with ``until_decided``, the budget in probe examples: no batch that would take the
             total above it is read (``None``: the whole probe is the budget).
+        decision: also decide, per site, between *add depth here*, *train longer first*, *enough depth* and
+            *undetermined* (theory/decision.md, ``def-depth-decision``): the stationarity score of the existing
+            last linear map writing into the stream at the site and the score beyond training of the family
+            (:mod:`depthsat_theory.diagnose.decision`; zero-output feature families only; rows held up to
+            :data:`~depthsat_theory.diagnose.decision.DECISION_MAX_BYTES`; one process, not resumed; not with
+            ``until_decided``, whose optional stopping the decision's fixed-size tests do not allow for).
     """
 
     sites: Sequence[str] | None = None
@@ -118,6 +124,7 @@ class DiagnoseOptions:
     products: str = "float64"
     until_decided: bool = False
     max_examples: int | None = None
+    decision: bool = False
 
     def check(self) -> None:
         """Refuse options that cannot go together or are out of range, before any work.
@@ -137,6 +144,11 @@ class DiagnoseOptions:
                 raise DiagnoseError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.checkpoint_every < 1:
             raise DiagnoseError("checkpoint_every must be >= 1")
+        if self.decision and self.until_decided:
+            raise DiagnoseError(
+                "decision does not go with until_decided: the decision's noise tests are fixed-size and would lose "
+                "their level under the anytime stopping (run them separately)"
+            )
         if self.max_examples is not None:
             if not self.until_decided:
                 raise DiagnoseError("max_examples needs until_decided (it is the budget of a streamed run)")

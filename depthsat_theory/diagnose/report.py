@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from depthsat_theory.decision.beyond import DepthDecision
 from depthsat_theory.io import atomic_write
 from depthsat_theory.statistics import SaturationResult
 from depthsat_theory.statistics.decrease import guaranteed_decrease
@@ -49,6 +50,13 @@ class SiteDiagnosis:
         stream: what the anytime noise test says when the probe was streamed until decided
             (``until_decided=True``; theory/decision.md, ``thm-anytime-noise-test``), else ``None``; then the
             verdict is the streamed one (:func:`~depthsat_theory.diagnose.stream.stream_verdict`).
+        decision: "add depth here" / "train longer first" / "enough depth" / "undetermined"
+            (:class:`~depthsat_theory.decision.beyond.DepthDecision`, theory/decision.md ``def-depth-decision``;
+            ``decision=True``), or ``None`` when not requested.
+        decision_reason: one line: why, and what would decide an undetermined site (``None`` when not requested).
+        stationarity: the stationarity score's result (the existing last map's tangent, ``def-stationarity-score``),
+            or ``None`` when not computed.
+        beyond_training: the score beyond training's result (``prop-beyond-training``), or ``None``.
     """
 
     site: str
@@ -62,6 +70,10 @@ class SiteDiagnosis:
     curvature: FieldCurvature | None = None
     beta_check: StepCheck | None = None
     stream: SiteStream | None = None
+    decision: DepthDecision | None = None
+    decision_reason: str | None = None
+    stationarity: SaturationResult | None = None
+    beyond_training: SaturationResult | None = None
 
     @property
     def examples_used(self) -> int | None:
@@ -161,6 +173,7 @@ class SiteDiagnosis:
             "examples_used": self.examples_used,
             "decided_at": self.decided_at,
             "anytime": None if self.stream is None else self.stream.to_dict(),
+            **_decision_dict(self),
         }
 
 
@@ -426,6 +439,16 @@ _CERTIFICATES = {
 }
 
 
+def _decision_dict(sd: SiteDiagnosis) -> dict:
+    """The decision's JSON keys (``decision``, ``decision_reason``, ``stationarity``, ``beyond_training``)."""
+    return {
+        "decision": None if sd.decision is None else sd.decision.value,
+        "decision_reason": sd.decision_reason,
+        "stationarity": None if sd.stationarity is None else sd.stationarity.to_dict(),
+        "beyond_training": None if sd.beyond_training is None else sd.beyond_training.to_dict(),
+    }
+
+
 def _extra_columns(sites: list[SiteDiagnosis]) -> list[str]:
     """Columns beyond first order that some site has: ``s²/2β``, the saddle score, kink ties."""
     cols = []
@@ -437,6 +460,8 @@ def _extra_columns(sites: list[SiteDiagnosis]) -> list[str]:
         cols.append("saddle σ")
     if any(sd.result.kink_ties for sd in sites):
         cols.append("kink ties")
+    if any(sd.decision is not None for sd in sites):
+        cols += ["s_old/AG_rms", "s_beyond/AG_rms", "decision"]
     return cols
 
 
@@ -446,6 +471,9 @@ def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
         "saddle σ": "—" if sd.saddle is None else _g(sd.saddle.saddle_score),
         "s²/2κ (local)": "—" if sd.curvature is None else _g(sd.curvature.local_decrease),
         "kink ties": "—" if sd.result.kink_ties is None else str(sd.result.kink_ties),
+        "s_old/AG_rms": "—" if sd.stationarity is None else _g(sd.stationarity.relative_score),
+        "s_beyond/AG_rms": "—" if sd.beyond_training is None else _g(sd.beyond_training.relative_score),
+        "decision": "—" if sd.decision is None else sd.decision.value,
     }
     return [cells[c] for c in cols]
 

@@ -36,13 +36,14 @@ Under ``torchrun`` the probe is sharded and the sums all-reduced
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +84,9 @@ from depthsat_theory.statistics import Reduction, StatisticsError, StreamingStat
 from depthsat_theory.statistics.feature import FeatureStatistics
 from depthsat_theory.statistics.linalg import EIGH_BATCH_MAX_ELEMENTS, eigh_batched
 from depthsat_theory.vocabulary import Layout
+
+if TYPE_CHECKING:
+    from depthsat_theory.diagnose.decision import SiteDecisions
 
 __all__ = ["DiagnoseOptions", "ProbeLoss", "diagnose"]
 
@@ -194,6 +198,7 @@ def diagnose(
         products=o.products,
         anytime=_anytime_streams(o, fam, site_list),
     )
+    run.decision = _decisions(model, site_list, first, fam, o.output_key, o.mask_fn, wanted=o.decision)
     run.open_checkpoint(o.checkpoint, o.config)
     if o.curvature and not (isinstance(batches, (list, tuple)) and isinstance(fam, FeatureFamily)):
         raise DiagnoseError("curvature needs the probe as a list or tuple of batches and a zero-output feature family")
@@ -226,6 +231,22 @@ def _anytime_streams(o: DiagnoseOptions, fam: ResidualFamily, sites: list[str]) 
             "(run without torchrun, or without until_decided)"
         )
     return AnytimeStreams(fam, sites, o.max_examples)
+
+
+def _decisions(model: nn.Module, sites: list[str], first, fam: ResidualFamily, output_key, mask_fn, *, wanted: bool):
+    """The :class:`~depthsat_theory.diagnose.decision.SiteDecisions` of a ``decision=True`` run (else ``None``)."""
+    from depthsat_theory.diagnose.decision import SiteDecisions, find_last_maps
+
+    if not wanted:
+        return None
+    if not isinstance(fam, FeatureFamily):
+        raise DiagnoseError(f"decision needs a zero-output feature family; {fam.spec!r} is a general family")
+    try:
+        maps, reasons = find_last_maps(model, sites, first, output_key=output_key, mask_fn=mask_fn)
+    except (ValueError, RuntimeError) as exc:  # e.g. an in-place operation on a tapped output: decide nothing
+        line = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        maps, reasons = {}, dict.fromkeys(sites, f"locating the last maps on probe batch 0 failed: {line}")
+    return SiteDecisions(model, maps, reasons, fam)
 
 
 def _peek(batches: Iterable) -> tuple[object, Iterable]:
@@ -396,6 +417,7 @@ class _Run:
     gram: str = "auto"
     products: str = "float64"
     anytime: AnytimeStreams | None = None
+    decision: SiteDecisions | None = None
 
     def open_checkpoint(self, checkpoint: str | os.PathLike | None, config: dict | None) -> None:
         """Fix the configuration and resume from ``checkpoint`` when it exists and matches."""
@@ -605,11 +627,14 @@ class _Run:
             **self.probe_options,
         )
         done = 0
+        decision = self.decision.context() if self.decision is not None else contextlib.nullcontext()
         try:
-            with beyond.context():
+            with beyond.context(), decision:
                 for pb in loop:
                     self._add(pb)
                     beyond.add(pb, self.layouts)
+                    if self.decision is not None:
+                        self.decision.add(pb, self.layouts)
                     done += 1
                     if done % every == 0:
                         self.save(pb.index + 1, False)
@@ -672,6 +697,8 @@ class _Run:
             for sd in out:
                 sd.stream = streams[sd.site]
             notes.append(self.anytime.note(self.loss.examples))
+        if self.decision is not None:
+            self.decision.finish(out, whole_probe=self.start == 0, world=_dist.world()[1])
         return Diagnosis(
             sites=out,
             family=self.family.spec,

@@ -278,13 +278,21 @@ def train_classifier(model: nn.Module, x: Tensor, y: Tensor, seed: int, cfg: dic
     model.eval()
 
 
-def _train_gpt(model: nn.Module, windows: Tensor) -> None:
+def _train_gpt(model: nn.Module, windows: Tensor, *, steps: int | None = None, start: int = 0) -> None:
+    """The gpt recipe (AdamW, OneCycle over the recipe's steps) on batches ``[start, start + steps)`` of ``windows``.
+
+    ``start > 0`` begins a fresh optimizer at that point of the schedule (``benchmarks/depth_or_training.py``).
+    """
     cfg = _CONFIGS["gpt"]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
-    steps, bs = cfg["steps"], cfg["batch_size"]
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg["lr"], total_steps=steps)
+    total, bs = cfg["steps"], cfg["batch_size"]
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg["lr"], total_steps=total)
+    with warnings.catch_warnings():  # move the schedule to step `start` (no optimizer step yet: warned)
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(start):
+            sched.step()
     model.train()
-    for s in range(steps):
+    for s in range(start, start + (total - start if steps is None else steps)):
         batch = windows[s * bs : (s + 1) * bs]
         loss = token_loss(model(batch[:, :-1]), batch[:, 1:]).mean()
         opt.zero_grad(set_to_none=True)
