@@ -259,7 +259,7 @@ def print_audit(rep: Any, table: Table, *, as_json: bool) -> None:
 
 
 def print_diagnosis(res: Any, written: list[Path], *, stderr: bool = False) -> None:
-    """``depthsat diagnose`` output: the table, notes, resume line and files written.
+    """``depthsat diagnose`` output: the table, why each undetermined site is so and what would decide it, notes.
 
     Args:
         res: the :class:`~depthsat_theory.diagnose.Diagnosis`.
@@ -271,6 +271,9 @@ def print_diagnosis(res: Any, written: list[Path], *, stderr: bool = False) -> N
     else:
         out = console if sys.stdout.isatty() else Console(width=160)
     out.print(res.table())
+    for sd in res.sites:
+        if sd.verdict == "undetermined":
+            out.print(f"  {sd.site}: undetermined: {sd.verdict_reason}", markup=False, highlight=False)
     for note in res.notes:
         out.print(f"  note: {note}", markup=False, highlight=False)
     if res.resumed_from:
@@ -287,10 +290,13 @@ def print_grow(rep: dict, written: list[Path]) -> None:
         written: the files written, one line each.
     """
     t = Table(title=f"depthsat grow: {rep['description']}, {rep['method']} ({rep['family']})")
-    for c in ("site", "depth", "s/AG_rms", "verdict", "why"):
+    for c in ("site", "depth", "s_U/AG_rms", "verdict", "plug-in ŝ/AG_rms", "why"):
         t.add_column(c, justify="left" if c in ("site", "verdict", "why") else "right")
     for row in rep["chosen"]:
-        t.add_row(row["site"], str(row["depth"]), _cell(row["relative_score"]), str(row["verdict"]), row["why"])
+        head = row.get("headline") or {}
+        rel = head.get("relative_score")
+        cells = ("—" if rel is None else _cell(rel), str(row["verdict"]), _cell(row["relative_score"]))
+        t.add_row(row["site"], str(row["depth"]), *cells, row["why"])
     console.print(t)
     fs = rep["first_step"]
     units = rep["loss_units"]
