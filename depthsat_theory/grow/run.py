@@ -185,8 +185,8 @@ def _chosen_rows(diagnosis: Any, ranking: Any, chosen: list[str], mode: str) -> 
         "score",
         "relative_score",
         "ag_rms",
+        "ag_max",
     )
-    keep += ("ag_max",)
     rows = []
     for site in chosen:
         d = diagnosis[site].to_dict()
