@@ -140,7 +140,7 @@ def test_next_step_of_a_probe_too_small_names_the_probe_size_and_the_command():
     res = _noise(1.0, 50.0)
     assert res.verdict is Verdict.UNDETERMINED
     step = next_step(res)
-    assert step.startswith("to decide: a probe of about 381 examples")
+    assert step.startswith("to decide: about 381 examples")
     assert "depthsat diagnose ... --max-examples 381" in step and "--until-decided --max-examples" in step
     assert "smaller family" in step
 

@@ -77,11 +77,14 @@ def _noise_step(r: SaturationResult) -> str:
     s2u, v = r.score_squared_unbiased, r.noise_variance
     if need:
         seq = sequential_examples_needed(s2u, v, alpha=r.alpha)
-        anytime = "" if seq is None else f" or `{COMMAND} --until-decided --max-examples {max(seq, need)}`"
+        anytime = (
+            ""
+            if seq is None
+            else f", or stream until decided (`{COMMAND} --until-decided --max-examples {max(seq, need)}`)"
+        )
         return (
-            f"a probe of about {need} examples if s² ≈ ŝ²_U = {s2u:.3g} (`{COMMAND} --max-examples {need}`{anytime}, "
-            f"which stops once decided); or fewer features (v̂ grows with the tangent rank {r.tangent_rank}: "
-            f"a smaller family)"
+            f"about {need} examples (`{COMMAND} --max-examples {need}`){anytime}; or fewer features (a smaller "
+            f"family: v̂ grows with the tangent rank {r.tangent_rank})"
         )
     if v > 0 and s2u > 1e-8 * v / r.n:
         return f"float64 products: `{COMMAND} --products float64` (this probe size suffices for s² ≈ {s2u:.3g})"
