@@ -404,7 +404,7 @@ class Diagnosis:
         rms = np.array([sd.result.ag_rms for sd in self.sites])
         for ax, scale in ((ax1, np.ones_like(rms)), (ax2, np.where(rms > 0, rms, np.nan))):
             _plot_panel(ax, self.sites, xs, scale)
-        ax1.plot(xs, rms, "s:", color="0.5", alpha=0.6, label="AG_rms (upper bound of s)")
+        ax1.plot(xs, rms, "s:", color="C9", alpha=0.6, label="AG_rms (upper bound of s)")
         ivs = [sd.interval for sd in self.sites]
         if any(iv is not None and not iv.vacuous for iv in ivs):  # vacuous ones are [0, γ]: not drawn
             lo = np.array([np.nan if iv is None or iv.vacuous else iv.score_lower for iv in ivs])
@@ -475,7 +475,7 @@ def _plot_panel(ax, sites: list[SiteDiagnosis], xs: np.ndarray, scale: np.ndarra
                 fmt=marker,
                 color=color,
                 capsize=3,
-                label=f"s_U, {verdict.value}",
+                label=f"s_U and its interval: {verdict.value}",
             )
     ax.plot(xs, plug, "^--", color="C7", alpha=0.7, markersize=4, label="plug-in ŝ (biased up)")
     ax.plot(xs, chance, ":", color="C7", alpha=0.7, label="chance level of ŝ, sqrt(v̂/n)")
