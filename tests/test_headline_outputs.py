@@ -183,3 +183,21 @@ def test_next_step_names_the_command_for_each_cause(kw, expect):
 def test_no_next_step_for_a_decided_site(kw):
     res = _bare(**kw)
     assert res.verdict is not Verdict.UNDETERMINED and next_step(res) is None
+
+
+def test_a_depth_decision_gets_its_own_column_and_key_beside_the_verdict():
+    from depthsat_theory.decision import DepthDecision
+
+    d = diagnose(_Identity(), _inner_loss, _noise_probe("gaussian", "gaussian", 0), sites=["site"], family="linear")
+    sd = d.sites[0]
+    assert "decision" not in d.columns() and "decision" not in sd.to_dict()
+    sd.decision = DepthDecision.TRAIN_LONGER  # what the depth decision sets (def-depth-decision)
+    sd.decision_reason = "the existing last map is not stationary"
+    cols = d.columns()
+    assert cols[-1] == "decision" and d._row(sd, cols)[-1] == "train longer first"
+    assert d._row(sd, cols)[cols.index("verdict")] == sd.verdict.value  # the verdict stays
+    js = sd.to_dict()
+    assert js["decision"] == "train longer first" and js["decision_reason"] == sd.decision_reason
+    assert js["verdict"] == sd.verdict.value
+    md = d.markdown()
+    assert "| decision |" in md and "train longer first" in md
