@@ -14,6 +14,7 @@ from rich.table import Table
 
 from depthsat_theory.bounds import ScoreInterval
 from depthsat_theory.cli.flags import user_message
+from depthsat_theory.diagnose.report import headline_or_none
 from depthsat_theory.statistics import SaturationResult
 
 __all__ = [
@@ -182,7 +183,7 @@ def print_check_summary(rep: dict, wall: float, path: Path | str, *, stderr: boo
 
 # ----------------------------------------------------------------------------- score
 def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> dict:
-    """The keys of ``depthsat score``: the result's, a note, then the interval's (``--delta``).
+    """The keys of ``depthsat score``: the headline, the result's, a note, then the interval's (``--delta``).
 
     Every key of the interval that the result also has (``label``, ``notes``, ``tangent_rank``,
     ``score_squared``, ``score_squared_unbiased``, ...) becomes ``bound_<key>``, so the
@@ -195,7 +196,8 @@ def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> di
     Returns:
         The ``dict`` printed by :func:`print_score`.
     """
-    out = result.to_dict()
+    head = headline_or_none(result)
+    out = {"headline": None if head is None else head.to_dict(), **result.to_dict()}
     out["note"] = SCORE_NOTE
     if interval is not None:
         bound = interval.to_dict()

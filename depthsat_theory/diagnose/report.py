@@ -26,7 +26,23 @@ if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
     from depthsat_theory.capture.curvature import FieldCurvature, StepCheck
 
-__all__ = ["Diagnosis", "SiteDiagnosis"]
+__all__ = ["Diagnosis", "SiteDiagnosis", "headline_or_none"]
+
+
+def headline_or_none(result: SaturationResult) -> Headline | None:
+    """:func:`depthsat_theory.decision.headline` of a result, or ``None`` when it has none to give.
+
+    Args:
+        result: a site's :class:`~depthsat_theory.statistics.SaturationResult`.
+
+    Returns:
+        The :class:`~depthsat_theory.decision.Headline`; ``None`` when ``n < 2`` or ``v̂``, ``ŝ`` or ``AG_rms``
+        is not a finite number ``≥ 0`` (``v̂`` not streamed: no bias correction is possible).
+    """
+    r = result
+    if r.n < 2 or not all(math.isfinite(x) and x >= 0 for x in (r.noise_variance, r.score, r.ag_rms)):
+        return None
+    return headline(r)
 
 
 @dataclass
@@ -126,10 +142,7 @@ class SiteDiagnosis:
         :func:`depthsat_theory.decision.headline`. ``None`` when the noise moment ``v̂`` was not streamed or
         ``n < 2`` (no bias correction is possible).
         """
-        r = self.result
-        if r.n < 2 or not all(math.isfinite(x) and x >= 0 for x in (r.noise_variance, r.score, r.ag_rms)):
-            return None
-        return headline(r)
+        return headline_or_none(self.result)
 
     @property
     def next_step(self) -> str | None:

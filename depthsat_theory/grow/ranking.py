@@ -13,8 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from depthsat_theory.decision.headline import headline
-from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
+from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis, headline_or_none
 from depthsat_theory.grow.errors import GrowError
 from depthsat_theory.statistics import SaturationResult
 from depthsat_theory.vocabulary import Verdict
@@ -134,13 +133,8 @@ def headline_key(result: SaturationResult) -> float:
         ``s_U / AG_rms`` (``def-bias-corrected-score``), or ``-inf`` when the result is degenerate, has no
         noise moment ``v̂`` (``n < 2``) or ``AG_rms = 0``.
     """
-    r = result
-    if r.verdict is Verdict.DEGENERATE or r.n < 2:
-        return -math.inf
-    if not all(math.isfinite(x) and x >= 0 for x in (r.noise_variance, r.score, r.ag_rms)):
-        return -math.inf
-    rel = headline(r).relative_score
-    return rel if math.isfinite(rel) else -math.inf
+    head = None if result.verdict is Verdict.DEGENERATE else headline_or_none(result)
+    return head.relative_score if head is not None and math.isfinite(head.relative_score) else -math.inf
 
 
 def _entry(sd: SiteDiagnosis, certified: bool) -> RankedSite:
