@@ -311,14 +311,108 @@ def test_zeroed_maps_gradient_is_b_gpt2():
             assert float(gr.abs().max()) == 0.0, name
 
 
-def test_first_order_start_line_search():
-    """init='first-order': θ = −t b/‖b‖ with b the zero-output copy's gradient (autograd, independently);
-    the chosen t has the smallest held-out loss of the search, recomputed here; an empty grid keeps t = 0."""
+class _LinearBlock(torch.nn.Module):
+    """``x ↦ x + W (A x) + c``: a zero-output linear family with fixed features ``A x`` (A dyadic)."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.inner = torch.nn.Linear(a.shape[1], a.shape[0], bias=False).double()
+        self.out = torch.nn.Linear(a.shape[0], a.shape[1]).double()
+        with torch.no_grad():
+            self.inner.weight.copy_(a)
+            self.out.weight.zero_()
+            self.out.bias.zero_()
+
+    def forward(self, x):
+        return x + self.out(self.inner(x))
+
+
+class _LinearNet(torch.nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.block = _LinearBlock(a)
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def _half_sq(out, y):
+    """Per-example ½ Σ_{t,j} (out − y)²: the activation gradient at the block's output is ``out − y``."""
+    return 0.5 * ((out - y) ** 2).sum(dim=(1, 2))
+
+
+def _dyadic(seed, shape, scale):
+    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).double() * scale / 8
+
+
+def test_first_order_start_is_the_projected_step():
+    """init='first-order' on a linear family with exact dyadic data and non-isotropic features: the weights are
+    −t C/‖Πg‖ with C the least-squares fit of the activation gradient by the features (numpy lstsq), not the
+    plain gradient's direction (which differs here); the held-out loss is recomputed; t = 0 is bitwise the
+    original function."""
+    import numpy as np
+
     from depthsat_theory.grow.start import first_order_start
+
+    a = torch.tensor([[1.0, 0.5, 0.0], [0.0, 0.25, 2.0]], dtype=torch.float64)  # k = 2 features of d = 3
+    scale = torch.tensor([1.0, 4.0, 0.25], dtype=torch.float64)  # non-isotropic inputs
+    x, hx = _dyadic(1, (4, 8, 3), scale), _dyadic(3, (4, 8, 3), scale)
+    w_true = torch.tensor([[0.5, -0.25], [0.0, 0.5], [-0.5, 0.25]], dtype=torch.float64)
+    y = x + (x @ a.T) @ w_true.T + _dyadic(2, (4, 8, 3), torch.ones(3)) / 4
+    hy = hx + (hx @ a.T) @ w_true.T + _dyadic(4, (4, 8, 3), torch.ones(3)) / 4
+    model = _LinearNet(a)
+    zeroed = {"block": ["block.out.weight", "block.out.bias"]}
+    # the reference, independently: rows of features (with the constant) and of g = x − y at the zero state
+    phi = np.concatenate([(x @ a.T).reshape(-1, 2).numpy(), np.ones((32, 1))], axis=1)
+    g = (x - y).reshape(-1, 3).numpy()
+    c = np.linalg.lstsq(phi, g, rcond=None)[0].T  # (d, k̃): Πg = C φ̃
+    s_ref = float(np.sqrt(((phi @ c.T) ** 2).sum() / 4))  # ‖Πg‖ per example
+    plain = g.T @ phi / 4  # G, the plain gradient of the zeroed coordinates
+    cos = float((plain * c).sum() / np.linalg.norm(plain) / np.linalg.norm(c))
+    assert cos < 0.99  # the old code's direction is not the projected step's here
+    st = first_order_start(model, zeroed, _half_sq, (x, y), (hx, hy))
+    assert st.step > 0 and st.projected_norm == pytest.approx(s_ref, rel=1e-9)
+    want = -st.step * c / s_ref
+    np.testing.assert_allclose(model.block.out.weight.detach().numpy(), want[:, :2], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(model.block.out.bias.detach().numpy(), want[:, 2], rtol=1e-9, atol=1e-12)
+    with torch.no_grad():
+        field = hx @ a.T @ torch.from_numpy(want[:, :2]).T + torch.from_numpy(want[:, 2])
+        got = float(_half_sq(hx + field, hy).mean())
+    assert got == pytest.approx(st.held_out_loss, rel=1e-12)
+    assert st.held_out_loss == min(v for _, v in st.searched) < st.searched[0][1]
+    kept = _LinearNet(a)
+    res = first_order_start(kept, zeroed, _half_sq, (x, y), (hx, hy), grid=[])
+    assert res.step == 0.0
+    with torch.no_grad():
+        assert torch.equal(kept(hx), hx) and torch.equal(kept(x), x)
+    with pytest.raises(GrowError, match="are not zero"):
+        first_order_start(model, zeroed, _half_sq, (x, y), (hx, hy))
+
+
+def _mixtral64():
+    cfg = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        num_local_experts=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).double().eval()
+    model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2, _mixtral64], ids=["llama", "gpt2", "mixtral"])
+def test_first_order_start_of_layer_copies(make):
+    """expand_layers(init='first-order') (nn.Linear, Conv1D, fused experts): the start's first-order change per unit t,
+    ⟨b, θ(t)/t⟩ with b the autograd gradient of the zeroed maps (T1), is −‖Πg‖; the held-out loss is recomputed."""
     from depthsat_theory.tasks.zoo import token_loss_masked
 
     torch.manual_seed(0)
-    model = _llama().double()
+    model = make().double()
 
     def batch(seed):
         ids = _ids(seed=seed, b=3, t=9)
@@ -328,26 +422,20 @@ def test_first_order_start_line_search():
 
     train, held = batch(1), batch(1)  # held-out = the gradient batch: a descent direction must help for small t
     zero = expand_layers(model, [0])
-    names = zero.zeroed["model.layers.1"]
+    names = next(iter(zero.zeroed.values()))
     params = [zero.model.get_parameter(n) for n in names]
     b = torch.autograd.grad(token_loss_masked(zero.model(**train[0]), train[1]).mean(), params)
-    norm = float(torch.sqrt(sum((g**2).sum() for g in b)))
     exp = expand_layers(model, [0], init="first-order", loss_fn=token_loss_masked, batch=train, held_out=held)
     st = exp.start
-    assert st.gradient_norm == pytest.approx(norm, rel=1e-12) and st.step > 0
-    for n, g in zip(names, b, strict=True):
-        torch.testing.assert_close(exp.model.get_parameter(n).detach(), -st.step * g / norm, rtol=1e-12, atol=0)
+    assert st.step > 0
+    slope = sum(float((g * exp.model.get_parameter(n).detach()).sum()) for n, g in zip(names, b, strict=True))
+    assert slope / st.step == pytest.approx(-st.projected_norm, rel=1e-6)
     with torch.no_grad():
         got = float(token_loss_masked(exp.model(**held[0]), held[1]).mean())
     assert got == pytest.approx(st.held_out_loss, rel=1e-12)
     assert st.held_out_loss == min(v for _, v in st.searched) < st.searched[0][1]
-    kept = expand_layers(model, [0])
-    res = first_order_start(kept.model, names, token_loss_masked, train, held, grid=[])
-    assert res.step == 0.0 and all(not kept.model.get_parameter(n).any() for n in names)
     with pytest.raises(GrowError, match="needs loss_fn, batch"):
         expand_layers(model, [0], init="first-order")
-    with pytest.raises(GrowError, match="are not zero"):
-        first_order_start(exp.model, names, token_loss_masked, train, held)
 
 
 def test_copy_scores_use_the_copy_tangent():
@@ -405,7 +493,8 @@ def test_copy_scores_use_the_copy_tangent():
     assert res.score > 0
 
 
-def test_copy_scores_refuse_fused_experts():
+def test_copy_scores_refuse_unreadable_maps():
+    """Fused experts are read (test_grow_hf_archs); experts with a post-expert norm are no feature family: refused."""
     from depthsat_theory.grow.copyscore import copy_scores
     from depthsat_theory.tasks.zoo import token_loss_masked
 
@@ -421,8 +510,11 @@ def test_copy_scores_refuse_fused_experts():
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(cfg).eval()
     exp = expand_layers(model, [0])
+    exp.model.model.layers[1].mlp.experts.has_post_expert_norm = True
     ids = _ids()
-    with pytest.raises(GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map"):
+    with pytest.raises(
+        GrowError, match=r"mlp\.experts\.down_proj is not the weight or bias of a row-wise linear map, nor"
+    ):
         copy_scores(exp, token_loss_masked, [({"input_ids": ids}, ids)])
 
 

@@ -1,7 +1,8 @@
 """expand_layers on every common decoder, each from a tiny random config built offline.
 
-For each architecture (GPT-NeoX/Pythia, Phi, OPT, Falcon, StableLM, Starcoder2, Gemma-2, Gemma-3,
-Mixtral, Qwen2-MoE, and a model type outside the table grown through the generic fallback):
+For each architecture (Llama, Qwen2, Mistral, Gemma, GPT-NeoX/Pythia serial and parallel, Phi, OPT, Falcon old
+and new decoder, StableLM, Starcoder2, Gemma-2, Gemma-3, Mixtral, Qwen2-MoE; GPT-2 is in test_grow_hf.py, and a
+model type outside the table is grown through the generic fallback):
 
 - the grown model's logits equal the original's (exactly: the copy adds ``x + 0``);
 - ``save_pretrained`` then plain ``AutoModelForCausalLM.from_pretrained`` gives the same logits;
@@ -32,6 +33,10 @@ def _cfg(name: str, **kw):
 
 
 ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64, **_KV)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64, **_KV)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=64, **_KV)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=64, head_dim=8, **_KV)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=64)),
     "gpt_neox_serial": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=64, use_parallel_residual=False)),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=64)),
@@ -151,7 +156,7 @@ def _detach(v):
     return v
 
 
-@pytest.mark.parametrize("key", ["gpt_neox", "phi", "opt", "falcon", "starcoder2", "gemma2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("key", list(ARCHS))
 def test_zeroed_maps_gradient_is_b(key):
     """T1/T5 for every family: ∂J/∂θ at the zero-output copy = Σ_t g_t ∂Δ_t/∂θ; the copy's other parameters: 0."""
     model = _build(key, torch.float64)
@@ -224,3 +229,106 @@ def test_generic_fallback_refuses_post_ln():
     probe = {"input_ids": _ids()}
     with pytest.raises(GrowError, match=r"encoder\.layer\.0 \(BertLayer\) is not the identity even with every"):
         discover_zeroed(model, 0, "encoder.layer", probe)
+
+
+def _moe(key):
+    """A float64 MoE model with narrow experts: a probe of 120 tokens has more rows than the copy has features."""
+    cfg_name, cls_name, kw = ARCHS[key]
+    narrow = (
+        dict(intermediate_size=8)
+        if key == "mixtral"
+        else dict(moe_intermediate_size=8, shared_expert_intermediate_size=8)
+    )
+    cfg = _cfg(cfg_name, **{**_BASE, **kw, **narrow})
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(cfg).double().eval()
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen2_moe"])
+def test_moe_copy_scored_with_its_own_tangent(key):
+    """An MoE copy is ranked with its own family: features read independently as the Jacobian of the copy (called alone
+    on the original stream) w.r.t. its zeroed maps (every expert's down projection, router-weighted; the shared
+    expert's, gated), G the autograd gradient of the zeroed maps (T1), s² = tr(G Σ⁺ Gᵀ) in numpy; and the score
+    refuses, by its T1 check, a table that forgets Qwen2-MoE's shared-expert gate."""
+    import dataclasses
+
+    import numpy as np
+
+    from depthsat_theory.grow.copyscore import copy_scores, copy_statistics
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    model = _moe(key)
+    i, ids = 1, _ids(b=4, t=30)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids}, labels)
+    exp = expand_layers(model, [i])
+    site = next(iter(exp.zeroed))
+    names = exp.zeroed[site]
+    assert any(n.endswith("mlp.experts.down_proj") for n in names)
+    res = copy_scores(exp, token_loss_masked, [batch])[f"{_layer_path(model)}.{i}"]
+    # the reference: the copy alone on the original stream x, its zeroed maps at zero
+    (args, kwargs), x, _ = _stream_and_grad(model, i, ids)
+    new = exp.model.get_submodule(site)
+    params = {n: p.detach().clone() for n, p in new.named_parameters()}
+    rel = [n[len(site) + 1 :] for n in names]
+    kwargs = {k: _detach(v) for k, v in kwargs.items()}
+    rest = tuple(_detach(a) for a in args[1:])
+
+    def first_row(*theta):
+        outs = torch.func.functional_call(new, {**params, **dict(zip(rel, theta, strict=True))}, (x, *rest), kwargs)
+        return ((outs[0] if isinstance(outs, tuple) else outs) - x)[..., 0]
+
+    jac = torch.func.jacrev(first_row, argnums=tuple(range(len(rel))))(*(params[n] for n in rel))
+    cols, grads = [], []
+    b = torch.autograd.grad(
+        token_loss_masked(exp.model(**batch[0]), labels).mean(), [exp.model.get_parameter(n) for n in names]
+    )
+    for n, j, gr in zip(rel, jac, b, strict=True):
+        if n.endswith("experts.down_proj"):  # (B, T, E, d, I): row 0 of every expert's map
+            cols.append(j[:, :, :, 0, :].reshape(*ids.shape, -1))
+            grads.append(gr.permute(1, 0, 2).reshape(gr.shape[1], -1))
+        elif n.endswith("weight"):  # (B, T, d, k)
+            cols.append(j[:, :, 0, :])
+            grads.append(gr)
+    phi = torch.cat(cols, dim=-1).reshape(-1, sum(c.shape[-1] for c in cols)).numpy()
+    assert phi.shape[0] > phi.shape[1]  # more rows than features: the tangent space is a proper subspace
+    sigma = phi.T @ phi / ids.shape[0]
+    big_g = torch.cat(grads, dim=1).numpy()
+    want = float(np.trace(big_g @ np.linalg.pinv(sigma, rcond=1e-10, hermitian=True) @ big_g.T))
+    assert res.score**2 == pytest.approx(want, rel=1e-6) and res.score > 0
+    np.testing.assert_allclose(
+        copy_statistics(exp, token_loss_masked, [batch])[f"{_layer_path(model)}.{i}"].cross_gradient()[:32],
+        big_g,
+        rtol=1e-9,
+        atol=1e-13,
+    )
+    if key == "qwen2_moe":
+        exp.architecture = dataclasses.replace(exp.architecture, gated=())
+        with pytest.raises(GrowError, match=r"shared_expert\.down_proj do not give its gradient \(T1\)"):
+            copy_scores(exp, token_loss_masked, [batch])
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen2_moe"])
+def test_grow_auto_ranks_moe_with_the_copy_family(key):
+    """grow(positions='auto') on a float32 MoE (default experts kernel): ranked by the copies' own scores, in order."""
+    from depthsat_theory.grow.copyscore import copy_scores
+    from depthsat_theory.grow.run import grow
+    from depthsat_theory.tasks.zoo import token_loss_masked
+
+    model = _build(key)
+    ids = _ids(b=3, t=10)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
+    rep = grow(model, token_loss_masked, [batch], sites=None, blocks=1, positions="auto")
+    assert "zero-output layer copy" in rep.ranking["by"]
+    scores = copy_scores(expand_layers(model, [0, 1, 2]), token_loss_masked, [batch])
+    assert [r["relative_score"] for r in rep.ranking["sites"]] == sorted(
+        (scores[s].relative_score for s in scores), reverse=True
+    )

@@ -471,6 +471,45 @@ def _teacher_runner(config: str, out: Path, log) -> Path:
 EXPERIMENTS["teacher"] = _teacher_runner
 
 
+@experiment_app.command("budget-sweep")
+def budget_sweep_command(
+    config: str = _CONFIG,
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/budget-sweep)."),
+    seeds: str | None = _SEEDS,
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished models: reused when present, appended as they finish."
+    ),
+    growth: bool = typer.Option(True, "--growth/--no-growth", help="Run C2's growth arms (grown, scratch)."),
+) -> None:
+    """Depth sweep on a whole data set (Fashion-MNIST 60k/10k) with a fixed cosine budget: C1, C3 cross-fitted, C2.
+
+    Residual MLPs of each depth are trained for the same number of Adam steps, diagnosed at every
+    site on a held-out probe and on as many training examples (both activation-gradient conventions,
+    the bias-corrected headline), probed by a cross-fitted steepest insertion (fitted on one probe
+    half, measured on the other and on the test set), and a trained shallow network is grown
+    one-shot and compared with scratch, paired by seed.
+    """
+    from depthsat_theory.experiments.budget_sweep import run_budget_sweep
+
+    _run(
+        lambda log, **kw: run_budget_sweep(log=log, **kw),
+        config=config,
+        out=out,
+        seeds=_seeds(seeds),
+        resume=resume,
+        growth=growth,
+    )
+
+
+def _budget_sweep_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.budget_sweep import run_budget_sweep
+
+    return run_budget_sweep(config, out=out, log=log)
+
+
+EXPERIMENTS["budget-sweep"] = _budget_sweep_runner
+
+
 @experiment_app.command("all")
 def all_command(
     config: str = _CONFIG,

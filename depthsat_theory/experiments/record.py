@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExperimentError", "ResumeFile", "default_folder", "provenance", "summarize", "write_results"]
+__all__ = ["ExperimentError", "ResumeFile", "config_tag", "default_folder", "provenance", "summarize", "write_results"]
 
 #: where ``depthsat experiment`` writes by default (relative to the working directory)
 DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
@@ -84,6 +84,22 @@ class ResumeFile:
             fh.write(json.dumps({"key": key, "record": record}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def config_tag(config: Mapping[str, Any], drop: Sequence[str] = ()) -> str:
+    """A short hash of a configuration, for resume keys: equal exactly when the fields kept are equal.
+
+    Args:
+        config: a JSON-ready configuration (e.g. ``cfg.to_dict()``).
+        drop: fields left out (those that choose which models run, not how each is made: name, seeds, …).
+
+    Returns:
+        The first 16 hex digits of the SHA-256 of the sorted JSON of the kept fields.
+    """
+    import hashlib
+
+    what = {k: v for k, v in config.items() if k not in drop}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def default_folder(name: str, config: str) -> Path:

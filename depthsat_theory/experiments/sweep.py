@@ -33,7 +33,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ __all__ = [
     "PLATEAU_TOLERANCE",
     "Curve",
     "SweepConfig",
+    "crossfit_rows",
     "insertion_rows",
     "plateau_depth",
     "run_sweep",
@@ -276,6 +277,7 @@ def site_rows(
                 "kink_ties": res.kink_ties,
                 "z_rms": res.activation_scaled_score / res.score if res.score > 0 else math.nan,
                 "probe_loss": diag.loss,
+                **_headline_columns(res),
             }
         )
     return rows
@@ -294,6 +296,24 @@ def _certificate_reading(sd: Any) -> str:
     return {Certificate.IMPROVABLE: "improvable", Certificate.SATURATED: "saturated"}.get(
         sd.certificate, "undetermined"
     )
+
+
+def _headline_columns(res: Any) -> dict[str, float]:
+    """The bias-corrected headline of a site (``decision.headline``): ``s_U``, ``s_U/AG_rms``, its interval, chance."""
+    from depthsat_theory.decision.headline import headline
+    from depthsat_theory.statistics.result import StatisticsError
+
+    try:
+        hl = headline(res)
+    except StatisticsError:  # v̂ not streamed or n < 2: no headline, said as NaN
+        return dict.fromkeys(("s_u", "rel_u", "s_u_low", "s_u_high", "rel_chance"), math.nan)
+    return {
+        "s_u": hl.score,
+        "rel_u": hl.relative_score,
+        "s_u_low": hl.low,
+        "s_u_high": hl.high,
+        "rel_chance": hl.relative_chance,
+    }
 
 
 def _probe_mean_loss(model: nn.Module, loss_fn: Callable, batches: Sequence[tuple]) -> Tensor:
@@ -382,6 +402,64 @@ def step_change(growth: Any, site: str, coords: Tensor, loss_fn: Callable, batch
         for p in params:
             p.zero_()
     return j1 - j0
+
+
+def crossfit_rows(
+    model: nn.Module,
+    parts: Mapping[str, Sequence[tuple]],
+    sites: Sequence[dict[str, Any]],
+    *,
+    loss_fn: Callable,
+    step_fraction: float,
+    family: str = "linear",
+) -> list[dict[str, Any]]:
+    """C3 cross-fitted: per site, the steepest block step fitted on ``parts["a"]`` and measured on every part.
+
+    At each site a zero-output block of ``family`` is inserted (function preserved), its steepest
+    direction fitted on probe half ``a`` (:func:`steepest_fit`: ``θ = −(t/s_a) G Σ⁺``) with
+    ``t = step_fraction · z_rms``, and ``J(θ) − J(0)`` measured on each part (:func:`step_change`):
+    on ``a`` it is the in-sample figure, on the other parts (a held-out half, the test set) the
+    cross-fitted one. The prediction is ``−t·s_a``.
+
+    Args:
+        model: the trained model (not modified; a float64 copy is used).
+        parts: named lists of ``(x, y)`` batches; ``"a"`` (the fitting half) is required.
+        sites: :func:`site_rows` rows (``site``, ``site_index``, ``z_rms``).
+        loss_fn: per-example loss ``(output, targets) -> (B,)`` in nats.
+        step_fraction: the step size as a fraction of the site's ``z_rms``.
+        family: the inserted block's residual family spec.
+
+    Returns:
+        One row per site: ``family``, ``site``, ``site_index``, ``step_size`` (``t``), ``s_fit``
+        (``s`` on ``a``), ``predicted`` (``−t s_fit``) and ``measured_<part>`` per part (nats per
+        example; 0 where ``s_fit = 0`` or ``t = 0``).
+
+    Raises:
+        KeyError: ``parts`` has no ``"a"``.
+    """
+    from depthsat_theory.grow import insert_blocks
+
+    md = copy.deepcopy(model).double().eval()
+    for p in md.parameters():
+        p.requires_grad_(False)
+    fitting = parts["a"]
+    rows = []
+    for row in sites:
+        site = row["site"]
+        growth = insert_blocks(md, {site: family}, seed=0, probe=fitting[0][0])
+        growth.model.eval()
+        fit = steepest_fit(growth, site, loss_fn, fitting)
+        t = step_fraction * (row["z_rms"] if math.isfinite(row["z_rms"]) else 0.0)
+        out = {"family": family, "site": site, "site_index": row["site_index"], "step_size": t}
+        out["s_fit"] = fit["s_direct"]
+        out["predicted"] = -t * fit["s_direct"]
+        for name, bs in parts.items():
+            change = 0.0
+            if fit["s_direct"] > 0 and t > 0:
+                change = step_change(growth, site, -(t / fit["s_direct"]) * fit["direction"], loss_fn, bs)
+            out[f"measured_{name}"] = change
+        rows.append(out)
+    return rows
 
 
 def _steepest_step(growth: Any, site: str, loss_fn: Callable, batches: Sequence[tuple], t: float) -> dict[str, float]:

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +42,7 @@ from depthsat_theory.experiments import recipe as R
 from depthsat_theory.experiments.record import (
     ExperimentError,
     ResumeFile,
+    config_tag,
     default_folder,
     provenance,
     summarize,
@@ -64,6 +63,7 @@ __all__ = [
     "excess_loss",
     "label_distribution",
     "run_teacher",
+    "site_summary",
     "verdict_transition_depth",
 ]
 
@@ -399,12 +399,8 @@ def _crossfit_rows(
     family: str = "linear",
 ) -> list[dict[str, Any]]:
     """C3 cross-fitted: per site, the steepest step fitted on probe half A, measured on A, B and the test."""
-    from depthsat_theory.experiments.sweep import steepest_fit, step_change
-    from depthsat_theory.grow import insert_blocks
+    from depthsat_theory.experiments.sweep import crossfit_rows
 
-    md = copy.deepcopy(model).double().eval()
-    for p in md.parameters():
-        p.requires_grad_(False)
     half = len(data["probe"]) // 2
 
     def batches(s: TeacherSample) -> list[tuple[Tensor, Tensor]]:
@@ -416,27 +412,26 @@ def _crossfit_rows(
         "b": batches(data["probe"].subset(slice(half, 2 * half))),
         "test": batches(data["test"]),
     }
-    rows = []
-    for row in sites:
-        site = row["site"]
-        growth = insert_blocks(md, {site: family}, seed=0, probe=parts["a"][0][0])
-        growth.model.eval()
-        fit = steepest_fit(growth, site, classification_loss, parts["a"])
-        t = cfg.step_fraction * (row["z_rms"] if math.isfinite(row["z_rms"]) else 0.0)
-        out = {"family": family, "site": site, "site_index": row["site_index"], "step_size": t}
-        out["s_fit"] = fit["s_direct"]
-        out["predicted"] = -t * fit["s_direct"]
-        for name, bs in parts.items():
-            change = 0.0
-            if fit["s_direct"] > 0 and t > 0:
-                change = step_change(growth, site, -(t / fit["s_direct"]) * fit["direction"], classification_loss, bs)
-            out[f"measured_{name}"] = change
-        rows.append(out)
-    return rows
+    return crossfit_rows(
+        model, parts, sites, loss_fn=classification_loss, step_fraction=cfg.step_fraction, family=family
+    )
 
 
-def _summary_of_sites(sites: list[dict[str, Any]], tag: str, batch: int) -> dict[str, Any]:
-    """Per-model columns of one diagnosis (``tag`` = probe or train): every site and the deepest."""
+def site_summary(sites: list[dict[str, Any]], tag: str, batch: int) -> dict[str, Any]:
+    """Per-model columns of one diagnosis: the all-site maxima and the deepest site's readings.
+
+    Args:
+        sites: :func:`~depthsat_theory.experiments.sweep.site_rows` rows of one model.
+        tag: the columns' prefix (e.g. ``probe``, ``train``, ``probe_block``).
+        batch: the training batch size ``B``: the batch-mean convention divides a per-example
+            activation-gradient norm by ``B`` (the paper's ``5·10⁻³`` is in that convention).
+
+    Returns:
+        ``{tag}_ag_max`` (all sites), ``{tag}_ag_max_last`` (deepest), their ``_batchmean`` forms,
+        ``AG_rms``, ``AG_max·z_rms``, ``s``, ``s·z_rms``, ``s/AG_rms``, ``ŝ²_U``, the headline
+        ``s_U``, ``s_U/AG_rms`` and the plug-in's chance level ``/AG_rms`` (``nan`` when absent), the
+        noise verdict, ``examples_needed`` and the number of improvable sites.
+    """
     last = max(sites, key=lambda r: r["site_index"])
     z = last["z_rms"] if math.isfinite(last["z_rms"]) else math.nan
     return {
@@ -451,6 +446,9 @@ def _summary_of_sites(sites: list[dict[str, Any]], tag: str, batch: int) -> dict
         f"{tag}_s_z_last": last["s"] * z,
         f"{tag}_rel_last": last["s_over_ag_rms"],
         f"{tag}_s2u_last": last["s2_unbiased"],
+        f"{tag}_s_u_last": last.get("s_u", math.nan),
+        f"{tag}_rel_u_last": last.get("rel_u", math.nan),
+        f"{tag}_rel_chance_last": last.get("rel_chance", math.nan),
         f"{tag}_z_rms_last": z,
         f"{tag}_noise_ratio_last": last["noise_ratio"],
         f"{tag}_verdict_last": last["noise_verdict"],
@@ -492,7 +490,7 @@ def _one_student(cfg: TeacherConfig, lstar: int, depth: int, seed: int, data: di
         "bayes_test": test["bayes"],
         "final_running_loss": fit["final_running_loss"],
         "train_wall_s": round(fit["wall_s"], 2),
-        **{k: v for tag, rows in diag.items() for k, v in _summary_of_sites(rows, tag, cfg.budget.batch_size).items()},
+        **{k: v for tag, rows in diag.items() for k, v in site_summary(rows, tag, cfg.budget.batch_size).items()},
         "model_wall_s": round(time.time() - t0, 2),
     }
     return {
@@ -512,8 +510,7 @@ class _Resume(ResumeFile):
 
     def __init__(self, path: str | Path | None, cfg: TeacherConfig):
         super().__init__(path, "finished-student")
-        what = {k: v for k, v in cfg.to_dict().items() if k not in ("name", "seeds", "teacher_depths")}
-        self.tag = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+        self.tag = config_tag(cfg.to_dict(), ("name", "seeds", "teacher_depths"))
 
     def key(self, lstar: int, depth: int, seed: int) -> str:
         return f"{self.tag}/{lstar}/{depth}/{seed}"

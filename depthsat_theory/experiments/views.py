@@ -358,7 +358,7 @@ def _one_model(cfg: ViewsConfig, curve: S.Curve, depth: int, seed: int, splits: 
                 "verdict": sr.get("verdict"),
                 "noise_verdict": sr.get("noise_verdict"),
                 "s": sr.get("s"),
-                "s_u_over_ag_rms": _headline_ratio(sr),
+                "s_u_over_ag_rms": sr.get("rel_u"),
                 "s_over_ag_rms": sr.get("s_over_ag_rms"),
                 "vacuous": sr.get("vacuous"),
                 "block_influence": None if k == 0 else bi[k - 1],
@@ -625,14 +625,6 @@ def _verdicts(
             retrained_plateau=S.plateau_depth(list(curve.depths), [r["test_loss_mean"] for r in crow]),
         )
     return curves_rows, verdicts
-
-
-def _headline_ratio(sr: dict) -> float | None:
-    """``s_U/AG_rms = sqrt(max(0, ŝ²_U))/AG_rms`` of a sweep site row (``def-bias-corrected-score``)."""
-    s2u, rms = sr.get("s2_unbiased"), sr.get("ag_rms")
-    if s2u is None or rms is None or not (math.isfinite(s2u) and rms > 0):
-        return None
-    return math.sqrt(max(0.0, s2u)) / rms
 
 
 def run_views(

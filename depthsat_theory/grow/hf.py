@@ -69,6 +69,9 @@ class Architecture:
         index_lists: config lists of layer indices (Qwen2-MoE's ``mlp_only_layers``): renumbered.
         sparse_step: a config field ``s`` that makes every ``s``-th layer sparse (``decoder_sparse_step``);
             when ``s > 1`` the dense layers are listed explicitly in ``index_lists[0]`` and ``s`` set to 1.
+        gated: ``(projection, gate)`` module names relative to the layer: the projection's output reaches
+            the stream scaled per token by ``sigmoid(gate(h))`` (Qwen2-MoE's shared expert), so its features
+            for the copy's own score are its input times that gate (:mod:`~depthsat_theory.grow.copyscore`).
     """
 
     name: str
@@ -80,6 +83,7 @@ class Architecture:
     per_layer: tuple[str, ...] = ("layer_types",)
     index_lists: tuple[str, ...] = ()
     sparse_step: str = ""
+    gated: tuple[tuple[str, str], ...] = ()
 
     def is_post_ln(self, config: Any) -> bool:
         """Whether this model's layers are post-LN (a LayerNorm after each residual sum).
@@ -116,6 +120,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         (*_ATTN_MLP, "mlp.experts.down_proj", "mlp.experts.*.down_proj.*", "mlp.shared_expert.down_proj.*"),
         index_lists=("mlp_only_layers",),
         sparse_step="decoder_sparse_step",
+        gated=(("mlp.shared_expert.down_proj", "mlp.shared_expert_gate"),),
     ),
     Architecture(
         "GPT-NeoX (Pythia)",
@@ -498,7 +503,8 @@ def expand_layers(
         model: a Hugging Face model; not modified unless ``inplace``.
         positions: original layer indices (``0 ≤ i < num_hidden_layers``), each at most once.
         init: ``"zero-output-copy"``, or ``"first-order"``: then the copies' zeroed parameters start
-            at ``−t b/‖b‖`` (``b`` their gradient on ``batch``) with ``t`` from a line search on
+            at the steepest step ``−t GΣ⁺/‖Πg‖`` (the field ``−t Πg/‖Πg‖``, ``Πg`` the activation
+            gradient's projection on the copies' tangent space, on ``batch``) with ``t`` from a line search on
             ``held_out`` that includes ``t = 0`` (:func:`~depthsat_theory.grow.start.first_order_start`);
             the function-preservation check is made at ``t = 0``, before the step.
         probe: a keyword batch (``{"input_ids": (B, T) long, ...}``) for the function-preservation
@@ -571,8 +577,7 @@ def expand_layers(
     if init == "first-order":
         from depthsat_theory.grow.start import first_order_start
 
-        flat = [n for ns in exp.zeroed.values() for n in ns]
-        exp.start = first_order_start(grown, flat, loss_fn, batch, held_out)
+        exp.start = first_order_start(grown, exp.zeroed, loss_fn, batch, held_out, gated=arch.gated)
     return exp
 
 

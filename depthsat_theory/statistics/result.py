@@ -224,7 +224,10 @@ class SaturationResult:
                 f"the one-sided derivatives decide (thm-directional)"
             )
         if not math.isfinite(self.tol):
-            return "the Gram is too ill-conditioned for the first-order rounding bound; rescale or drop features"
+            return (
+                "the Gram is too ill-conditioned for the first-order rounding bound; rescale or drop features (at "
+                "float64 sites of more than 1024 features, --gram units factors the rows and resolves far finer)"
+            )
         if self.probe_verdict is Verdict.UNDETERMINED and not self.unresolved:
             return (
                 f"the rounding bound {self.tol:.3g} is not below AG_rms/2 = {self.ag_rms / 2:.3g}: the arithmetic "
