@@ -488,8 +488,9 @@ def test_cli_diagnose_table_json_plot(tmp_path, cache_env):
         ],
     )
     assert out.exit_code == 0, out.output
-    assert "blocks.3" in out.output and "s/AG_rms" in out.output
+    assert "blocks.3" in out.output and "depthsat diagnose:" in out.output
     data = json.loads((tmp_path / "d.json").read_text())
+    assert all(s["headline"] is not None and s["certificate"] is not None for s in data["sites"])
     assert data["n"] == 64 and [s["site"] for s in data["sites"]] == ["embed"] + [f"blocks.{i}" for i in range(4)]
     assert (tmp_path / "p.png").is_file() and (tmp_path / "p.svg").is_file()
 
