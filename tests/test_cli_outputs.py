@@ -74,7 +74,9 @@ def test_json_dash_is_stdout_with_the_table_on_stderr(tmp_path, monkeypatch):
     ref = runner.invoke(app, [*DIAGNOSE, "--json", str(tmp_path / "d.json")])
     assert ref.exit_code == 0, ref.output
     assert got == json.loads((tmp_path / "d.json").read_text())
-    assert "depthsat diagnose" in out.stderr and "depthsat diagnose" not in out.stdout
+    # the table (its title "depthsat diagnose: ...") goes to stderr; stdout is the JSON alone (whose next_step
+    # lines name the command "depthsat diagnose ... --max-examples N", without a colon)
+    assert "depthsat diagnose:" in out.stderr and "depthsat diagnose:" not in out.stdout
 
 
 def test_json_through_a_symlink_to_a_pipe_keeps_the_symlink(tmp_path):

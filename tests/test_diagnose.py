@@ -488,8 +488,9 @@ def test_cli_diagnose_table_json_plot(tmp_path, cache_env):
         ],
     )
     assert out.exit_code == 0, out.output
-    assert "blocks.3" in out.output and "s/AG_rms" in out.output
+    assert "blocks.3" in out.output and "depthsat diagnose:" in out.output
     data = json.loads((tmp_path / "d.json").read_text())
+    assert all(s["headline"] is not None and s["certificate"] is not None for s in data["sites"])
     assert data["n"] == 64 and [s["site"] for s in data["sites"]] == ["embed"] + [f"blocks.{i}" for i in range(4)]
     assert (tmp_path / "p.png").is_file() and (tmp_path / "p.svg").is_file()
 
@@ -671,20 +672,38 @@ def test_checkpoint_holds_the_statistics_state_dicts(tmp_path):
     assert loss.examples == 24 and loss.result() == full.loss
 
 
-def test_verdict_kind_uses_the_shared_vocabulary():
-    from depthsat_theory.vocabulary import Layout, Verdict
+def test_one_verdict_per_site_everywhere_and_the_certificate_beside_it():
+    """One verdict field (API, result, JSON, table); ``--delta`` adds a certificate and never changes the verdict."""
+    import warnings
+
+    from depthsat_theory.vocabulary import Certificate, Layout, Verdict
 
     model, _, _, batches = _mlp_problem(n=40, batch=8)
     plain = diagnose(model, classification_loss, batches)
-    assert all(s.layout is Layout.VECTOR for s in plain.sites)
-    for s in plain.sites:
-        expect_plain = {"improvable": Verdict.IMPROVABLE, "saturated (within rounding)": Verdict.SATURATED}
-        assert s.verdict_kind == expect_plain.get(s.verdict, Verdict.UNDETERMINED)
-        assert s.verdict in expect_plain or s.verdict.startswith("undetermined: ")
     bounded = diagnose(model, classification_loss, batches, delta=0.1)
-    expect = {"certified improvable": Verdict.IMPROVABLE, "not certified": Verdict.UNDETERMINED}
-    for s in bounded.sites:
-        assert s.verdict_kind == expect.get(s.verdict, Verdict.SATURATED)
+    assert all(s.layout is Layout.VECTOR for s in plain.sites)
+    for p, b in zip(plain.sites, bounded.sites, strict=True):
+        assert isinstance(p.verdict, Verdict) and p.verdict is p.result.verdict
+        assert b.verdict is p.verdict  # the interval never replaces the verdict
+        assert p.certificate is None and isinstance(b.certificate, Certificate)
+        assert b.certificate.value == b.interval.certificate
+        for sd in (p, b):
+            d = sd.to_dict()
+            assert d["verdict"] == sd.verdict.value and "verdict_detail" not in d
+            assert d["certificate"] == (None if sd.certificate is None else sd.certificate.value)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert p.verdict_kind is p.verdict  # the deprecated alias
+        assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    for diag in (plain, bounded):
+        cols = diag.columns()
+        rows = [diag._row(sd, cols) for sd in diag.sites]
+        assert [r[cols.index("verdict")] for r in rows] == [sd.verdict.value for sd in diag.sites]
+    cols = bounded.columns()
+    assert "certificate" in cols and cols.index("verdict") < cols.index("certificate")
+    certs = [bounded._row(sd, cols)[cols.index("certificate")] for sd in bounded.sites]
+    assert certs == [sd.certificate.value for sd in bounded.sites]
+    assert "certificate" not in plain.columns()
 
 
 @pytest.mark.parametrize(
@@ -1024,15 +1043,15 @@ def test_resumed_run_counts_the_kink_ties_of_the_restored_batches(tmp_path, rho)
     net, batches, ties = _tied_half_problem()
     assert ties == 9
     full = diagnose(net, _half_loss, batches, sites=["1"], realizability=rho)
-    assert full["1"].result.kink_ties == ties and full["1"].verdict_kind.value == "undetermined"
+    assert full["1"].result.kink_ties == ties and full["1"].verdict.value == "undetermined"
     blind = diagnose(net, _half_loss, batches, sites=["1"], realizability=rho, kinks=False)
-    assert blind["1"].verdict_kind.value == "improvable"  # the ties alone decide: dropping them flips the verdict
+    assert blind["1"].verdict.value == "improvable"  # the ties alone decide: dropping them flips the verdict
     ck = _interrupted_checkpoint(tmp_path, net, batches, after=3, sites=["1"], realizability=rho, loss=_half_loss)
     assert read_checkpoint(ck)[0]["kink_ties"] == {"1": ties}
     res = diagnose(net, _half_loss, batches, sites=["1"], realizability=rho, checkpoint=ck)
     assert res.resumed_from == 3
     a, b = res["1"], full["1"]
-    assert a.result.kink_ties == ties and a.verdict == b.verdict and a.verdict_kind is b.verdict_kind
+    assert a.result.kink_ties == ties and a.verdict is b.verdict
     assert a.result.n == b.result.n == 48
     _same(res, full, rel=0)
 

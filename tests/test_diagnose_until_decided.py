@@ -91,7 +91,7 @@ def _rejections(law: str, runs: int, seed0: int) -> int:
     for r in range(runs):
         d = run(probe(seed0 + r, law))
         assert d.n == BUDGET  # pure noise: every stream runs to the budget unless all K sites decide
-        count += sum(sd.verdict_kind is Verdict.IMPROVABLE for sd in d.sites)
+        count += sum(sd.verdict is Verdict.IMPROVABLE for sd in d.sites)
     return count
 
 
@@ -136,7 +136,7 @@ def test_planted_signals_decide_within_the_forecast(a):
     assert median(ats) <= forecast, (forecast, ats)
     assert d.n == max(ats) + (-max(ats)) % BATCH  # reading stopped at the batch of the last decision
     for sd in d.sites:
-        assert sd.verdict_kind is Verdict.IMPROVABLE and sd.verdict == "improvable (anytime test)"
+        assert sd.verdict is Verdict.IMPROVABLE and "anytime noise test" in sd.verdict_reason
         assert sd.stream.decided_batch * BATCH < sd.decided_at <= (sd.stream.decided_batch + 1) * BATCH
         assert sd.examples_used == sd.decided_at and "anytime noise test" in sd.stream.reason
 
@@ -146,8 +146,8 @@ def test_budget_is_never_exceeded_and_undecided_sites_say_what_would_decide():
     assert d.n == 96 and d.batches == 3 and d.max_examples == 100 and d.until_decided
     for sd in d.sites:
         assert sd.stream.stopped == "budget" and sd.examples_used == 96 and sd.decided_at is None
-        if sd.verdict_kind is Verdict.UNDETERMINED:
-            assert "did not decide in 96 examples" in sd.verdict
+        if sd.verdict is Verdict.UNDETERMINED:
+            assert "did not decide in 96 examples" in sd.verdict_reason
 
 
 def test_fixed_size_rejection_is_not_a_streamed_verdict():
@@ -157,8 +157,8 @@ def test_fixed_size_rejection_is_not_a_streamed_verdict():
         both = [sd for sd in d.sites if sd.result.verdict is Verdict.IMPROVABLE and sd.decided_at is None]
         if both:
             sd = both[0]
-            assert sd.verdict_kind is Verdict.UNDETERMINED
-            assert sd.verdict.startswith("undetermined: the anytime noise test did not decide")
+            assert sd.verdict is Verdict.UNDETERMINED
+            assert sd.verdict_reason.startswith("the anytime noise test did not decide")
             assert sd.to_dict()["verdict"] == "undetermined"
             return
     pytest.fail("no probe where the fixed-size test rejects and the anytime test does not: widen the search")
@@ -180,7 +180,7 @@ def test_json_and_table_carry_the_streamed_fields(tmp_path):
     console.print(d.table())
     text = console.export_text()
     assert "examples used" in text and "decided at" in text and "n to decide (anytime)" in text
-    assert "improvable (anytime)" in text
+    assert "(batch " in text  # the decided-at cell: example and probe batch of the anytime decision
 
 
 class _Stop(Exception):
@@ -281,7 +281,7 @@ def test_cli_until_decided_and_max_examples(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     out_json = tmp_path / "d.json"
     argv = ["diagnose", "--model", "stream_factory:make", "--until-decided", "--max-examples", "200", "-q"]
-    res = runner.invoke(app, [*argv, "--json", str(out_json)])
+    res = runner.invoke(app, [*argv, "--json", str(out_json)], env={"COLUMNS": "400"})  # the whole table
     assert res.exit_code == 0, res.output
     got = json.loads(out_json.read_text())
     assert got["until_decided"] is True and got["max_examples"] == 200 and got["n"] == 192
@@ -301,7 +301,7 @@ def test_streamed_ranking_puts_decided_sites_first():
 
     d = run(probe(21, signal=[0.0, 0.9, 0.0, 0.7, 0.0, 0.0, 0.0, 0.0], n=1024), max_examples=512)
     ranking = rank_sites(d)
-    decided = [sd.site for sd in d.sites if sd.verdict_kind is Verdict.IMPROVABLE]
+    decided = [sd.site for sd in d.sites if sd.verdict is Verdict.IMPROVABLE]
     assert {"sites.1", "sites.3"} <= set(decided)
     assert ranking.by == BY_DECIDED and [r.site for r in ranking.sites[: len(decided)]] == sorted(
         decided, key=lambda s: -d[s].result.relative_score

@@ -283,20 +283,27 @@ def test_criterion_growth_tiny_through_the_cli(tmp_path):
     assert summary["sweep_examples_seen_per_seed"]["mean"] == 3250
 
 
-def _fake_diagnosis(certs, lowers, scores, unbiased_sq, n_to_certify=10**6):
+def _fake_diagnosis(certs, lowers, scores, unbiased_sq, n_to_certify=10**6, n=256):
     sites = []
     for i, (c, lo, s, u) in enumerate(zip(certs, lowers, scores, unbiased_sq, strict=True)):
         iv = SimpleNamespace(
             certificate=c, score_lower=lo, vacuous=lo == 0.0, n_to_certify=n_to_certify, score_squared_unbiased=u
         )
-        res = SimpleNamespace(ag_rms=1.0, relative_score=s, verdict=Verdict.UNDETERMINED)
-        verdict = {Certificate.IMPROVABLE: Verdict.IMPROVABLE, Certificate.SATURATED: Verdict.SATURATED}
-        sites.append(
-            SimpleNamespace(
-                site=f"blocks.{i}", depth=i, interval=iv, result=res, verdict_kind=verdict.get(c, Verdict.UNDETERMINED)
-            )
+        # v̂ chosen so that (n ŝ² − v̂)/(n − 1) = u: the headline s_U = sqrt(max(u, 0)) ranks as the fallback reads
+        res = SimpleNamespace(
+            ag_rms=1.0,
+            relative_score=s,
+            score=s,
+            n=n,
+            noise_variance=n * s * s - (n - 1) * u,
+            alpha=0.05,
+            noise_ratio=float("nan"),
+            verdict=Verdict.UNDETERMINED,
         )
-    return SimpleNamespace(sites=sites, delta=0.05, n=256)
+        sites.append(
+            SimpleNamespace(site=f"blocks.{i}", depth=i, interval=iv, result=res, verdict=Verdict.UNDETERMINED)
+        )
+    return SimpleNamespace(sites=sites, delta=0.05, n=n)
 
 
 def test_decide_stops_when_every_site_is_certified_saturated():

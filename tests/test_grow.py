@@ -19,6 +19,7 @@ from depthsat_theory.diagnose import Diagnosis, SiteDiagnosis
 from depthsat_theory.families import FamilyError, ResidualFamily
 from depthsat_theory.grow import (
     BY_CERTIFIED,
+    BY_HEADLINE,
     BY_POINT,
     GrowError,
     NotFunctionPreservingError,
@@ -242,8 +243,27 @@ def test_preview_agrees_to_second_order(update, device):
 
 
 # ----------------------------------------------------------------------------- rank_sites
-def _sd(site, depth, rel, ag=2.0, lower=None, vacuous=False, verdict=Verdict.UNDETERMINED):
-    res = SimpleNamespace(relative_score=rel, ag_rms=ag, verdict=verdict, verdict_reason="")
+def _sd(site, depth, rel, ag=2.0, lower=None, vacuous=False, verdict=Verdict.UNDETERMINED, plugin=None, n=10):
+    """A site whose headline is ``s_U/AG_rms = rel`` and whose plug-in is ``ŝ/AG_rms = plugin``.
+
+    The default plug-in ``max(1 − rel/2, rel)`` falls as ``rel`` grows below 2/3 (noise reads higher than signal).
+
+    ``v̂ = n ŝ² − (n − 1) s_U²`` makes ``(n ŝ² − v̂)/(n − 1) = s_U²`` (``def-bias-corrected-score``): the plug-in
+    order is the reverse of the headline's, so a ranking by the plug-in fails.
+    """
+    plugin = (max(1.0 - rel / 2, rel) if rel == rel else rel) if plugin is None else plugin
+    s, s_u = plugin * ag, rel * ag
+    res = SimpleNamespace(
+        relative_score=plugin,
+        score=s,
+        ag_rms=ag,
+        n=n,
+        noise_variance=n * s * s - (n - 1) * s_u * s_u,
+        alpha=0.05,
+        noise_ratio=float("nan"),
+        verdict=verdict,
+        verdict_reason="",
+    )
     iv = None if lower is None else SimpleNamespace(score_lower=lower, vacuous=vacuous, certificate="not certified")
     return SiteDiagnosis(site, depth, Layout.VECTOR, (4,), res, iv)  # type: ignore[arg-type]
 
@@ -252,22 +272,24 @@ def _diag(sites, delta=None):
     return Diagnosis(sites, "linear", 10, 1, 0.5, delta=delta)
 
 
-def test_rank_sites_point_and_certified():
+def test_rank_sites_headline_and_certified():
     d = _diag(
         [_sd("a", 0, 0.2), _sd("b", 1, 0.6), _sd("c", 2, float("nan"), verdict=Verdict.DEGENERATE), _sd("e", 3, 0.4)]
     )
     r = rank_sites(d)
-    assert r.by == BY_POINT and "no confidence intervals" in r.reason
-    assert [s.site for s in r.sites] == ["b", "e", "a", "c"] and r.top(2) == ["b", "e"]
-    # certified: lower ends 0.1, 0.9, 0.5 over AG_rms 2 -> 0.05, 0.45, 0.25: b, e, a (the point order of a/e flips)
+    assert r.by == BY_HEADLINE == BY_POINT and "no confidence intervals" in r.reason
+    assert [s.site for s in r.sites] == ["b", "e", "a", "c"] and r.top(2) == ["b", "e"]  # the plug-in says a, e, b
+    assert r.sites[0].key == pytest.approx(0.6) and r.sites[0].relative_headline == pytest.approx(0.6)
+    assert r.sites[0].relative_score == pytest.approx(0.7) and r.sites[0].to_dict()["relative_headline"] is not None
+    # certified: lower ends 0.1, 0.9, 0.5 over AG_rms 2 -> 0.05, 0.45, 0.25: b, e, a (the headline order of a/e flips)
     d = _diag([_sd("a", 0, 0.9, lower=0.1), _sd("b", 1, 0.6, lower=0.9), _sd("e", 2, 0.3, lower=0.5)], delta=0.05)
     r = rank_sites(d)
     assert r.by == BY_CERTIFIED and [s.site for s in r.sites] == ["b", "e", "a"]
     assert r.sites[0].key == pytest.approx(0.45)
-    # one vacuous interval: back to the point estimate, and the reason says so
+    # one vacuous interval: back to the headline, and the reason says so
     d = _diag([_sd("a", 0, 0.9, lower=0.1), _sd("b", 1, 0.6, lower=0.0, vacuous=True)], delta=0.05)
     r = rank_sites(d)
-    assert r.by == BY_POINT and "vacuous" in r.reason and [s.site for s in r.sites] == ["a", "b"]
+    assert r.by == BY_HEADLINE and "vacuous" in r.reason and [s.site for s in r.sites] == ["a", "b"]
     with pytest.raises(GrowError, match="cannot pick 3 sites"):
         r.top(3)
 

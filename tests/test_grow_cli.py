@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -150,15 +151,21 @@ def test_grow_smollm2_offline(tmp_path, monkeypatch):
     assert loss == pytest.approx(rep["loss_after"], rel=1e-5)
 
 
-def test_grow_delta_vacuous_falls_back_to_point(tmp_path):
-    """512 digits cannot make the 4160-parameter linear family's intervals non-vacuous: ranked by the point estimate."""
+def test_grow_delta_vacuous_falls_back_to_the_headline(tmp_path):
+    """512 digits cannot make the 4160-parameter linear family's intervals non-vacuous: ranked by the headline s_U."""
     out = tmp_path / "g"
     res = _grow("--blocks", "1", "--delta", "0.05", "--out", str(out))
     assert res.exit_code == 0, res.output
     ranking = json.loads((out / "grow-report.json").read_text())["ranking"]
-    assert ranking["by"] == "point estimate of s/AG_rms" and "vacuous" in ranking["reason"]
+    assert ranking["by"] == "bias-corrected s_U/AG_rms" and "vacuous" in ranking["reason"]
     keys = [r["key"] for r in ranking["sites"]]
-    assert keys == sorted(keys, reverse=True) and keys == [r["relative_score"] for r in ranking["sites"]]
+    assert keys == sorted(keys, reverse=True) and keys == [r["relative_headline"] for r in ranking["sites"]]
+    report = json.loads((out / "grow-report.json").read_text())
+    for row in report["chosen"]:  # the chosen site's headline is sqrt(max(0, ŝ²_U))/AG_rms of its diagnosis row
+        s2u = (row["headline"]["n"] * row["score"] ** 2 - row["headline"]["chance"] ** 2 * row["headline"]["n"]) / (
+            row["headline"]["n"] - 1
+        )
+        assert row["headline"]["relative_score"] == pytest.approx(math.sqrt(max(0.0, s2u)) / row["ag_rms"], rel=1e-9)
 
 
 def test_grow_hf_checkpoint_folder(tmp_path):

@@ -8,6 +8,8 @@ layer's own modules; exact zeros for every other parameter of the copy (T5).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -519,7 +521,7 @@ def test_copy_scores_refuse_unreadable_maps():
 
 
 def test_grow_auto_ranks_with_the_copy_family():
-    """grow(positions='auto') on a GPT-2: the chosen layer is the one whose copy has the largest own s/AG_rms."""
+    """grow(positions='auto') on a GPT-2: the chosen layer is the one whose copy has the largest own s_U/AG_rms."""
     from depthsat_theory.grow.copyscore import copy_scores
     from depthsat_theory.grow.run import grow
     from depthsat_theory.tasks.zoo import token_loss_masked
@@ -532,10 +534,13 @@ def test_grow_auto_ranks_with_the_copy_family():
     batch = ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels)
     rep = grow(model, token_loss_masked, [batch], sites=None, blocks=1, positions="auto")
     scores = copy_scores(expand_layers(model, [0, 1]), token_loss_masked, [batch])
-    best = max(scores, key=lambda s: scores[s].relative_score)
+    # the headline s_U/AG_rms = sqrt(max(0, (n ŝ² − v̂)/(n − 1)))/AG_rms of each copy (def-bias-corrected-score)
+    head = {
+        s: math.sqrt(max(0.0, (r.n * r.score**2 - r.noise_variance) / (r.n - 1))) / r.ag_rms for s, r in scores.items()
+    }
+    best = max(scores, key=lambda s: (head[s], -list(scores).index(s)))
     assert [c["site"] for c in rep.chosen] == [best]
     assert "zero-output layer copy" in rep.ranking["by"]
-    assert [r["relative_score"] for r in rep.ranking["sites"]] == sorted(
-        (scores[s].relative_score for s in scores), reverse=True
-    )
+    ranked = rep.ranking["sites"]
+    assert [r["relative_headline"] for r in ranked] == pytest.approx(sorted(head.values(), reverse=True), rel=1e-9)
     assert any("inserted family" in n for n in rep.notes)

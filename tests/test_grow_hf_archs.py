@@ -15,6 +15,8 @@ model type outside the table is grown through the generic fallback):
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -329,6 +331,11 @@ def test_grow_auto_ranks_moe_with_the_copy_family(key):
     rep = grow(model, token_loss_masked, [batch], sites=None, blocks=1, positions="auto")
     assert "zero-output layer copy" in rep.ranking["by"]
     scores = copy_scores(expand_layers(model, [0, 1, 2]), token_loss_masked, [batch])
-    assert [r["relative_score"] for r in rep.ranking["sites"]] == sorted(
-        (scores[s].relative_score for s in scores), reverse=True
+    # ranked by the headline s_U/AG_rms = sqrt(max(0, (n ŝ² − v̂)/(n − 1)))/AG_rms (def-bias-corrected-score)
+    heads = [math.sqrt(max(0.0, (r.n * r.score**2 - r.noise_variance) / (r.n - 1))) / r.ag_rms for r in scores.values()]
+    assert [r["relative_headline"] for r in rep.ranking["sites"]] == pytest.approx(
+        sorted(heads, reverse=True), rel=1e-9
+    )
+    assert sorted(r["relative_score"] for r in rep.ranking["sites"]) == sorted(
+        r.relative_score for r in scores.values()
     )

@@ -1,7 +1,7 @@
 """Monitor during training: the Hugging Face and Lightning callbacks in real training runs.
 
 Each test trains a tiny model on CPU for a few steps with the callback, copies the weights at the
-measured steps (a second callback), and checks that the logged ``s``, ``s/AG_rms`` and ``AG_max``
+measured steps (a second callback), and checks that the logged headline, verdict, noise ratio, plug-in and ``AG_max``
 equal ``diagnose`` of a fresh model loaded with that copy (an independent object, with a loss
 written here), and that the trained weights are bitwise those of the same run without the callback.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import math
 
 import pytest
 import torch
@@ -17,10 +18,31 @@ import torch.nn.functional as F
 from tiny_hf import VERSES, char_tokenizer, tiny_causal_lm
 from torch import nn
 
+from depthsat_theory.decision import headline
 from depthsat_theory.diagnose import diagnose
 from depthsat_theory.integrations import METRICS, SaturationMonitor, saturation_metrics
 
-KEYS = {"s": "score", "s_over_ag_rms": "relative_score", "ag_max": "ag_max"}
+_CODES = {"improvable": 1.0, "undetermined": 0.5, "saturated": 0.0, "degenerate": -1.0}
+
+
+def _site_expected(sd) -> dict:
+    """The logged metrics from the site's result, by the formulas of theory/decision.md (not the monitor's code)."""
+    r = sd.result
+    s_u = math.sqrt(max(0.0, (r.n * r.score**2 - r.noise_variance) / (r.n - 1)))  # def-bias-corrected-score
+    h = headline(r)
+    return {
+        "s_u": s_u,
+        "s_u_over_ag_rms": s_u / r.ag_rms,
+        "s_u_low": h.low,
+        "s_u_high": h.high,
+        "verdict": _CODES[r.verdict.value],
+        "noise_ratio": r.noise_ratio,
+        "plugin_s_over_ag_rms": r.relative_score,
+        "chance_over_ag_rms": math.sqrt(r.noise_variance / r.n) / r.ag_rms,  # prop-plugin-chance-level
+        "s": r.score,
+        "s_over_ag_rms": r.relative_score,
+        "ag_max": r.ag_max,
+    }
 
 
 def _logged(row: dict, site: str, prefix="depthsat") -> dict:
@@ -29,7 +51,7 @@ def _logged(row: dict, site: str, prefix="depthsat") -> dict:
 
 def _expected(model, loss, batches, sites) -> dict:
     d = diagnose(model.eval(), loss, batches, sites=sites)
-    return {s.site: {m: float(getattr(s.result, KEYS[m])) for m in METRICS} for s in d.sites}
+    return {s.site: _site_expected(s) for s in d.sites}
 
 
 # ----------------------------------------------------------------------------- Hugging Face Trainer

@@ -143,7 +143,7 @@ def _csv_rows(folder: Path, name: str) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def _mean_text(vals: list[str]) -> str:
+def _mean_text(vals: list[str | None]) -> str:
     xs = [float(v) for v in vals if v not in ("", None)]
     return f"{sum(xs) / len(xs):.3g}" if xs else "–"
 
@@ -151,8 +151,12 @@ def _mean_text(vals: list[str]) -> str:
 def _views_site_table(sites: list[dict[str, str]]):
     from rich.table import Table
 
-    t = Table(title="Per site (mean over seeds): first-order verdicts (seed votes), s/AG_rms, block influence, exits")
-    for col in ("curve", "depth", "l", "site", "verdicts", "s/AG_rms", "1−cos", "‖f‖/‖z‖", "exit loss", "oracle share"):
+    t = Table(
+        title="Per site (mean over seeds): first-order verdicts (seed votes), headline s_U/AG_rms, plug-in s/AG_rms, "
+        "block influence, exits"
+    )
+    cols = ("curve", "depth", "l", "site", "verdicts", "s_U/AG_rms", "plug-in s/AG_rms", "1−cos", "‖f‖/‖z‖")
+    for col in (*cols, "exit loss", "oracle share"):
         t.add_column(col)
     groups: dict[tuple, list[dict[str, str]]] = {}
     for r in sites:
@@ -168,7 +172,8 @@ def _views_site_table(sites: list[dict[str, str]]):
             str(lvl),
             mine[0]["site"],
             " ".join(f"{k}×{v}" for k, v in sorted(votes.items())) or "–",
-            *[_mean_text([r[k] for r in mine]) for k in ("s_over_ag_rms", "block_influence", "update_ratio")],
+            *[_mean_text([r.get(k) for r in mine]) for k in ("s_u_over_ag_rms", "s_over_ag_rms")],
+            *[_mean_text([r[k] for r in mine]) for k in ("block_influence", "update_ratio")],
             *[_mean_text([r[k] for r in mine]) for k in ("exit_loss", "oracle_share")],
         )
     return t

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from depthsat_theory.bounds import ScoreInterval
 from depthsat_theory.cli.flags import user_message
+from depthsat_theory.diagnose.report import headline_or_none
 from depthsat_theory.statistics import SaturationResult
 
 __all__ = [
@@ -182,7 +183,7 @@ def print_check_summary(rep: dict, wall: float, path: Path | str, *, stderr: boo
 
 # ----------------------------------------------------------------------------- score
 def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> dict:
-    """The keys of ``depthsat score``: the result's, a note, then the interval's (``--delta``).
+    """The keys of ``depthsat score``: the headline, the result's, a note, then the interval's (``--delta``).
 
     Every key of the interval that the result also has (``label``, ``notes``, ``tangent_rank``,
     ``score_squared``, ``score_squared_unbiased``, ...) becomes ``bound_<key>``, so the
@@ -195,7 +196,8 @@ def score_fields(result: SaturationResult, interval: ScoreInterval | None) -> di
     Returns:
         The ``dict`` printed by :func:`print_score`.
     """
-    out = result.to_dict()
+    head = headline_or_none(result)
+    out = {"headline": None if head is None else head.to_dict(), **result.to_dict()}
     out["note"] = SCORE_NOTE
     if interval is not None:
         bound = interval.to_dict()
@@ -259,18 +261,32 @@ def print_audit(rep: Any, table: Table, *, as_json: bool) -> None:
 
 
 def print_diagnosis(res: Any, written: list[Path], *, stderr: bool = False) -> None:
-    """``depthsat diagnose`` output: the table, notes, resume line and files written.
+    """``depthsat diagnose`` output: the table, why each undetermined site is so and what would decide it, notes.
 
     Args:
         res: the :class:`~depthsat_theory.diagnose.Diagnosis`.
         written: the files written (reports, plots), one line each.
         stderr: print on stderr (stdout carries the JSON of ``--json -``).
     """
-    if stderr:
-        out = err_console if sys.stderr.isatty() else Console(stderr=True, width=160)
-    else:
-        out = console if sys.stdout.isatty() else Console(width=160)
-    out.print(res.table())
+    table = res.table()
+    # Not a terminal (a file, a pipe, a log): wide enough for the whole table, so no column is squeezed;
+    # a terminal too narrow for it: the columns that decide, and a line saying where the others are.
+    width = max(160, Console(width=100_000).measure(table).maximum)
+    tty = sys.stderr.isatty() if stderr else sys.stdout.isatty()
+    out = (err_console if stderr else console) if tty else Console(stderr=stderr, width=width)
+    if width > out.width:
+        table = res.table(compact=True)
+    out.print(table)
+    if width > out.width:
+        out.print(
+            f"  (the terminal is {out.width} columns wide, the whole table {width}: the other columns are in "
+            "--json, or pipe the output to a file)",
+            markup=False,
+            highlight=False,
+        )
+    for sd in res.sites:
+        if sd.verdict == "undetermined":
+            out.print(f"  {sd.site}: undetermined: {sd.verdict_reason}", markup=False, highlight=False)
     for note in res.notes:
         out.print(f"  note: {note}", markup=False, highlight=False)
     if res.resumed_from:
@@ -287,10 +303,13 @@ def print_grow(rep: dict, written: list[Path]) -> None:
         written: the files written, one line each.
     """
     t = Table(title=f"depthsat grow: {rep['description']}, {rep['method']} ({rep['family']})")
-    for c in ("site", "depth", "s/AG_rms", "verdict", "why"):
+    for c in ("site", "depth", "s_U/AG_rms", "verdict", "plug-in ŝ/AG_rms", "why"):
         t.add_column(c, justify="left" if c in ("site", "verdict", "why") else "right")
     for row in rep["chosen"]:
-        t.add_row(row["site"], str(row["depth"]), _cell(row["relative_score"]), str(row["verdict"]), row["why"])
+        head = row.get("headline") or {}
+        rel = head.get("relative_score")
+        cells = ("—" if rel is None else _cell(rel), str(row["verdict"]), _cell(row["relative_score"]))
+        t.add_row(row["site"], str(row["depth"]), *cells, row["why"])
     console.print(t)
     fs = rep["first_step"]
     units = rep["loss_units"]

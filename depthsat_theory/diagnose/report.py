@@ -7,6 +7,7 @@ import json
 import math
 import os
 import textwrap
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,18 +15,36 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from depthsat_theory.decision.beyond import DepthDecision
+from depthsat_theory.decision.headline import Headline, headline
+from depthsat_theory.diagnose.nextstep import next_step
 from depthsat_theory.io import atomic_write
 from depthsat_theory.statistics import SaturationResult
 from depthsat_theory.statistics.decrease import guaranteed_decrease
 from depthsat_theory.statistics.secondorder import SaddleResult
-from depthsat_theory.vocabulary import Layout, Verdict
+from depthsat_theory.vocabulary import Certificate, Layout, Verdict
 
 if TYPE_CHECKING:
     from depthsat_theory.bounds import ScoreInterval
     from depthsat_theory.capture.curvature import FieldCurvature, StepCheck
     from depthsat_theory.diagnose.stream import SiteStream
 
-__all__ = ["Diagnosis", "SiteDiagnosis"]
+__all__ = ["Diagnosis", "SiteDiagnosis", "headline_or_none"]
+
+
+def headline_or_none(result: SaturationResult) -> Headline | None:
+    """:func:`depthsat_theory.decision.headline` of a result, or ``None`` when it has none to give.
+
+    Args:
+        result: a site's :class:`~depthsat_theory.statistics.SaturationResult`.
+
+    Returns:
+        The :class:`~depthsat_theory.decision.Headline`; ``None`` when ``n < 2`` or ``v̂``, ``ŝ`` or ``AG_rms``
+        is not a finite number ``≥ 0`` (``v̂`` not streamed: no bias correction is possible).
+    """
+    r = result
+    if r.n < 2 or not all(math.isfinite(x) and x >= 0 for x in (r.noise_variance, r.score, r.ag_rms)):
+        return None
+    return headline(r)
 
 
 @dataclass
@@ -115,66 +134,114 @@ class SiteDiagnosis:
         return guaranteed_decrease(self.result.score, self.beta)
 
     @property
-    def verdict(self) -> str:
-        """``degenerate``, ``saturated (rounding)``, ``undetermined: …``, the certificate, or ``improvable``."""
-        if self.stream is not None:
-            return _streamed_detail(self.stream, self.result)
-        v = self.result.verdict
-        if v is Verdict.DEGENERATE:
-            return "degenerate (T = {0})"
-        if v is Verdict.SATURATED:
-            return "saturated (within rounding)"
-        if self.interval is not None:
-            return self.interval.certificate
-        if v is Verdict.UNDETERMINED:
-            return f"undetermined: {self.result.verdict_reason}"
-        return "improvable"
+    def verdict(self) -> Verdict:
+        """The site's one verdict (:class:`~depthsat_theory.vocabulary.Verdict`): the result's four outcomes.
 
-    @property
-    def verdict_kind(self) -> Verdict:
-        """:attr:`verdict` in the shared vocabulary (:class:`~depthsat_theory.vocabulary.Verdict`).
-
-        The result's four-outcome verdict (theory/numerics.md) without an interval; with one,
-        ``DEGENERATE``/``SATURATED`` as the result says, else the certificate: ``IMPROVABLE``
-        when certified improvable, ``SATURATED`` when certified ε-saturated, ``UNDETERMINED``
-        when it certifies neither.
+        ``improvable`` / ``saturated`` / ``undetermined`` / ``degenerate`` as theory/numerics.md and the noise
+        test decide them (:attr:`SaturationResult.verdict`); for a probe streamed until decided, the anytime
+        test's (:func:`~depthsat_theory.diagnose.stream.stream_verdict`, ``thm-anytime-noise-test``). The
+        finite-sample certificate of ``--delta`` is the separate :attr:`certificate`: it never replaces the verdict.
         """
-        if self.stream is not None:  # streamed until decided: the anytime test's verdict (no interval then)
+        if self.stream is not None:
             from depthsat_theory.diagnose.stream import stream_verdict
 
             return stream_verdict(self.stream, self.result)[0]
-        v = self.result.verdict
-        if v in (Verdict.DEGENERATE, Verdict.SATURATED) or self.interval is None:
-            return v
-        return _CERTIFICATES.get(self.interval.certificate, Verdict.UNDETERMINED)
+        return self.result.verdict
+
+    @property
+    def verdict_kind(self) -> Verdict:
+        """Deprecated alias of :attr:`verdict` (which is now the shared-vocabulary verdict itself)."""
+        warnings.warn("SiteDiagnosis.verdict_kind is deprecated: use .verdict", DeprecationWarning, stacklevel=2)
+        return self.verdict
+
+    @property
+    def certificate(self) -> Certificate | None:
+        """The finite-sample certificate of the ``(1 − δ)`` interval (``--delta``), separate from the verdict.
+
+        ``certified improvable``, ``certified ε-saturated`` or ``not certified``
+        (:class:`~depthsat_theory.vocabulary.Certificate`, theory/finite-sample.md); ``None`` without an interval
+        and for a degenerate family (whose verdict already says ``degenerate``).
+        """
+        if self.interval is None or not isinstance(self.interval.certificate, Certificate):
+            return None
+        return self.interval.certificate
+
+    @property
+    def headline(self) -> Headline | None:
+        """The headline: the bias-corrected ``s_U``, ``s_U/AG_rms``, its interval, the plug-in and its chance level.
+
+        theory/decision.md, ``def-bias-corrected-score``, ``prop-plugin-chance-level``, ``prop-headline-interval``;
+        :func:`depthsat_theory.decision.headline`. ``None`` when the noise moment ``v̂`` was not streamed or
+        ``n < 2`` (no bias correction is possible).
+        """
+        return headline_or_none(self.result)
+
+    @property
+    def next_step(self) -> str | None:
+        """For an undetermined site, what would decide it and the command that does it (``None`` otherwise).
+
+        See :func:`depthsat_theory.diagnose.nextstep.next_step`.
+        """
+        if self.stream is not None:  # the anytime test's reason already gives its forecast
+            return None
+        return next_step(self.result)
+
+    @property
+    def verdict_reason(self) -> str:
+        """One line saying why :attr:`verdict` is what it is; for an undetermined site, also what would decide it."""
+        if self.stream is not None:
+            from depthsat_theory.diagnose.stream import stream_verdict
+
+            return stream_verdict(self.stream, self.result)[1]
+        step = self.next_step
+        return self.result.verdict_reason + ("" if step is None else f"; {step}")
 
     def to_dict(self) -> dict:
         """JSON-ready dictionary.
 
         Returns:
-            The site's fields merged with :meth:`SaturationResult.to_dict`, ``verdict`` as its kind, and
-            ``interval``/``saddle``/``curvature`` as dictionaries or ``None``.
+            ``site``, ``depth``, ``layout``, ``shape``, then the ``headline``
+            (:meth:`~depthsat_theory.decision.Headline.to_dict` or ``None``), the ``verdict`` (its string),
+            ``verdict_reason``, ``next_step`` and ``certificate`` (string or ``None``), then the fields of
+            :meth:`SaturationResult.to_dict` (the plug-in ``score`` and ``relative_score`` among them), and
+            ``interval``/``saddle``/``curvature`` as dictionaries or ``None``; ``decision`` when the site has one.
         """
-        return {
+        head = self.headline
+        out = {
             "site": self.site,
             "depth": self.depth,
             "layout": self.layout,
             "shape": list(self.shape),
-            **self.result.to_dict(),
-            "verdict": self.verdict_kind.value,
-            "verdict_detail": self.verdict,
-            "interval": None if self.interval is None else self.interval.to_dict(),
-            "beta": self.beta,
-            "guaranteed_decrease": self.guaranteed_decrease,
-            "beta_status": self.beta_status,
-            "beta_step_decrease": None if self.beta_check is None else self.beta_check.decrease,
-            "saddle": None if self.saddle is None else self.saddle.to_dict(),
-            "curvature": None if self.curvature is None else _finite_dict(asdict(self.curvature)),
-            "examples_used": self.examples_used,
-            "decided_at": self.decided_at,
-            "anytime": None if self.stream is None else self.stream.to_dict(),
-            **_decision_dict(self),
+            "headline": None if head is None else head.to_dict(),
+            "verdict": self.verdict.value,
+            "verdict_reason": self.verdict_reason,
+            "next_step": self.next_step,
+            "certificate": None if self.certificate is None else self.certificate.value,
         }
+        result = self.result.to_dict()
+        for key in ("verdict", "verdict_reason"):
+            result.pop(key)
+        out.update(result)
+        out.update(
+            {
+                "interval": None if self.interval is None else self.interval.to_dict(),
+                "beta": self.beta,
+                "guaranteed_decrease": self.guaranteed_decrease,
+                "beta_status": self.beta_status,
+                "beta_step_decrease": None if self.beta_check is None else self.beta_check.decrease,
+                "saddle": None if self.saddle is None else self.saddle.to_dict(),
+                "curvature": None if self.curvature is None else _finite_dict(asdict(self.curvature)),
+            }
+        )
+        out.update(
+            {
+                "examples_used": self.examples_used,
+                "decided_at": self.decided_at,
+                "anytime": None if self.stream is None else self.stream.to_dict(),
+                **_decision_dict(self),
+            }
+        )
+        return out
 
 
 @dataclass
@@ -219,6 +286,15 @@ class Diagnosis:
         """``(Σ_l s_l²)^{1/2}``: the score of inserting a block at every site at once (``prop-joint``)."""
         return math.sqrt(sum(sd.result.score**2 for sd in self.sites))
 
+    @property
+    def joint_score_unbiased(self) -> float:
+        """``(max(0, Σ_l ŝ²_U,l))^{1/2}``: the bias-corrected joint score (``def-bias-corrected-score``).
+
+        A sum of unbiased estimates of ``s_l²`` is unbiased for ``Σ_l s_l²``; ``nan`` when a site has no ``v̂``.
+        """
+        total = sum(sd.result.score_squared_unbiased for sd in self.sites)
+        return math.sqrt(max(0.0, total)) if math.isfinite(total) else math.nan
+
     def __getitem__(self, site: str) -> SiteDiagnosis:
         for s in self.sites:
             if s.site == site:
@@ -248,6 +324,7 @@ class Diagnosis:
             "until_decided": self.until_decided,
             "max_examples": self.max_examples,
             "notes": list(self.notes),
+            "joint_score_unbiased": _finite(self.joint_score_unbiased),
             "joint_score": _finite(self.joint_score),
             "sites": [s.to_dict() for s in self.sites],
         }
@@ -264,8 +341,19 @@ class Diagnosis:
         data = json.dumps(self.to_dict(), indent=1, ensure_ascii=False, allow_nan=False).encode()
         atomic_write(Path(path), lambda fh: fh.write(data), binary=True)
 
-    def table(self):
-        """A :class:`rich.table.Table` of the per-site quantities.
+    def table(self, *, compact: bool = False):
+        """A :class:`rich.table.Table` of the per-site quantities, led by the headline and the verdict.
+
+        Columns: the bias-corrected ``s_U`` and ``s_U/AG_rms`` with its interval (``def-bias-corrected-score``,
+        ``prop-headline-interval``), the verdict, then the plug-in ``ŝ/AG_rms`` beside its chance level
+        ``sqrt(v̂/n)/AG_rms`` (``prop-plugin-chance-level``), the rounding bound of ``ŝ``, ``AG_rms``, ``AG_max``,
+        the tangent rank, and the optional columns (``--beta``, ``--rho``, ``--delta``: interval and certificate,
+        "n to decide", "n to certify", the depth decision).
+
+        Args:
+            compact: only the columns that decide (depth, site, ``s_U/AG_rms`` and its interval, the verdict,
+                the certificate, the forecasts, the depth decision), for a terminal too narrow for the whole
+                table (the CLI switches to it and says so; the JSON and :meth:`markdown` keep every column).
 
         Returns:
             The ``rich.table.Table``, one row per site.
@@ -274,67 +362,97 @@ class Diagnosis:
 
         t = Table(
             title=f"depthsat diagnose: {self.description or 'model'}, family {self.family}, "
-            f"n = {self.n}, J = {self.loss:.4g} ({self.loss_units}); joint score (Σ s²)^½ = {self.joint_score:.3g}"
+            f"n = {self.n}, J = {self.loss:.4g} ({self.loss_units}); joint s_U = {_g(self.joint_score_unbiased)} "
+            f"(plug-in (Σ ŝ²)^½ = {self.joint_score:.3g})"
         )
-        extra = _extra_columns(self.sites)
-        cols = ["#", "site", "shape", "s", "± rounding", "s/AG_rms", "AG_rms", "AG_max", "rank/p", *extra]
+        cols = self.columns()
+        if compact:
+            cols = [c for c in cols if c in _COMPACT or (c.endswith(" interval") and "(δ)" not in c)]
+        rows = [self._row(sd, cols) for sd in self.sites]
+        for i, c in enumerate(cols):
+            # the site, its depth and its verdict are never squeezed away in a narrow terminal
+            keep = max([len(c), *(len(row[i]) for row in rows)]) if c in ("#", "site", "verdict") else None
+            t.add_column(c, justify="left" if c in _LEFT else "right", no_wrap=c not in _LEFT, min_width=keep)
+        for row in rows:
+            t.add_row(*row)
+        return t
+
+    def columns(self) -> list[str]:
+        """The column names of :meth:`table` (and of the markdown table), in order."""
+        level = next((h.level for h in (sd.headline for sd in self.sites) if h is not None), 0.95)
+        cols = ["#", "site", "shape", "s_U", "s_U/AG_rms", f"{level:g} interval", "verdict"]
+        cols += ["plug-in ŝ/AG_rms", "chance", "± rounding", "AG_rms", "AG_max", "rank/p"]
+        cols += _extra_columns(self.sites)
         if self.realizability:
             cols += ["r̂", "ρ̂"]
         if self.delta is not None:
-            cols += [f"{1 - self.delta:g} interval"]
-        cols += ["verdict"]
-        noisy = [sd for sd in self.sites if sd.result.verdict is Verdict.UNDETERMINED and sd.stream is None]
-        if noisy:
+            cols += [f"{1 - self.delta:g} interval of s (δ)", "certificate"]
+        if any(sd.verdict is Verdict.UNDETERMINED and sd.stream is None for sd in self.sites):
             cols += ["n to decide"]
-        streamed = any(sd.stream is not None for sd in self.sites)
-        if streamed:
+        if any(sd.stream is not None for sd in self.sites):
             cols += _STREAM_COLUMNS
-        uncertified = [sd for sd in self.sites if sd.interval is not None and sd.interval.score_lower == 0]
-        if uncertified:
+        if any(sd.interval is not None and sd.interval.score_lower == 0 for sd in self.sites):
             cols += ["n to certify"]
-        for c in cols:
-            t.add_column(c, justify="left" if c in ("site", "verdict") else "right", no_wrap=c != "verdict")
-        for sd in self.sites:
-            t.add_row(
-                *self._row(sd, extra, noisy=bool(noisy), uncertified=bool(uncertified)), *_stream_cells(sd, streamed)
-            )
-        return t
+        if any(sd.decision is not None for sd in self.sites):
+            cols += ["decision"]
+        return cols
 
-    def _row(self, sd, extra: list[str], *, noisy: bool, uncertified: bool) -> list[str]:
-        """One site's cells of :meth:`table`, in its column order."""
-        r = sd.result
-        row = [
-            str(sd.depth),
-            sd.site,
-            "×".join(map(str, sd.shape)),
-            _g(r.score),
-            _g(r.score_error),
-            _g(r.relative_score),
-            _g(r.ag_rms),
-            _g(r.ag_max),
-            f"{r.tangent_rank}/{r.tangent_dim}",
-            *_extra_cells(sd, extra),
+    def _row(self, sd: SiteDiagnosis, cols: list[str]) -> list[str]:
+        """One site's cells of :meth:`table`, in the order of ``cols``."""
+        r, head, iv = sd.result, sd.headline, sd.interval
+        cells = {
+            "#": str(sd.depth),
+            "site": sd.site,
+            "shape": "×".join(map(str, sd.shape)),
+            "verdict": sd.verdict.value,
+            "± rounding": _g(r.score_error),
+            "AG_rms": _g(r.ag_rms),
+            "AG_max": _g(r.ag_max),
+            "rank/p": f"{r.tangent_rank}/{r.tangent_dim}",
+            "r̂": _g(r.raw_score),
+            "ρ̂": _g(r.realizability_defect),
+            "certificate": "—" if sd.certificate is None else sd.certificate.value,
+            "n to decide": _opt(r.examples_needed if sd.verdict is Verdict.UNDETERMINED else None),
+            **_stream_cells(sd),
+            "decision": "—" if sd.decision is None else sd.decision.value,
+            "n to certify": _opt(None if iv is None or iv.score_lower > 0 else iv.n_to_certify),
+            **_headline_cells(head, r),
+            **dict(zip(_extra_columns([sd]), _extra_cells(sd, _extra_columns([sd])), strict=True)),
+        }
+        for c in cols:
+            if c.endswith("interval of s (δ)"):
+                cells[c] = "—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"
+            elif c.endswith(" interval"):
+                cells[c] = "—" if head is None else f"[{_g(_rel(head.low, head))}, {_g(_rel(head.high, head))}]"
+        return [cells.get(c, "—") for c in cols]
+
+    def markdown(self) -> str:
+        """The table of :meth:`table` as a GitHub-flavoured markdown table, then the reasons of undetermined sites.
+
+        Returns:
+            The markdown text (a title line, the table, one line per undetermined site).
+        """
+        cols = self.columns()
+        lines = [
+            f"depthsat diagnose: {self.description or 'model'}, family {self.family}, n = {self.n}, "
+            f"J = {self.loss:.4g} ({self.loss_units}); joint s_U = {_g(self.joint_score_unbiased)}",
+            "",
+            "| " + " | ".join(cols) + " |",
+            "|" + "|".join("---" if c in _LEFT else "---:" for c in cols) + "|",
         ]
-        if self.realizability:
-            row += [_g(r.raw_score), _g(r.realizability_defect)]
-        if self.delta is not None:
-            iv = sd.interval
-            row += ["—" if iv is None else f"[{_g(iv.score_lower)}, {_g(iv.score_upper)}]"]
-        row += [_SHORT.get(sd.verdict, "undetermined" if sd.verdict.startswith("undetermined") else sd.verdict)]
-        if noisy:
-            need = r.examples_needed if r.verdict is Verdict.UNDETERMINED else None
-            row += ["—" if need is None else str(need)]
-        if uncertified:
-            iv = sd.interval
-            plan = None if iv is None or iv.score_lower > 0 else iv.n_to_certify
-            row += ["—" if plan is None else str(plan)]
-        return row
+        lines += ["| " + " | ".join(self._row(sd, cols)) + " |" for sd in self.sites]
+        lines += [f"- {sd.site}: {sd.verdict_reason}" for sd in self.sites if sd.verdict is Verdict.UNDETERMINED]
+        return "\n".join(lines) + "\n"
 
     def plot(self, path: str | os.PathLike) -> list[Path]:
-        """Plot ``s`` (with the interval when present) and ``s / AG_rms`` against depth.
+        """Plot the headline ``s_U`` with its interval and the verdict per site, and ``s_U / AG_rms``, against depth.
 
-        Writes ``<path>.png`` and ``<path>.svg`` (a ``.png``/``.svg`` suffix of
-        ``path`` is replaced) with matplotlib's Agg canvas (no display needed).
+        Top panel: ``s_U`` with its interval (``prop-headline-interval``) as error bars, one marker per verdict
+        (improvable, saturated, undetermined, degenerate, named in the legend and above each site), the
+        plug-in ``ŝ`` and its chance level ``sqrt(v̂/n)`` (``prop-plugin-chance-level``) dashed, ``AG_rms``, and
+        the ``(1 − δ)`` interval of ``--delta`` when non-vacuous. Bottom panel: the same in the scale-free
+        ``/AG_rms``. Writes ``<path>.png`` and ``<path>.svg`` (a ``.png``/``.svg`` suffix of ``path`` is
+        replaced) with matplotlib's Agg canvas (no display needed).
 
         Args:
             path: the output path, without suffix (or with ``.png``/``.svg``).
@@ -349,36 +467,46 @@ class Diagnosis:
 
         Figure = require("matplotlib.figure", extra="plot", purpose="the diagnose plot").Figure
         agg = require("matplotlib.backends.backend_agg", extra="plot", purpose="the diagnose plot")
-        FigureCanvasAgg = agg.FigureCanvasAgg
 
         base = Path(path)
         if base.suffix.lower() in (".png", ".svg"):
             base = base.with_suffix("")
         xs = np.arange(len(self.sites))
-        s = np.array([sd.result.score for sd in self.sites])
-        rel = np.array([sd.result.relative_score for sd in self.sites])
-        rms = np.array([sd.result.ag_rms for sd in self.sites])
-        fig = Figure(figsize=(max(6.0, 0.5 * len(xs) + 3), 6.5))
-        FigureCanvasAgg(fig)
+        fig = Figure(figsize=(max(6.0, 0.5 * len(xs) + 3), 7.0))
+        agg.FigureCanvasAgg(fig)
         ax1, ax2 = fig.subplots(2, 1, sharex=True)
-        ax1.plot(xs, s, "o-", label="s = ‖Πg‖")
-        ax1.plot(xs, rms, "s--", alpha=0.6, label="AG_rms (upper bound of s)")
+        rms = np.array([sd.result.ag_rms for sd in self.sites])
+        for ax, scale in ((ax1, np.ones_like(rms)), (ax2, np.where(rms > 0, rms, np.nan))):
+            _plot_panel(ax, self.sites, xs, scale)
+        ax1.plot(xs, rms, "s:", color="C9", alpha=0.6, label="AG_rms (upper bound of s)")
         ivs = [sd.interval for sd in self.sites]
         if any(iv is not None and not iv.vacuous for iv in ivs):  # vacuous ones are [0, γ]: not drawn
             lo = np.array([np.nan if iv is None or iv.vacuous else iv.score_lower for iv in ivs])
             hi = np.array([np.nan if iv is None or iv.vacuous else iv.score_upper for iv in ivs])
-            ax1.fill_between(xs, lo, hi, alpha=0.2, label=f"{1 - (self.delta or 0.0):g} interval (non-vacuous)")
-        ax1.set_ylabel("score s", fontsize=9)
+            ax1.fill_between(
+                xs, lo, hi, alpha=0.15, color="C4", label=f"{1 - (self.delta or 0.0):g} finite-sample interval"
+            )
+        for sd, x in zip(self.sites, xs, strict=True):
+            ax1.annotate(
+                sd.verdict.value,
+                (x, 1.0),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                ha="center",
+                va="bottom",
+                rotation=30,
+                color=_VERDICT_STYLE[sd.verdict][1],
+            )
+        ax1.set_ylabel("s_U (bias-corrected)", fontsize=9)
         width = max(60, int(fig.get_figwidth() * 11))  # characters per title line at 9 pt
         title = (
             f"{self.description or 'model'}: family {self.family}, n = {self.n}; "
             f"s in {self.loss_units} per unit function-space step"
         )
-        ax1.set_title(textwrap.fill(title, width), fontsize=9)
-        ax1.legend(fontsize=8)
-        ax2.plot(xs, rel, "o-", color="C2")
+        ax1.set_title(textwrap.fill(title, width), fontsize=9, pad=28)
+        ax1.legend(fontsize=7)
         ax2.set_ylim(0, 1.05)
-        ax2.set_ylabel("s / AG_rms (scale-free)")
+        ax2.set_ylabel("s_U / AG_rms (scale-free)")
         ax2.set_xlabel("site (depth order)")
         ax2.set_xticks(xs)
         ax2.set_xticklabels([sd.site for sd in self.sites], rotation=45, ha="right", fontsize=8)
@@ -396,47 +524,80 @@ class Diagnosis:
 _STREAM_COLUMNS = ["examples used", "decided at", "n to decide (anytime)"]
 
 
-def _stream_cells(sd: SiteDiagnosis, streamed: bool) -> list[str]:
-    """A site's cells of :data:`_STREAM_COLUMNS` (none when the run was not streamed)."""
-    if not streamed:
-        return []
+def _stream_cells(sd: SiteDiagnosis) -> dict[str, str]:
+    """A site's cells of :data:`_STREAM_COLUMNS` ("—" when the site was not streamed)."""
     st = sd.stream
     if st is None:
-        return ["—"] * len(_STREAM_COLUMNS)
+        return dict.fromkeys(_STREAM_COLUMNS, "—")
     at = "—" if st.decided_at is None else f"{st.decided_at} (batch {st.decided_batch})"
-    return [str(st.examples_used), at, "—" if st.examples_needed is None else str(st.examples_needed)]
+    return dict(
+        zip(
+            _STREAM_COLUMNS,
+            [str(st.examples_used), at, "—" if st.examples_needed is None else str(st.examples_needed)],
+            strict=True,
+        )
+    )
 
 
-def _streamed_detail(stream: SiteStream, result: SaturationResult) -> str:
-    """The verdict text of a streamed site: the verdict and the test it comes from."""
-    from depthsat_theory.diagnose.stream import stream_verdict
-
-    verdict, reason = stream_verdict(stream, result)
-    if verdict is Verdict.IMPROVABLE:
-        return "improvable (anytime test)"
-    if verdict is Verdict.DEGENERATE:
-        return "degenerate (T = {0})"
-    if verdict is Verdict.SATURATED:
-        return "saturated (within rounding)"
-    return f"undetermined: {reason}"
-
-
-_SHORT = {
-    "certified improvable": "cert. improvable",
-    "certified ε-saturated": "cert. ε-saturated",
-    "not certified": "not certified",
-    "degenerate (T = {0})": "degenerate",
-    "saturated (within rounding)": "saturated",
-    "improvable": "improvable",
-    "improvable (anytime test)": "improvable (anytime)",
+#: Marker and colour of each verdict in :meth:`Diagnosis.plot`.
+_VERDICT_STYLE = {
+    Verdict.IMPROVABLE: ("o", "C3"),
+    Verdict.SATURATED: ("s", "C2"),
+    Verdict.UNDETERMINED: ("D", "C1"),
+    Verdict.DEGENERATE: ("x", "0.4"),
 }
 
 
-_CERTIFICATES = {
-    "certified improvable": Verdict.IMPROVABLE,
-    "certified ε-saturated": Verdict.SATURATED,
-    "degenerate (T = {0})": Verdict.DEGENERATE,
-}
+def _plot_panel(ax, sites: list[SiteDiagnosis], xs: np.ndarray, scale: np.ndarray) -> None:
+    """One panel of :meth:`Diagnosis.plot`: ``s_U`` with its interval per verdict, the plug-in and its chance level."""
+    heads = [sd.headline for sd in sites]
+    nan = math.nan
+    su = np.array([nan if h is None else h.score for h in heads]) / scale
+    lo = np.array([nan if h is None else h.low for h in heads]) / scale
+    hi = np.array([nan if h is None else h.high for h in heads]) / scale
+    plug = np.array([sd.result.score for sd in sites]) / scale
+    chance = np.array([nan if h is None else h.chance for h in heads]) / scale
+    ax.plot(xs, su, "-", color="C0", alpha=0.5)
+    for verdict, (marker, color) in _VERDICT_STYLE.items():
+        idx = np.array([sd.verdict is verdict for sd in sites])
+        if idx.any():
+            err = np.vstack([su[idx] - lo[idx], hi[idx] - su[idx]])
+            ax.errorbar(
+                xs[idx],
+                su[idx],
+                yerr=np.nan_to_num(err),
+                fmt=marker,
+                color=color,
+                capsize=3,
+                label=f"s_U and its interval: {verdict.value}",
+            )
+    ax.plot(xs, plug, "^--", color="C7", alpha=0.7, markersize=4, label="plug-in ŝ (biased up)")
+    ax.plot(xs, chance, ":", color="C7", alpha=0.7, label="chance level of ŝ, sqrt(v̂/n)")
+
+
+_LEFT = ("site", "verdict", "certificate", "decision")
+#: The columns of :meth:`Diagnosis.table` with ``compact=True`` (besides the headline's interval).
+_COMPACT = ("#", "site", "s_U/AG_rms", "verdict", "certificate", "n to decide", "n to decide (anytime)", "decision")
+
+
+def _rel(value: float, head: Headline) -> float:
+    return value / head.ag_rms if head.ag_rms > 0 else math.nan
+
+
+def _headline_cells(head: Headline | None, r: SaturationResult) -> dict[str, str]:
+    """The headline's cells: ``s_U``, ``s_U/AG_rms``, the plug-in ``ŝ/AG_rms`` and its chance level."""
+    if head is None:
+        return {"s_U": "—", "s_U/AG_rms": "—", "plug-in ŝ/AG_rms": _g(r.relative_score), "chance": "—"}
+    return {
+        "s_U": _g(head.score),
+        "s_U/AG_rms": _g(head.relative_score),
+        "plug-in ŝ/AG_rms": _g(head.relative_plugin),
+        "chance": _g(head.relative_chance),
+    }
+
+
+def _opt(v: int | None) -> str:
+    return "—" if v is None else str(v)
 
 
 def _decision_dict(sd: SiteDiagnosis) -> dict:
@@ -461,7 +622,7 @@ def _extra_columns(sites: list[SiteDiagnosis]) -> list[str]:
     if any(sd.result.kink_ties for sd in sites):
         cols.append("kink ties")
     if any(sd.decision is not None for sd in sites):
-        cols += ["s_old/AG_rms", "s_beyond/AG_rms", "decision"]
+        cols += ["s_old/AG_rms", "s_beyond/AG_rms"]
     return cols
 
 
@@ -473,7 +634,6 @@ def _extra_cells(sd: SiteDiagnosis, cols: list[str]) -> list[str]:
         "kink ties": "—" if sd.result.kink_ties is None else str(sd.result.kink_ties),
         "s_old/AG_rms": "—" if sd.stationarity is None else _g(sd.stationarity.relative_score),
         "s_beyond/AG_rms": "—" if sd.beyond_training is None else _g(sd.beyond_training.relative_score),
-        "decision": "—" if sd.decision is None else sd.decision.value,
     }
     return [cells[c] for c in cols]
 

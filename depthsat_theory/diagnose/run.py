@@ -769,7 +769,7 @@ def _site_results(stats: Mapping, sites: list[str]) -> dict:
 
 
 def _notes(loss_units: str, realizability: bool, delta: float | None, candidates: int) -> list[str]:
-    notes = [f"scores in {loss_units} per unit function-space step; not comparable across sites (compare s/AG_rms)"]
+    notes = [f"scores in {loss_units} per unit function-space step; not comparable across sites (compare s_U/AG_rms)"]
     if realizability:
         notes.append(
             "r̂ and ρ̂ pool exactly equal units only: exact on finite/discrete populations, "

@@ -50,6 +50,7 @@ from depthsat_theory.experiments.record import (
     summarize,
     write_results,
 )
+from depthsat_theory.vocabulary import Certificate, Verdict
 
 __all__ = [
     "CONFIGS",
@@ -267,7 +268,7 @@ def site_rows(
                 "rel_upper": iv.score_upper / rms if rms > 0 else math.nan,
                 "vacuous": bool(iv.vacuous),
                 "n_to_certify": iv.n_to_certify,
-                "verdict": sd.verdict_kind.value,
+                "verdict": _certificate_reading(sd),
                 "noise_verdict": res.verdict.value,
                 "examples_needed": res.examples_needed,
                 "noise_ratio": res.noise_ratio,
@@ -280,6 +281,21 @@ def site_rows(
             }
         )
     return rows
+
+
+def _certificate_reading(sd: Any) -> str:
+    """The sweep's ``verdict`` column: the certificate read in the verdict vocabulary (the stored CSVs' meaning).
+
+    ``degenerate``/``saturated`` as the site's verdict says; otherwise ``improvable`` when certified improvable,
+    ``saturated`` when certified ε-saturated, ``undetermined`` when not certified. The site's own verdict (the
+    noise test) is the ``noise_verdict`` column.
+    """
+    v = sd.verdict
+    if v in (Verdict.DEGENERATE, Verdict.SATURATED) or sd.certificate is None:
+        return v.value
+    return {Certificate.IMPROVABLE: "improvable", Certificate.SATURATED: "saturated"}.get(
+        sd.certificate, "undetermined"
+    )
 
 
 def _headline_columns(res: Any) -> dict[str, float]:

@@ -358,6 +358,7 @@ def _one_model(cfg: ViewsConfig, curve: S.Curve, depth: int, seed: int, splits: 
                 "verdict": sr.get("verdict"),
                 "noise_verdict": sr.get("noise_verdict"),
                 "s": sr.get("s"),
+                "s_u_over_ag_rms": sr.get("rel_u"),
                 "s_over_ag_rms": sr.get("s_over_ag_rms"),
                 "vacuous": sr.get("vacuous"),
                 "block_influence": None if k == 0 else bi[k - 1],

@@ -23,11 +23,20 @@ from depthsat_theory.grow.hf import (
     resolve_architecture,
 )
 from depthsat_theory.grow.optim import FirstStepPreview, preview_first_step, zero_state_param_groups
-from depthsat_theory.grow.ranking import BY_CERTIFIED, BY_POINT, RankedSite, SiteRanking, even_positions, rank_sites
+from depthsat_theory.grow.ranking import (
+    BY_CERTIFIED,
+    BY_HEADLINE,
+    BY_POINT,
+    RankedSite,
+    SiteRanking,
+    even_positions,
+    rank_sites,
+)
 
 __all__ = [
     "ARCHITECTURES",
     "BY_CERTIFIED",
+    "BY_HEADLINE",
     "BY_POINT",
     "Architecture",
     "Expansion",

@@ -3,7 +3,9 @@ r"""Where to grow: order a diagnosis' sites by how much a new block can reduce t
 Scores are not comparable across sites (their units follow the site's activation gradient), so
 the ranking uses the scale-free :math:`s / \mathrm{AG}_{rms} \in [0, 1]`: the certified lower end
 :math:`s_{lower} / \mathrm{AG}_{rms}` of the ``(1 − δ)`` interval (``thm-finite-sample``) when every
-site has a non-vacuous interval, else the point estimate :math:`\hat s / \mathrm{AG}_{rms}`.
+site has a non-vacuous interval, else the headline, the bias-corrected :math:`s_U / \mathrm{AG}_{rms}`
+(theory/decision.md, ``def-bias-corrected-score``), never the plug-in :math:`\hat s`, whose chance level
+:math:`\sqrt{\tilde k / n}` ranks noise by the number of features.
 """
 
 from __future__ import annotations
@@ -11,21 +13,34 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis
+from depthsat_theory.diagnose.report import Diagnosis, SiteDiagnosis, headline_or_none
 from depthsat_theory.grow.errors import GrowError
+from depthsat_theory.statistics import SaturationResult
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["BY_CERTIFIED", "BY_DECIDED", "BY_POINT", "RankedSite", "SiteRanking", "even_positions", "rank_sites"]
+__all__ = [
+    "BY_CERTIFIED",
+    "BY_DECIDED",
+    "BY_HEADLINE",
+    "BY_POINT",
+    "RankedSite",
+    "SiteRanking",
+    "even_positions",
+    "headline_key",
+    "rank_sites",
+]
 
 #: ``SiteRanking.by`` when sites were ranked by the certified lower end of the scale-free score.
 BY_CERTIFIED = "certified lower end of s/AG_rms"
-#: ``SiteRanking.by`` when sites were ranked by the point estimate ``s/AG_rms`` (vacuous intervals).
-BY_POINT = "point estimate of s/AG_rms"
+#: ``SiteRanking.by`` when sites were ranked by the headline ``s_U/AG_rms`` (no or vacuous intervals).
+BY_HEADLINE = "bias-corrected s_U/AG_rms"
+#: Deprecated alias of :data:`BY_HEADLINE` (the ranking no longer uses the plug-in point estimate).
+BY_POINT = BY_HEADLINE
 
 #: :attr:`SiteRanking.by` of a probe streamed until decided (``diagnose(..., until_decided=True)``): the sites
 #: the anytime noise test decided (improvable at its level whatever the stopping, ``thm-anytime-noise-test``)
-#: first, each group in order of the point estimate
-BY_DECIDED = "anytime decision, then point estimate of s/AG_rms"
+#: first, each group in order of the headline ``s_U/AG_rms``
+BY_DECIDED = "anytime decision, then bias-corrected s_U/AG_rms"
 
 
 @dataclass(frozen=True)
@@ -35,9 +50,10 @@ class RankedSite:
     Attributes:
         site: module name; ``depth``: its position in depth order (0 = first site).
         key: the value ranked on (scale-free, in ``[0, 1]``; ``-inf`` for a degenerate or NaN score).
-        relative_score: the point estimate ``ŝ / AG_rms``.
+        relative_score: the plug-in ``ŝ / AG_rms`` (biased upward; shown second).
         relative_lower: ``s_lower / AG_rms`` (``None`` without an interval).
         verdict: the site's verdict (``improvable``, ``saturated``, ``undetermined``, ``degenerate``).
+        relative_headline: the headline ``s_U / AG_rms`` (``None`` without the noise moment ``v̂``).
     """
 
     site: str
@@ -46,18 +62,20 @@ class RankedSite:
     relative_score: float
     relative_lower: float | None
     verdict: str
+    relative_headline: float | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready dictionary (non-finite numbers become ``None``).
 
         Returns:
-            A ``dict`` with ``site``, ``depth``, ``key``, ``relative_score``, ``relative_lower`` and ``verdict``
-            (non-finite ``key``/``relative_score`` as ``None``).
+            A ``dict`` with ``site``, ``depth``, ``key``, ``relative_headline``, ``relative_score``,
+            ``relative_lower`` and ``verdict`` (non-finite numbers as ``None``).
         """
         return {
             "site": self.site,
             "depth": self.depth,
             "key": self.key if math.isfinite(self.key) else None,
+            "relative_headline": _finite_or_none(self.relative_headline),
             "relative_score": self.relative_score if math.isfinite(self.relative_score) else None,
             "relative_lower": self.relative_lower,
             "verdict": self.verdict,
@@ -107,10 +125,29 @@ def _relative(value: float, ag_rms: float) -> float:
     return value / ag_rms if ag_rms > 0 and math.isfinite(value) else float("nan")
 
 
+def _finite_or_none(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def headline_key(result: SaturationResult) -> float:
+    """The headline ``s_U / AG_rms`` of a result, the ranking key without intervals (``-inf``: none, or degenerate).
+
+    Args:
+        result: a site's :class:`~depthsat_theory.statistics.SaturationResult`.
+
+    Returns:
+        ``s_U / AG_rms`` (``def-bias-corrected-score``), or ``-inf`` when the result is degenerate, has no
+        noise moment ``v̂`` (``n < 2``) or ``AG_rms = 0``.
+    """
+    head = None if result.verdict is Verdict.DEGENERATE else headline_or_none(result)
+    return head.relative_score if head is not None and math.isfinite(head.relative_score) else -math.inf
+
+
 def _entry(sd: SiteDiagnosis, certified: bool) -> RankedSite:
     r = sd.result
     lower = _relative(sd.interval.score_lower, r.ag_rms) if sd.interval is not None else None
-    key = lower if certified and lower is not None else r.relative_score
+    head = headline_key(r)
+    key = lower if certified and lower is not None else head
     if r.verdict is Verdict.DEGENERATE or key is None or not math.isfinite(key):
         key = -math.inf
     return RankedSite(
@@ -119,7 +156,8 @@ def _entry(sd: SiteDiagnosis, certified: bool) -> RankedSite:
         float(key),
         float(r.relative_score),
         None if lower is None or not math.isfinite(lower) else float(lower),
-        sd.verdict_kind.value,
+        sd.verdict.value,
+        head if math.isfinite(head) else None,
     )
 
 
@@ -130,14 +168,15 @@ def rank_sites(diagnosis: Diagnosis) -> SiteRanking:
     the key is the certified lower end ``s_lower / AG_rms``: a site ranked first by it has, with
     probability ``1 − δ`` over the probe (union-bounded over the sites), at least that much
     first-order loss decrease per unit function-space step relative to its activation gradient.
-    Otherwise the key is the point estimate ``ŝ / AG_rms`` (biased upward by sampling noise).
+    Otherwise the key is the headline ``s_U / AG_rms``, the bias-corrected score (``def-bias-corrected-score``),
+    not the plug-in ``ŝ / AG_rms`` (which reads about ``sqrt(k̃/n)`` on pure noise, ``prop-plugin-chance-level``).
     Degenerate sites (``T = {0}``) come last.
 
     Args:
         diagnosis: a :class:`~depthsat_theory.diagnose.Diagnosis`.
 
     Returns:
-        A :class:`SiteRanking` (``by`` is :data:`BY_CERTIFIED` or :data:`BY_POINT`, ``reason`` says why).
+        A :class:`SiteRanking` (``by`` is :data:`BY_CERTIFIED` or :data:`BY_HEADLINE`, ``reason`` says why).
 
     Raises:
         GrowError: a diagnosis without sites.
@@ -158,12 +197,12 @@ def rank_sites(diagnosis: Diagnosis) -> SiteRanking:
     else:
         certified, reason = False, "no confidence intervals (diagnose without --delta)"
     ranked = sorted((_entry(sd, certified) for sd in diagnosis.sites), key=lambda r: (-r.key, r.depth))
-    return SiteRanking(ranked, BY_CERTIFIED if certified else BY_POINT, reason)
+    return SiteRanking(ranked, BY_CERTIFIED if certified else BY_HEADLINE, reason)
 
 
 def _rank_streamed(diagnosis: Diagnosis) -> SiteRanking:
     """:func:`rank_sites` for a streamed diagnosis: decided sites first (:data:`BY_DECIDED`)."""
-    decided = {sd.site for sd in diagnosis.sites if sd.verdict_kind is Verdict.IMPROVABLE}
+    decided = {sd.site for sd in diagnosis.sites if sd.verdict is Verdict.IMPROVABLE}
     ranked = sorted(
         (_entry(sd, False) for sd in diagnosis.sites), key=lambda r: (r.site not in decided, -r.key, r.depth)
     )

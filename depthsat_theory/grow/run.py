@@ -178,12 +178,14 @@ def _chosen_rows(diagnosis: Any, ranking: Any, chosen: list[str], mode: str) -> 
     keep: tuple[str, ...] = (
         "site",
         "depth",
+        "headline",
+        "verdict",
+        "verdict_reason",
+        "certificate",
         "score",
         "relative_score",
         "ag_rms",
         "ag_max",
-        "verdict",
-        "verdict_detail",
     )
     keep += ("examples_used", "decided_at") if getattr(diagnosis, "until_decided", False) else ()
     rows = []
@@ -655,7 +657,7 @@ def _copy_ranking(
     (the linear diagnosis ranks then), ``(None, None)`` when the model is not grown by layer copies.
     """
     from depthsat_theory.grow.copyscore import copy_scores
-    from depthsat_theory.grow.ranking import BY_POINT, RankedSite, SiteRanking
+    from depthsat_theory.grow.ranking import BY_HEADLINE, RankedSite, SiteRanking, headline_key
 
     expand = _expandable(model, sites, probe)
     if expand is None:
@@ -667,10 +669,11 @@ def _copy_ranking(
     ranked = []
     for depth, site in enumerate(sites):
         r = scores[site]
-        key = r.relative_score if math.isfinite(r.relative_score) and r.verdict.value != "degenerate" else -math.inf
-        ranked.append(RankedSite(site, depth, float(key), float(r.relative_score), None, r.verdict.value))
+        key = headline_key(r)
+        head = key if math.isfinite(key) else None
+        ranked.append(RankedSite(site, depth, float(key), float(r.relative_score), None, r.verdict.value, head))
     ranked.sort(key=lambda r: (-r.key, r.depth))
-    by = f"{BY_POINT} of the zero-output layer copy (its own tangent: the zeroed projections' features)"
+    by = f"{BY_HEADLINE} of the zero-output layer copy (its own tangent: the zeroed projections' features)"
     note = "sites ranked with the inserted family: the zero-output layer copy's own tangent (ranking.sites)"
     return SiteRanking(ranked, by, "the inserted family's own score (copy_scores)"), note
 

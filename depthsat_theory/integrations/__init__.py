@@ -1,9 +1,10 @@
 """Monitor saturation during training: callbacks for the Hugging Face ``Trainer`` and for Lightning.
 
 Every ``every`` optimizer steps the callbacks run :func:`~depthsat_theory.diagnose.diagnose` on
-a fixed probe set and log, per site, ``s``, ``s/AG_rms`` and ``AG_max``
-(:func:`saturation_metrics`) to the trainer's loggers, without touching the training batches'
-gradients (the probe pass differentiates with respect to the site tensors only, and leaves
+a fixed probe set and log, per site, the headline ``s_U`` and ``s_U/AG_rms`` with its interval, the verdict
+(as a number, :data:`VERDICT_CODES`), the noise ratio, the plug-in ``ŝ/AG_rms`` beside its chance level, and
+``AG_max`` (:data:`METRICS`, :func:`saturation_metrics`) to the trainer's loggers, without touching the
+training batches' gradients (the probe pass differentiates with respect to the site tensors only, and leaves
 the parameters' ``.grad``, the model's train/eval mode and the RNG streams as they were).
 
 * :class:`~depthsat_theory.integrations.huggingface.TrainerSaturationCallback`: a
@@ -19,14 +20,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from depthsat_theory.integrations.monitor import METRICS, SaturationMonitor, saturation_metrics
+from depthsat_theory.integrations.monitor import (
+    METRICS,
+    VERDICT_CODES,
+    SaturationMonitor,
+    saturation_metrics,
+    site_metrics,
+)
 
 __all__ = [
     "METRICS",
+    "VERDICT_CODES",
     "LightningSaturationCallback",
     "SaturationMonitor",
     "TrainerSaturationCallback",
     "saturation_metrics",
+    "site_metrics",
 ]
 
 

@@ -6,7 +6,7 @@ Usage::
 
     trainer = Trainer(model=model, args=args, train_dataset=train)
     TrainerSaturationCallback(probe_batches, every=50).attach(trainer)
-    trainer.train()  # every 50 steps: depthsat/<site>/s, .../s_over_ag_rms, .../ag_max
+    trainer.train()  # every 50 steps: depthsat/<site>/s_u, .../s_u_over_ag_rms, .../verdict, ...
 
 The values go through ``trainer.log``, the Trainer's own route: into ``trainer.state.log_history``
 and to every ``report_to`` integration (TensorBoard, CSV, W&B, ...), on the main process. (A

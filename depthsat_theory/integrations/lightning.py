@@ -7,7 +7,7 @@ Usage::
 
     monitor = LightningSaturationCallback(probe_batches, loss_fn, every=50)
     trainer = lightning.Trainer(max_steps=1000, logger=CSVLogger("logs"), callbacks=[monitor])
-    trainer.fit(module, train_loader)  # every 50 steps: depthsat/<site>/s, .../s_over_ag_rms, .../ag_max
+    trainer.fit(module, train_loader)  # every 50 steps: depthsat/<site>/s_u, .../s_u_over_ag_rms, .../verdict, ...
 
 The values go to every logger of the trainer (``trainer.loggers``: CSV, TensorBoard, ...) with
 ``log_metrics(metrics, step=trainer.global_step)``, at exactly the measured step (``pl_module.log``

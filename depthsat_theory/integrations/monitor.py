@@ -2,21 +2,77 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from depthsat_theory.diagnose import Diagnosis, diagnose
+from depthsat_theory.diagnose import Diagnosis, SiteDiagnosis, diagnose
 from depthsat_theory.families import ResidualFamily
 from depthsat_theory.tasks.custom import to_device
 from depthsat_theory.vocabulary import Verdict
 
-__all__ = ["METRICS", "SaturationMonitor", "saturation_metrics"]
+__all__ = ["METRICS", "VERDICT_CODES", "SaturationMonitor", "saturation_metrics", "site_metrics"]
 
-METRICS: tuple[str, ...] = ("s", "s_over_ag_rms", "ag_max")
-"""Names of the logged quantities per site, ``s`` (``score``), ``s/AG_rms`` (``relative_score``) and ``AG_max``."""
+METRICS: tuple[str, ...] = (
+    "s_u",
+    "s_u_over_ag_rms",
+    "s_u_low",
+    "s_u_high",
+    "verdict",
+    "noise_ratio",
+    "plugin_s_over_ag_rms",
+    "chance_over_ag_rms",
+    "s",
+    "s_over_ag_rms",
+    "ag_max",
+)
+"""Names of the logged quantities per site, headline first (theory/decision.md, ``def-bias-corrected-score``).
+
+``s_u`` (the bias-corrected score ``s_U``), ``s_u_over_ag_rms`` (``s_U/AG_rms``), ``s_u_low``/``s_u_high`` (its
+interval, ``prop-headline-interval``), ``verdict`` (:data:`VERDICT_CODES`), ``noise_ratio`` (``n ŝ²/v̂``, compared
+with ``χ²_{1,1−α}`` by the noise test), then the plug-in ``plugin_s_over_ag_rms`` beside its chance level
+``chance_over_ag_rms`` (``prop-plugin-chance-level``), the plug-in ``s`` and ``s_over_ag_rms`` (same values as
+``plugin_s_over_ag_rms``; kept for existing dashboards) and ``ag_max``.
+"""
+
+#: The logged ``verdict`` of a site as a number (loggers take scalars): improvable 1, undetermined 0.5,
+#: saturated 0, degenerate −1.
+VERDICT_CODES: dict[Verdict, float] = {
+    Verdict.IMPROVABLE: 1.0,
+    Verdict.UNDETERMINED: 0.5,
+    Verdict.SATURATED: 0.0,
+    Verdict.DEGENERATE: -1.0,
+}
+
+
+def site_metrics(site: SiteDiagnosis) -> dict[str, float]:
+    """The :data:`METRICS` of one site, as Python floats (``nan`` where the headline is unavailable).
+
+    Args:
+        site: a :class:`~depthsat_theory.diagnose.SiteDiagnosis`.
+
+    Returns:
+        ``{metric: value}`` for every name of :data:`METRICS`; scores in loss units per example per unit
+        function-space step, ratios scale-free.
+    """
+    r, h = site.result, site.headline
+    nan = math.nan
+    return {
+        "s_u": nan if h is None else h.score,
+        "s_u_over_ag_rms": nan if h is None else h.relative_score,
+        "s_u_low": nan if h is None else h.low,
+        "s_u_high": nan if h is None else h.high,
+        "verdict": VERDICT_CODES[site.verdict],
+        "noise_ratio": float(r.noise_ratio),
+        "plugin_s_over_ag_rms": float(r.relative_score),
+        "chance_over_ag_rms": nan if h is None else h.relative_chance,
+        "s": float(r.score),
+        "s_over_ag_rms": float(r.relative_score),
+        "ag_max": float(r.ag_max),
+    }
 
 
 def saturation_metrics(diagnosis: Diagnosis, prefix: str = "depthsat") -> dict[str, float]:
@@ -27,17 +83,10 @@ def saturation_metrics(diagnosis: Diagnosis, prefix: str = "depthsat") -> dict[s
         prefix: the metric names' first component (TensorBoard groups by it).
 
     Returns:
-        Per site, ``s`` = ``result.score`` (loss units per example per unit function-space step),
-        ``s_over_ag_rms`` = ``result.relative_score`` (scale-free, in ``[0, 1]``) and
-        ``ag_max`` = ``result.ag_max`` (the largest per-example ``‖g(x)‖_F``), as Python floats.
+        Per site, the values of :func:`site_metrics` (headline, verdict code, noise ratio, plug-in and its chance
+        level, ``AG_max``) as Python floats.
     """
-    out: dict[str, float] = {}
-    for site in diagnosis.sites:
-        r = site.result
-        out[f"{prefix}/{site.site}/s"] = float(r.score)
-        out[f"{prefix}/{site.site}/s_over_ag_rms"] = float(r.relative_score)
-        out[f"{prefix}/{site.site}/ag_max"] = float(r.ag_max)
-    return out
+    return {f"{prefix}/{sd.site}/{name}": value for sd in diagnosis.sites for name, value in site_metrics(sd).items()}
 
 
 class SaturationMonitor:
@@ -160,7 +209,7 @@ class SaturationMonitor:
         out: dict[str, float] = {}
         for sd in d.sites:
             out[f"{self.prefix}/{sd.site}/examples_used"] = float(sd.examples_used or 0)
-            if sd.verdict_kind is Verdict.IMPROVABLE and sd.site not in self.decided:
+            if sd.verdict is Verdict.IMPROVABLE and sd.site not in self.decided:
                 self.decided[sd.site] = step
                 out[f"{self.prefix}/{sd.site}/decided_step"] = float(step)
         return out
