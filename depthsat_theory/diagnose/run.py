@@ -626,26 +626,37 @@ class _Run:
             select=lambda i: i >= start and i % world == rank,
             **self.probe_options,
         )
-        done = 0
-        decision = self.decision.context() if self.decision is not None else contextlib.nullcontext()
         try:
-            with beyond.context(), decision:
-                for pb in loop:
-                    self._add(pb)
-                    beyond.add(pb, self.layouts)
-                    if self.decision is not None:
-                        self.decision.add(pb, self.layouts)
-                    done += 1
-                    if done % every == 0:
-                        self.save(pb.index + 1, False)
-                    if progress is not None:
-                        progress(done, todo)
+            self._consume(loop, beyond, progress, todo, every)
         except SiteError:
             raise
         except ValueError as exc:
             if isinstance(exc, DiagnoseError):
                 raise
             raise DiagnoseError(str(exc)) from None
+        self._check_consumed(start, counted)
+        if self.stats:
+            self.save(max(counted.count, start), True)
+        return counted.count
+
+    def _consume(self, loop: Iterable, beyond: Beyond, progress, todo: int | None, every: int) -> None:
+        """Add every probe batch of ``loop`` to the statistics (and the decision's rows), saving every ``every``."""
+        done = 0
+        decision = self.decision.context() if self.decision is not None else contextlib.nullcontext()
+        with beyond.context(), decision:
+            for pb in loop:
+                self._add(pb)
+                beyond.add(pb, self.layouts)
+                if self.decision is not None:
+                    self.decision.add(pb, self.layouts)
+                done += 1
+                if done % every == 0:
+                    self.save(pb.index + 1, False)
+                if progress is not None:
+                    progress(done, todo)
+
+    def _check_consumed(self, start: int, counted: _Counted) -> None:
+        """Refuse a probe shorter than the checkpoint, and a budget below the first batch."""
         if start > counted.count:
             raise CheckpointError(
                 f"checkpoint {self.ckpt} already holds {start} batches but this probe has only "
@@ -656,9 +667,6 @@ class _Run:
                 f"max_examples = {self.anytime.max_examples} is smaller than the first probe batch: give at "
                 f"least one batch's examples"
             )
-        if self.stats:
-            self.save(max(counted.count, start), True)
-        return counted.count
 
     def _stop(self, next_size: int | None) -> bool:
         """The streamed run's stopping rule (:meth:`AnytimeStreams.stop`) at the examples read so far."""
