@@ -168,7 +168,7 @@ class SiteDiagnosis:
 
     @property
     def headline(self) -> Headline | None:
-        """The headline: the bias-corrected ``s_U``, ``s_U/AG_rms``, its interval, the plug-in and its chance level.
+        """The bias-corrected ``s_U`` and ``s_U/AG_rms`` with its interval, the plug-in and its chance level.
 
         theory/decision.md, ``def-bias-corrected-score``, ``prop-plugin-chance-level``, ``prop-headline-interval``;
         :func:`depthsat_theory.decision.headline`. ``None`` when the noise moment ``v̂`` was not streamed or

@@ -77,7 +77,7 @@ class SiteStream:
 
     @property
     def reason(self) -> str:
-        """One line: the decision, or why there is none and what would decide it."""
+        """The decision in one line, or why there is none and what would decide it."""
         if self.decided:
             return (
                 f"anytime noise test: M = {self.e_value:.3g} >= 1/alpha = {1 / self.alpha:.3g} at example "

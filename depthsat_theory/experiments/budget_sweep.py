@@ -3,8 +3,8 @@
 The committed ``sweep`` trains on 800–1,041 examples with early stopping on 200, where depth never
 pays.  This experiment trains residual MLPs of several depths on a whole offline data set
 (Fashion-MNIST: its 60,000 training images cut into train / validation / probe, its 10,000 test
-images as the test set) with one fixed budget (:class:`~depthsat_theory.experiments.recipe.
-BudgetRecipe`: Adam, cosine schedule to 0, the same number of steps at every depth), then per model
+images as the test set) with one fixed budget (:class:`~depthsat_theory.experiments.recipe.BudgetRecipe`:
+Adam, cosine schedule to 0, the same number of steps at every depth), then per model
 
 * **diagnoses** every site (:func:`~depthsat_theory.experiments.sweep.site_rows`, family
   ``linear``) on the held-out probe and on as many training examples: ``AG_max``, ``AG_rms``,
@@ -593,7 +593,7 @@ def run_budget_sweep(
     """Run the budget sweep and write its results atomically.
 
     Args:
-        config: ``"tiny"``, ``"full"`` (:data:`CONFIGS`) or a :class:`BudgetSweepConfig`.
+        config: ``"tiny"``, ``"full"`` (the keys of ``CONFIGS``) or a :class:`BudgetSweepConfig`.
         out: the result folder (default: ``experiments/results/budget-sweep`` for ``full``, else a
             new temporary folder).
         seeds: seeds (default: the configuration's).
