@@ -25,7 +25,7 @@ from torch import nn
 from depthsat_theory.diagnose import diagnose
 from depthsat_theory.tasks.data import CharVocabulary, kjv_sequences, load_kjv_text
 from depthsat_theory.tasks.models import CharGPT, token_loss
-from depthsat_theory.tasks.training import _train_gpt
+from depthsat_theory.tasks.training import train_gpt
 
 
 class Grown(nn.Module):
@@ -45,7 +45,7 @@ class Grown(nn.Module):
 
 def train(model, windows, steps, *, start=0):
     """The project's gpt recipe (AdamW, OneCycle over 300 steps) on batches ``[start, start + steps)``."""
-    _train_gpt(model, windows, steps=steps, start=start)
+    train_gpt(model, windows, steps=steps, start=start)
     model.eval()
 
 

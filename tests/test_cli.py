@@ -8,6 +8,7 @@ onto ``span{V φ̃}`` (for ``linear``: ``φ̃ = (z, 1)``) in the empirical measu
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -310,10 +311,15 @@ def test_score_json_is_the_result_dict_plus_note(tmp_path):
     acc = statistics_for(parse_family("poly:2"), (z.shape[1],), "vector", pool_ties=True)
     acc.update(torch.from_numpy(z), torch.from_numpy(g))
     ref = acc.result().to_dict()
-    assert set(out) == set(ref) | {"note"}
+    assert set(out) == set(ref) | {"note", "headline"}
     for key, val in ref.items():
         assert out[key] == (pytest.approx(val, rel=1e-12) if isinstance(val, float) else val), key
     assert "empirical measure of the probe" in out["note"]
+    # the headline s_U = sqrt(max(0, (n ŝ² − v̂)/(n − 1))) (def-bias-corrected-score), from the result's own fields
+    n, s, v = ref["n"], ref["score"], ref["noise_variance"]
+    assert out["headline"]["score"] == pytest.approx(
+        math.sqrt(max(0.0, (n * s * s - v) / (n - 1))), rel=1e-9, abs=1e-12
+    )
 
 
 def test_every_bound_argument_has_a_flag():

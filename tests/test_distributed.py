@@ -81,6 +81,8 @@ def _close(a, b, path=""):
         # change only the order of float64 sums: the pseudo-inverse of an ill-conditioned Σ amplifies that
         # to ~1e-10 relative (theory/numerics.md), far below what a lost or doubled shard would change.
         tol = 1e-9 if path.endswith(("realizability_defect", "score_squared_unbiased", "score_squared_se")) else 1e-13
+        if ".headline." in path or path.endswith("joint_score_unbiased"):
+            tol = 1e-4  # s_U = sqrt(max(0, ŝ²_U)): a 1e-9 change of ŝ²_U near 0 moves it by up to sqrt(1e-9) ≈ 3e-5
         assert a == pytest.approx(b, rel=1e-8, abs=tol), path
     elif path.endswith("n_to_certify") and a is not None and b is not None:
         # a probe size solved from ŝ, v̂ (a 1e-13 change of ŝ moves a 5e10-example plan by a few examples)
@@ -172,7 +174,7 @@ def test_torchrun_cli_matches_single_process(tmp_path, model_cache, monkeypatch)
         timeout=300,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    assert two.stdout.count("depthsat diagnose") == 1  # only rank 0 prints
+    assert two.stdout.count("depthsat diagnose:") == 1  # only rank 0 prints the table (its title)
     assert (tmp_path / "ck.rank0-of-2").is_file() and (tmp_path / "ck.rank1-of-2").is_file()
     a = json.loads((tmp_path / "two.json").read_text())
     b = json.loads((tmp_path / "one.json").read_text())

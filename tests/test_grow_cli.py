@@ -303,13 +303,15 @@ def test_diagnose_cli_interrupt_says_what_was_kept(tmp_path, monkeypatch):
 
     real = diag_mod.diagnose
 
-    def diagnose_then_stop(*a, progress=None, **k):
+    def diagnose_then_stop(*a, options=None, **k):
+        progress = options.progress  # the CLI passes its flags as one DiagnoseOptions
+
         def stop(done, total):
             progress(done, total)
             if done == 1:
                 raise KeyboardInterrupt
 
-        return real(*a, progress=stop, **k)
+        return real(*a, options=options, progress=stop, **k)
 
     monkeypatch.setattr(diag_mod, "diagnose", diagnose_then_stop)
     base = ["diagnose", *_hf_ckpt(tmp_path), "--batches", "3"]

@@ -542,5 +542,7 @@ def test_grow_auto_ranks_with_the_copy_family():
     assert [c["site"] for c in rep.chosen] == [best]
     assert "zero-output layer copy" in rep.ranking["by"]
     ranked = rep.ranking["sites"]
-    assert [r["relative_headline"] for r in ranked] == pytest.approx(sorted(head.values(), reverse=True), rel=1e-9)
+    # n = 3 examples: n ŝ² − v̂ cancels to rounding level at a copy with no signal, hence the absolute tolerance
+    want = sorted(head.values(), reverse=True)
+    assert [r["relative_headline"] for r in ranked] == pytest.approx(want, rel=1e-9, abs=1e-6)
     assert any("inserted family" in n for n in rep.notes)

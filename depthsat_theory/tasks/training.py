@@ -43,6 +43,7 @@ __all__ = [
     "resolve_cache_dir",
     "task_config",
     "train_classifier",
+    "train_gpt",
     "trained_task",
     "weight_cache_path",
 ]
@@ -278,10 +279,17 @@ def train_classifier(model: nn.Module, x: Tensor, y: Tensor, seed: int, cfg: dic
     model.eval()
 
 
-def _train_gpt(model: nn.Module, windows: Tensor, *, steps: int | None = None, start: int = 0) -> None:
-    """The gpt recipe (AdamW, OneCycle over the recipe's steps) on batches ``[start, start + steps)`` of ``windows``.
+def train_gpt(model: nn.Module, windows: Tensor, *, steps: int | None = None, start: int = 0) -> None:
+    """The ``gpt`` task's recipe (AdamW, OneCycle over the recipe's steps) on batches ``[start, start + steps)``.
 
-    ``start > 0`` begins a fresh optimizer at that point of the schedule (``benchmarks/depth_or_training.py``).
+    ``start > 0`` begins a fresh optimizer at that point of the schedule (``benchmarks/depth_or_training.py``
+    trains an under-trained model on, to compare training longer with growth).
+
+    Args:
+        model: a character GPT (``depthsat_theory.tasks.CharGPT``), trained in place (float32).
+        windows: ``(N, T + 1)`` int64 token windows; batch ``s`` is rows ``[s·B, (s+1)·B)`` of the recipe's ``B``.
+        steps: how many steps (default: to the end of the recipe's schedule).
+        start: the schedule step to begin at.
     """
     cfg = _CONFIGS["gpt"]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
@@ -411,7 +419,7 @@ def trained_task(kind: str, seed: int = 0, *, cache_dir: str | os.PathLike | Non
 
             def train() -> None:
                 windows = kjv_sequences(vocab, cfg["steps"] * cfg["batch_size"], T, seed=2 * seed, split="train")
-                _train_gpt(model, windows)
+                train_gpt(model, windows)
 
         load_or_train(model, train, name=kind, seed=seed, key=_cache_key(kind, extra), config=cfg, cache_dir=cdir)
 
