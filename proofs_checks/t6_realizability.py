@@ -379,6 +379,19 @@ def _label_noise_result(probe: tuple[torch.Tensor, torch.Tensor], spec: str):
     return acc.result()
 
 
+def _label_noise_cases(ctx: Context, rng) -> list[tuple]:
+    """``(probe, family spec)`` pairs of the label-noise group: random sites and vector families."""
+    cases = []
+    pool = [f for f in FAMILY_POOLS[Layout.VECTOR] if not f.startswith("product")]
+    for _ in range(ctx.count(2, 1)):
+        probes = _label_noise_probes(int(rng.integers(1 << 30)))
+        sites = sorted(probes)
+        for _ in range(ctx.count(3, 2)):
+            site = sites[int(rng.integers(len(sites)))]
+            cases.append((probes[site], pool[int(rng.integers(len(pool)))]))
+    return cases
+
+
 @check("T6", "thm-realizability", "t6-no-realizability", "converse")
 def no_realizability(ctx: Context) -> Outcome:
     """``g ≠ 0`` with ``s = 0``: lsq readout, odd network (even features), label noise at an optimum."""
@@ -390,14 +403,7 @@ def no_realizability(ctx: Context) -> Outcome:
     # lsq: noise-free targets, g a function of the unit (realizability (a) holds) but m ⟂ T ((b) fails)
     cases = [("lsq readout", ltask, lsites[0], f) for f in ("linear", "linear-nobias")]
     cases += [("odd network", otask, s, f) for s in osites for f in ("even:abs", "even:square")][: ctx.count(8, 2)]
-    noise_cases = []
-    for _ in range(ctx.count(2, 1)):
-        probes = _label_noise_probes(int(rng.integers(1 << 30)))
-        sites = sorted(probes)
-        for _ in range(ctx.count(3, 2)):
-            site = sites[int(rng.integers(len(sites)))]
-            pool = [f for f in FAMILY_POOLS[Layout.VECTOR] if not f.startswith("product")]
-            noise_cases.append((probes[site], pool[int(rng.integers(len(pool)))]))
+    noise_cases = _label_noise_cases(ctx, rng)
     for group, task, site, spec in cases:
         res = insertion(task, site, spec, pool_ties=True).result
         groups[group].append(res.saturated and res.ag_max > 0 and res.ag_rms > 0)
