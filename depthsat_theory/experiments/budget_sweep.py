@@ -45,6 +45,7 @@ from depthsat_theory.experiments.record import (
     ResumeFile,
     config_tag,
     default_folder,
+    metric_curves,
     provenance,
     summarize,
     write_results,
@@ -327,15 +328,8 @@ C1_CURVES: tuple[str, ...] = (
 
 
 def _curves(runs: list[dict[str, Any]], crossfit: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    depths = sorted({r["depth"] for r in runs})
-    for metric in CURVE_METRICS:
-        for depth in depths:
-            vals = [r[metric] for r in runs if r["depth"] == depth and r.get(metric) is not None]
-            vals = [v for v in vals if math.isfinite(v)]
-            if vals:
-                rows.append({"metric": metric, "depth": depth, **summarize(vals)})
-    for depth in depths:
+    rows = metric_curves(runs, CURVE_METRICS)
+    for depth in sorted({r["depth"] for r in runs}):
         per: dict[str, list[float]] = {}
         for r in _deepest_crossfit(crossfit).values():
             if r["depth"] == depth:

@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExperimentError", "ResumeFile", "config_tag", "default_folder", "provenance", "summarize", "write_results"]
+__all__ = [
+    "ExperimentError",
+    "ResumeFile",
+    "config_tag",
+    "default_folder",
+    "metric_curves",
+    "provenance",
+    "summarize",
+    "write_results",
+]
 
 #: where ``depthsat experiment`` writes by default (relative to the working directory)
 DEFAULT_RESULTS_ROOT = Path("experiments") / "results"
@@ -223,6 +232,29 @@ def summarize(values: Sequence[float], *, confidence: float = 0.95) -> dict[str,
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * std / math.sqrt(n)
     return {"mean": mean, "std": std, "n": n, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def metric_curves(runs: Sequence[dict], metrics: Sequence[str], **labels: Any) -> list[dict[str, Any]]:
+    """Per metric and depth, the seeds' :func:`summarize` of the finite values (curves.csv rows).
+
+    Args:
+        runs: one record per trained model, with ``depth`` and the metrics (missing or ``None``: skipped).
+        metrics: the metric keys, in the order of the rows.
+        **labels: fixed columns put first in every row (e.g. ``teacher_depth=2``).
+
+    Returns:
+        ``{**labels, "metric", "depth", "mean", "std", "n", "ci_low", "ci_high"}`` rows, metric-major, depths
+        ascending; a (metric, depth) with no finite value has no row.
+    """
+    rows = []
+    depths = sorted({r["depth"] for r in runs})
+    for metric in metrics:
+        for depth in depths:
+            vals = [r[metric] for r in runs if r["depth"] == depth and r.get(metric) is not None]
+            vals = [v for v in vals if math.isfinite(v)]
+            if vals:
+                rows.append({**labels, "metric": metric, "depth": depth, **summarize(vals)})
+    return rows
 
 
 def _clean(obj: Any) -> Any:

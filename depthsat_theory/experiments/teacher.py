@@ -44,6 +44,7 @@ from depthsat_theory.experiments.record import (
     ResumeFile,
     config_tag,
     default_folder,
+    metric_curves,
     provenance,
     summarize,
     write_results,
@@ -557,13 +558,7 @@ CURVE_METRICS: tuple[str, ...] = (
 def _curves(runs: list[dict[str, Any]], crossfit: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for lstar in sorted({r["teacher_depth"] for r in runs}):
-        mine = [r for r in runs if r["teacher_depth"] == lstar]
-        for metric in CURVE_METRICS:
-            for depth in sorted({r["depth"] for r in mine}):
-                vals = [r[metric] for r in mine if r["depth"] == depth and r.get(metric) is not None]
-                vals = [v for v in vals if math.isfinite(v)]
-                if vals:
-                    rows.append({"teacher_depth": lstar, "metric": metric, "depth": depth, **summarize(vals)})
+        rows.extend(metric_curves([r for r in runs if r["teacher_depth"] == lstar], CURVE_METRICS, teacher_depth=lstar))
         rows.extend(_crossfit_curves(lstar, [r for r in crossfit if r["teacher_depth"] == lstar]))
     return rows
 
