@@ -529,3 +529,42 @@ def all_command(
     for name, runner in EXPERIMENTS.items():
         typer.echo(f"== {name} ({config})")
         _run(runner, config=config, out=root / name)
+
+
+# ----------------------------------------------------------------------------- the claims table
+@experiment_app.command("claims")
+def claims_command(
+    root: Path = typer.Option(
+        Path("experiments/results"), "--root", help="Folder of the result folders (each with a summary.json)."
+    ),
+    check: bool = typer.Option(
+        False, "--check", help="Write nothing; exit 1 when a committed table differs from the generated one."
+    ),
+) -> None:
+    """Regenerate the claims tables from ROOT/*/summary.json.
+
+    The full table (claim, setting, verdict, interval, reason, result folder with its wall time and
+    commit) goes between the claims markers of ROOT/../README.md (experiments/README.md; the book's
+    experiments chapter includes that part), the compact one (claim, setting, verdict) between the
+    compact markers of ROOT/../../README.md. Rows come from each summary's "claims" list, or from the
+    adapter of a committed experiment written before that list existed.
+    """
+    from depthsat_theory.experiments.claims import ClaimsError, update
+
+    root = Path(root)
+    targets = {"full": root.parent / "README.md", "compact": root.parent.parent / "README.md"}
+    try:
+        changed = update(root, targets, check=check)
+    except ClaimsError as exc:
+        fail(exc)
+    if check:
+        if changed:
+            typer.echo(
+                f"the claims table in {', '.join(map(str, changed))} differs from {root}/*/summary.json; "
+                "run `./dev claims` (depthsat experiment claims) and commit the result",
+                err=True,
+            )
+            raise typer.Exit(1)
+        typer.echo(f"claims tables current ({', '.join(map(str, targets.values()))})")
+        return
+    typer.echo(f"claims tables written: {', '.join(map(str, changed)) or 'none changed'}")

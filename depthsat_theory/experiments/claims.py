@@ -831,7 +831,9 @@ def collect(root: str | Path) -> list[ResultRows]:
 
 # ----------------------------------------------------------------------------- rendering
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell: one line, ``|`` escaped, and ``*`` outside code spans (``L*`` must not open emphasis)."""
+    parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
+    return "".join(p if p.startswith("`") else p.replace("*", "\\*") for p in parts).replace("|", "\\|")
 
 
 def _claim_key(item: tuple[dict[str, str], ResultRows]) -> tuple[int, str, str]:
