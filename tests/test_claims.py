@@ -32,7 +32,7 @@ def _meta(wall: float, commit: str, command: str = "depthsat experiment x --conf
     return {"command": command, "commit": commit, "wall_s": wall, "machine": {"torch_threads": 1}, "seeds": [0, 1]}
 
 
-def _claim(claim, verdict, qualifier="", setting="toy, 2 seeds", interval="1 [0, 2]", reason="because"):
+def _claim(claim, verdict, qualifier="", setting="toy, 2 seeds", interval="1 [0, 2]", reason="why"):
     return {
         "claim": claim,
         "setting": setting,
@@ -59,9 +59,9 @@ def toy(tmp_path):
             "summary": {},
             "claims": [
                 _claim(
-                    "C2: growth matches scratch", "holds", "in direction, not in size", interval="−2 % [−4 %, −1 %]"
+                    "C2: growth matches scratch", "holds", "in direction, not in size", interval="−2 [−4, −1]"
                 ),
-                _claim("Mine: a | b at L*", "untestable here", setting="L* = 2", reason="see `L*`"),
+                _claim("M: a | b, L*", "untestable here", setting="L* = 2", reason="`L*`"),
             ],
         },
     )
@@ -77,16 +77,16 @@ def toy(tmp_path):
 FULL = """\
 | claim | setting | verdict | interval / evidence | reason | results (wall time, commit) |
 |---|---|---|---|---|---|
-| C1: falls | toy, 2 seeds | *fails* | 1 [0, 2] | because | `alpha` (3 s (0.1 min), 1 thread; fedcba9) |
-| C2: growth matches scratch | toy, 2 seeds | *holds* (in direction, not in size) | −2 % [−4 %, −1 %] | because | `beta` (90 s (1.5 min), 1 thread; 0123456) |
-| Mine: a \\| b at L\\* | L\\* = 2 | *untestable here* | 1 [0, 2] | see `L*` | `beta` (90 s (1.5 min), 1 thread; 0123456) |"""
+| C1: falls | toy, 2 seeds | *fails* | 1 [0, 2] | why | `alpha` (3 s (0.1 min), 1 thread; fedcba9) |
+| C2: grows | toy, 2 seeds | *holds* (in direction) | −2 [−4, −1] | why | `beta` (90 s (1.5 min), 1 thread; 0123456) |
+| M: a \\| b, L\\* | L\\* = 2 | *untestable here* | 1 [0, 2] | `L*` | `beta` (90 s (1.5 min), 1 thread; 0123456) |"""
 
 COMPACT = """\
 | claim | setting | verdict |
 |---|---|---|
 | C1 (`alpha`) | toy, 2 seeds | *fails* |
-| C2 (`beta`) | toy, 2 seeds | *holds* (in direction, not in size) |
-| Mine (`beta`) | L\\* = 2 | *untestable here* |"""
+| C2 (`beta`) | toy, 2 seeds | *holds* (in direction) |
+| M (`beta`) | L\\* = 2 | *untestable here* |"""
 
 
 def test_constructed_summaries_render_the_hand_written_tables(toy):
