@@ -58,9 +58,7 @@ def toy(tmp_path):
             "meta": _meta(90.0, "0123456789abcdef"),
             "summary": {},
             "claims": [
-                _claim(
-                    "C2: growth matches scratch", "holds", "in direction, not in size", interval="−2 [−4, −1]"
-                ),
+                _claim("C2: grows", "holds", "in direction", interval="−2 [−4, −1]"),
                 _claim("M: a | b, L*", "untestable here", setting="L* = 2", reason="`L*`"),
             ],
         },
