@@ -231,6 +231,8 @@ def test_teacher_verdicts_are_todays_table(committed):
     big = _one(committed, "teacher-probe65536", "Known-depth transition", **lstar2)
     assert big["verdict"] == "untestable here"
     assert "block 2, 1, 1" in big["interval"]  # today: "transition per seed 2, 1, 1"
+    assert "linear 0 of 12, block 0 of 12" in known["interval"]  # today: 0 of 344 site diagnoses improvable
+    assert "block 1 of 12" in big["interval"]  # today: improvable at depth 1 in 1 of 3 seeds, none deeper
 
 
 def test_growth_and_expand_verdicts_are_todays_table(committed):

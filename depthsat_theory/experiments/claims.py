@@ -318,6 +318,35 @@ def _c3a_reading(medians: Sequence[dict[str, float]]) -> tuple[str, str]:
     return verdict, qualifier
 
 
+def _teacher_known(
+    t: dict[str, Any], lstar: int, pays_text: str, trans: list[dict[str, Any]]
+) -> tuple[str, str, str, str]:
+    """The known-depth transition row: the summary's verdict, per-seed depths, improvable deepest sites."""
+
+    def seeds(xs: list[Any]) -> str:
+        return ", ".join(str(x) for x in xs)
+
+    verdict, reason = _split_verdict(t["verdict"])
+    counts = []
+    for fam, key in (("linear", "probe_verdicts_last"), ("block", "probe_block_verdicts_last")):
+        calls = [v for r in trans for v in str(r.get(key, "")).split()]
+        if calls:
+            counts.append(f"{fam} {calls.count('imp')} of {len(calls)}")
+    improvable = f"; deepest sites called improvable: {', '.join(counts)}" if counts else ""
+    interval = (
+        f"deepest-site transition depth per seed: linear {seeds(t['probe_last_per_seed'])}; "
+        f"block {seeds(t.get('probe_block_last_per_seed', []))}{improvable}; test-excess plateau per seed "
+        f"{seeds(t['test_excess_plateau_per_seed'])}; {pays_text}"
+    )
+    if not reason:
+        reason = (
+            f"the transition is at L* = {lstar} in every seed"
+            if verdict == "holds"
+            else f"the per-seed transition depths are not all L* = {lstar}"
+        )
+    return verdict, "", interval, reason
+
+
 def _teacher_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, str]]:
     """The known-depth benchmark (``teacher``, ``teacher-probe65536``): per teacher depth ``L*``.
 
@@ -346,20 +375,8 @@ def _teacher_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, str]]
         pays_text = f"{_difference(pays)} = {_iv(_stats(pays))} nats"
         why_not = "" if pre["holds"] else _split_verdict(c["transition"]["verdict"])[1]
         t = c["transition"]
-        seeds = lambda xs: ", ".join(str(x) for x in xs)  # noqa: E731
-        verdict, reason = _split_verdict(t["verdict"])
-        rows.append(
-            _row(
-                _KNOWN,
-                setting,
-                verdict,
-                "",
-                f"deepest-site transition depth per seed: linear {seeds(t['probe_last_per_seed'])}, "
-                f"block {seeds(t.get('probe_block_last_per_seed', []))}; test-excess plateau per seed "
-                f"{seeds(t['test_excess_plateau_per_seed'])}; {pays_text}",
-                reason or f"the transition is at L* = {lstar} in every seed",
-            )
-        )
+        trans = [r for r in s.get("transitions", []) if r.get("teacher_depth") == lstar]
+        rows.append(_row(_KNOWN, setting, *_teacher_known(t, lstar, pays_text, trans)))
         c1 = c["c1"]
         v1, r1 = _c1_reading(c1, why_not)
         last, z = c1.get("probe_ag_max_last", {}), c1.get("probe_ag_max_last_z", {})
