@@ -244,6 +244,19 @@ def test_growth_and_expand_verdicts_are_todays_table(committed):
     _shows(place["interval"], "−0.0366", "−0.0385", "−0.0347", "0.0071", "−0.0898", "0.1040")
 
 
+def test_views_fixed_depth_and_criterion_rows_read_as_the_readme_text(committed):
+    # not in today's claims table; the numbers are typed from experiments/README.md's text on each run
+    views = _one(committed, "views", "Views agree")
+    assert views["verdict"] == "untestable here"  # the sweep plateau is at 1-2 blocks on every curve
+    assert "on 0 of 4 curves" in views["interval"] and "stopping 3 of 4" in views["interval"]
+    fixed = _one(committed, "fixed-depth", "Fixed vs variable depth (seed 003)")
+    assert fixed["verdict"] == "untestable here" and fixed["reason"].startswith("1 of 4 intervals")
+    _shows(fixed["interval"], "0.077", "0.009", "0.144", "0.010", "0.044", "0.028")
+    crit = _one(committed, "criterion-growth", "Criterion growth")
+    assert crit["verdict"] == "untestable here"
+    _shows(crit["interval"], "6.8", "2.7", "2.6", "1.2")
+
+
 def test_number_format():
     assert C._num(4.18e-4) == "4.18·10⁻⁴"
     assert C._num(-0.0366) == "−0.0366"
