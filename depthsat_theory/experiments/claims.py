@@ -456,7 +456,7 @@ def _budget_sweep_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, 
     pre = c["precondition"]
     train, test = pre["train_loss_falls_first_to_deepest"], pre["test_loss_first_minus_best"]
     pre_text = (
-        f"precondition: {train['difference']} = {_iv(train)}, {test['difference']} = {_iv(test)} nats "
+        f"precondition: {_difference(train)} = {_iv(train)}, {_difference(test)} = {_iv(test)} nats "
         f"(test plateau at {pre['test_loss_plateau_depth']})"
     )
     rows: list[dict[str, str]] = []
