@@ -188,6 +188,14 @@ def _split_verdict(text: str) -> tuple[str, str]:
     raise KeyError(text)
 
 
+def _reason_of(text: str) -> str:
+    """The reason inside a summary's ``"verdict (reason)"`` string (the whole text when it has no verdict)."""
+    try:
+        return _split_verdict(text)[1] or text
+    except KeyError:
+        return text
+
+
 def _seeds(meta: dict[str, Any]) -> str:
     n = len(meta.get("seeds") or [])
     return f"{n} seed{'s' if n != 1 else ''}"
@@ -499,7 +507,7 @@ def _budget_sweep_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, 
                 q2,
                 f"test loss (grown − scratch)/scratch at equal examples {_iv(t, _pct)} (paper −11.8 %); "
                 f"train loss {_iv(c2[tkey], _pct)}",
-                c2.get("verdict", ""),
+                _reason_of(c2.get("verdict", "")),
             )
         )
     c3 = c["c3"]
