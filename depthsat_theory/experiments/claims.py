@@ -507,7 +507,8 @@ def _budget_sweep_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, 
                 q2,
                 f"test loss (grown − scratch)/scratch at equal examples {_iv(t, _pct)} (paper −11.8 %); "
                 f"train loss {_iv(c2[tkey], _pct)}",
-                _reason_of(c2.get("verdict", "")),
+                _reason_of(c2.get("verdict", ""))
+                + ("; grown fits the training set worse (train-loss interval above 0)" if _above(c2[tkey]) else ""),
             )
         )
     c3 = c["c3"]
