@@ -291,8 +291,11 @@ def test_check_detects_an_edited_table_and_a_run_restores_it(tmp_path):
     assert runner.invoke(app, [*args, "--check"]).exit_code == 0
     readme = tmp_path / "experiments" / "README.md"
     original = readme.read_text()
-    edited = original.replace("| *fails* | precondition:", "| *holds* | precondition:", 1)
-    assert edited != original
+    head, table = original.split(C.MARKERS["full"][0], 1)
+    verdict = re.search(r"\| \*(holds|fails|untestable here)\*", table)
+    assert verdict is not None
+    swapped = "| *fails*" if verdict.group(1) != "fails" else "| *holds*"
+    edited = head + C.MARKERS["full"][0] + table[: verdict.start()] + swapped + table[verdict.end() :]
     readme.write_text(edited)
     res = runner.invoke(app, [*args, "--check"])
     assert res.exit_code == 1 and "run `./dev claims`" in res.output
