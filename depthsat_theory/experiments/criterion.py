@@ -290,7 +290,8 @@ def carry_optimizer(optimizer: torch.optim.Optimizer, old: nn.Module, grown: Dee
         {**{k: v for k, v in g.items() if k != "params"}, "params": [where[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups
     ]
-    carried = type(optimizer)(groups)
+    make: Any = type(optimizer)  # Adam, SGD, …: each takes the param groups as its first argument
+    carried: torch.optim.Optimizer = make(groups)
     carried.load_state_dict(optimizer.state_dict())
     zero_state_param_groups(carried, grown.new_params)
     return carried
@@ -309,9 +310,10 @@ class GrowthRun:
             ``stops_<rule>`` for every rule, ``is_best``); losses in nats per example.
         sites: one row per site of every round's diagnosis.
         best_round: the round with the lowest validation loss (the first on a tie).
-        model: that round's model (a copy, eval mode): the reported model.
-        optimizer: the last round's optimizer (its state carried over every round).
-        models: every round's model (copies, in round order).
+        model: that round's model (eval mode): the reported model.
+        optimizer: the last round's optimizer (its state carried over every round; it holds the
+            parameters of ``models[-1]``).
+        models: every round's model, in round order (growth trains a copy, so each is as its round left it).
     """
 
     rounds: list[dict[str, Any]]
@@ -402,7 +404,7 @@ def grow_by_criterion(
             }
         )
         sites += _site_rows(diag, row)
-        models.append(copy.deepcopy(model).eval())
+        models.append(model.eval())  # never trained again: growth trains a copy (deepen)
         if dec["stop"] or at_max:
             break
         grown = deepen(model, [_site_index(dec["site"])], splits.probe.x, seed=seed + 10_000 + rnd)
