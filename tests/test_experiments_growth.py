@@ -285,6 +285,7 @@ def test_criterion_growth_tiny_through_the_cli(tmp_path):
     data = json.loads((out / "summary.json").read_text())
     ref = data["summary"]["digits"]["reference"]
     assert ref["reference_plateau_depth_test_loss"] == 2
+    assert ref["reference_depth_pays"]["per_seed"] == [0.25, 0.25] and ref["reference_depth_pays"]["pays"]
     width = 16  # the sweep's width (its meta), not this experiment's
     assert CRITERION_CONFIGS["tiny"]["width"] != width and ref["reference_width"] == width
     per_seed = [sum(2 * _macs(64, width, d, 10) * e for d, sd, e in fake if sd == seed) for seed in (0, 1)]

@@ -408,21 +408,24 @@ def _c1(curves_rows: list[dict[str, Any]], pre: dict[str, Any]) -> dict[str, Any
         depths, vals = _mean_curve(curves_rows, metric)
         if not depths:
             continue
-        plateau = plateau_depth(depths, vals)
+        plateau = plateau_depth(depths, vals)  # None: still falling at the deepest depth
         falls = vals[-1] < vals[0]
-        near = abs(depths.index(plateau) - depths.index(perf)) <= 1 if perf in depths else False
+        near = plateau is not None and perf in depths and abs(depths.index(plateau) - depths.index(perf)) <= 1
         if why_not:
             verdict, why = "untestable here", why_not
-        elif plateau == depths[-1] and perf == depths[-1]:
+        elif plateau is None and perf is None:
             verdict, why = "untestable here", "both still improve at the deepest depth run: no plateau to compare"
-        elif plateau == depths[-1] and falls:
+        elif perf is None:
+            verdict, why = "untestable here", "the test loss still improves at the deepest depth run: no plateau"
+        elif plateau is None and falls:
             verdict = "fails"
             why = f"still falling at the deepest depth ({depths[-1]}) while the test loss stopped improving at {perf}"
         elif falls and near:
             verdict, why = "holds", f"falls and plateaus at {plateau} (test loss at {perf})"
         else:
             verdict = "fails"
-            why = ("does not fall" if not falls else "falls") + f"; plateaus at {plateau} (test loss at {perf})"
+            at = "no depth run (still falling at the deepest)" if plateau is None else plateau
+            why = ("does not fall" if not falls else "falls") + f"; plateaus at {at} (test loss at {perf})"
         out[metric] = {"curve": dict(zip(depths, vals, strict=True)), "plateau_depth": plateau}
         out[metric].update({"verdict": verdict, "reason": why})
     for tag in ("probe", "train"):

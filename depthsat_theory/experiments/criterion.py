@@ -608,16 +608,31 @@ def _reference(folder: Path, ds: str, cfg: dict[str, Any]) -> dict[str, Any]:
         for d in depths
     }
     seen = {s: [(int(r["depth"]), int(r["examples_seen"])) for r in rows if int(r["seed"]) == s] for s in per_seed}
+    plateau = plateau_depth(depths, mean)
     return {
         "reference": str(folder),
         "reference_width": width,
         "reference_depths": depths,
         "reference_test_loss_mean": dict(zip(depths, mean, strict=True)),
         "reference_test_loss_per_seed": per_seed,
-        "reference_plateau_depth_test_loss": plateau_depth(depths, mean),
+        "reference_plateau_depth_test_loss": plateau,
+        "reference_depth_pays": _depth_pays(per_seed, depths[0], plateau),
         "reference_examples_seen_per_seed": summarize([sum(e for _, e in v) for v in seen.values()]),
         "reference_flops_per_seed": summarize([sum(2 * cost[d] * e for d, e in v) for v in seen.values()]),
     }
+
+
+def _depth_pays(per_seed: dict[int, dict[int, float]], first: int, plateau: int | None) -> dict[str, Any]:
+    """Whether depth pays on the reference: test loss at its first depth minus at its plateau, paired by seed.
+
+    ``pays`` is true when the Student-t 95 % interval of the paired difference lies above 0 (two seeds or more).
+    """
+    if plateau is None or plateau == first:
+        return {"pays": False, "difference": None}
+    diffs = [c[first] - c[plateau] for c in per_seed.values() if first in c and plateau in c]
+    iv = summarize(diffs) if diffs else {"n": 0}
+    pays = bool(iv["n"] >= 2 and iv["ci_low"] > 0)
+    return {"pays": pays, "difference": f"test_loss({first}) - test_loss({plateau})", "per_seed": diffs, **iv}
 
 
 def _against_reference(st: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, Any]:
@@ -725,6 +740,13 @@ def _claim_row(cfg: dict[str, Any], ds: str, arm: str, st: list[dict], rounds: l
     elif plateau == first:
         verdict = "untestable here"
         reason = f"depth does not pay on the reference curve (its test-loss plateau is its first depth, {first})"
+    elif not ref["reference_depth_pays"]["pays"]:
+        pays = ref["reference_depth_pays"]
+        verdict = "untestable here"
+        reason = (
+            f"depth is not shown to pay on the reference curve: {pays['difference']} = {pays['mean']:.4g} "
+            f"[{pays['ci_low']:.4g}, {pays['ci_high']:.4g}] nats, Student-t 95 % over {pays['n']} seeds"
+        )
     else:
         inside = [plateau / 2 <= d <= 2 * plateau for d in depths]
         verdict = "holds" if all(inside) else "fails"
@@ -747,7 +769,9 @@ def claims(stops: list[dict], rounds: list[dict], cfg: dict[str, Any], summary: 
     """The claims rows (``summary.json → claims``): one per data set and arm, from the stop depths by a stated rule.
 
     Rule: *untestable here* when there is no reference curve, when its test loss still falls at its
-    deepest depth, or when its plateau is its first depth (depth does not pay); otherwise *holds* when
+    deepest depth, when its plateau is its first depth, or when the paired test-loss difference between
+    its first depth and its plateau does not lie above 0 (Student-t 95 %: depth is not shown to pay);
+    otherwise *holds* when
     every seed's stop depth is within a factor 2 of the reference plateau (one step of a doubling depth
     grid), else *fails*.
 
