@@ -312,3 +312,23 @@ def test_grow_by_criterion_refuses_an_unknown_rule():
             delta=0.05,
             lr=1e-3,
         )
+
+
+# ----------------------------------------------------------------------------- claims rows in summary.json
+
+
+def test_write_results_writes_claims_rows_and_refuses_a_malformed_one(tmp_path):
+    import json
+
+    from depthsat_theory.experiments.record import ExperimentError, write_results
+
+    row = {"claim": "c", "setting": "s", "verdict": "holds", "qualifier": "", "interval": "i", "reason": "r"}
+    folder = write_results(tmp_path / "ok", tables={}, summary={"x": 1}, meta={}, claims=[row])
+    assert json.loads((folder / "summary.json").read_text()) == {"meta": {}, "summary": {"x": 1}, "claims": [row]}
+    for bad in ({**row, "verdict": "undetermined"}, {k: v for k, v in row.items() if k != "reason"}, {**row, "n": 3}):
+        with pytest.raises(ExperimentError, match="claims row"):
+            write_results(tmp_path / "bad", tables={}, summary={}, meta={}, claims=[bad])
+    assert not (tmp_path / "bad").exists()
+    assert "claims" not in json.loads(
+        (write_results(tmp_path / "none", tables={}, summary={}, meta={}) / "summary.json").read_text()
+    )
