@@ -2,11 +2,11 @@
 
 Every experiment's ``summary.json`` may carry, at top level next to ``meta`` and ``summary``, a key
 ``"claims"``: a list of rows, one per claim it reads, each a dict with exactly the keys of
-:data:`ROW_KEYS`::
+:data:`~depthsat_theory.experiments.record.CLAIM_KEYS`::
 
     {"claim": "C2: growth from a converged shallow network matches or beats scratch",
      "setting": "Fashion-MNIST 60k/10k, residual MLP width 32, 2 -> 4, fixed cosine budget, 3 seeds",
-     "verdict": "holds",            # exactly one of VERDICTS
+     "verdict": "holds",            # exactly one of CLAIM_VERDICTS
      "qualifier": "in direction, not in size",   # or ""
      "interval": "-2.41 % [-4.71 %, -0.12 %] test loss (grown - scratch)/scratch, Student-t 95 % over 3 seeds",
      "reason": "one sentence: why this verdict, from the numbers"}
@@ -35,14 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from depthsat_theory.experiments.record import ExperimentError
+from depthsat_theory.experiments.record import CLAIM_KEYS, CLAIM_VERDICTS, ExperimentError
 
 __all__ = [
     "ADAPTERS",
     "CLAIM_ORDER",
     "MARKERS",
-    "ROW_KEYS",
-    "VERDICTS",
     "ClaimsError",
     "ResultRows",
     "collect",
@@ -53,10 +51,6 @@ __all__ = [
     "validate_rows",
 ]
 
-#: the three verdicts a claim row may carry (exactly these strings)
-VERDICTS: tuple[str, ...] = ("holds", "fails", "untestable here")
-#: the keys every claim row carries (exactly these)
-ROW_KEYS: tuple[str, ...] = ("claim", "setting", "verdict", "qualifier", "interval", "reason")
 #: the order of the claims in the tables (the part of ``claim`` before its first ``:``); others follow, by name
 CLAIM_ORDER: tuple[str, ...] = (
     "C1",
@@ -101,7 +95,7 @@ class ResultRows:
 
     Attributes:
         folder: the result folder's name (``experiments/results/<folder>``).
-        rows: its claim rows (each with exactly :data:`ROW_KEYS`).
+        rows: its claim rows (each with exactly :data:`~depthsat_theory.experiments.record.CLAIM_KEYS`).
         wall: the run's wall time as text (seconds and minutes, one CPU thread unless stated).
         commit: the first 7 characters of the commit that made the results (``meta.commit``).
         source: ``"claims"`` when the rows are the summary's own list, else the adapter's name.
@@ -182,7 +176,7 @@ def _row(claim: str, setting: str, verdict: str, qualifier: str, interval: str, 
 
 def _split_verdict(text: str) -> tuple[str, str]:
     """``"untestable here (why)"`` → ``("untestable here", "why")``."""
-    for v in VERDICTS:
+    for v in CLAIM_VERDICTS:
         if text.startswith(v):
             return v, text[len(v) :].strip().removeprefix("(").removesuffix(")")
     raise KeyError(text)
@@ -746,11 +740,12 @@ def validate_rows(rows: Any, folder: str) -> tuple[dict[str, str], ...]:
         folder: the result folder's name, for the error message.
 
     Returns:
-        The rows (dicts with exactly :data:`ROW_KEYS`, string values).
+        The rows (dicts with exactly :data:`~depthsat_theory.experiments.record.CLAIM_KEYS`, string values).
 
     Raises:
         ClaimsError: naming ``folder`` and the row, when ``rows`` is not a list of dicts, a row lacks
-            or adds a key, a value is not a string, or a verdict is not one of :data:`VERDICTS`.
+            or adds a key, a value is not a string, or a verdict is not one of
+            :data:`~depthsat_theory.experiments.record.CLAIM_VERDICTS`.
     """
     where = f"experiments/results/{folder}/summary.json"
     if not isinstance(rows, list):
@@ -758,23 +753,23 @@ def validate_rows(rows: Any, folder: str) -> tuple[dict[str, str], ...]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ClaimsError(f"{where}: claims[{i}] is a {type(row).__name__}, not a dict")
-        missing = [k for k in ROW_KEYS if k not in row]
-        extra = sorted(set(row) - set(ROW_KEYS))
+        missing = [k for k in CLAIM_KEYS if k not in row]
+        extra = sorted(set(row) - set(CLAIM_KEYS))
         if missing or extra:
             raise ClaimsError(
                 f"{where}: claims[{i}] ({row.get('claim', '?')!r}) "
                 + (f"lacks {', '.join(missing)}" if missing else "")
                 + ("; " if missing and extra else "")
                 + (f"has unknown keys {', '.join(extra)}" if extra else "")
-                + f" (a row has exactly {', '.join(ROW_KEYS)})"
+                + f" (a row has exactly {', '.join(CLAIM_KEYS)})"
             )
-        bad = [k for k in ROW_KEYS if not isinstance(row[k], str)]
+        bad = [k for k in CLAIM_KEYS if not isinstance(row[k], str)]
         if bad:
             raise ClaimsError(f"{where}: claims[{i}] ({row['claim']!r}): {', '.join(bad)} must be text")
-        if row["verdict"] not in VERDICTS:
+        if row["verdict"] not in CLAIM_VERDICTS:
             raise ClaimsError(
                 f"{where}: claims[{i}] ({row['claim']!r}) has verdict {row['verdict']!r}; "
-                f"use exactly one of {', '.join(repr(v) for v in VERDICTS)} (put nuances in 'qualifier')"
+                f"use exactly one of {', '.join(repr(v) for v in CLAIM_VERDICTS)} (put nuances in 'qualifier')"
             )
         if not row["claim"].strip():
             raise ClaimsError(f"{where}: claims[{i}] has an empty 'claim'")
@@ -821,7 +816,7 @@ def _read(folder: Path) -> ResultRows:
     else:
         raise ClaimsError(
             f"{path}: no 'claims' list and no adapter for {folder.name!r}; write the experiment's claim rows "
-            f"under 'claims' (keys {', '.join(ROW_KEYS)}; depthsat_theory.experiments.claims)"
+            f"under 'claims' (keys {', '.join(CLAIM_KEYS)}; depthsat_theory.experiments.claims)"
         )
     meta = summary["meta"]
     return ResultRows(
