@@ -69,7 +69,7 @@ MARKERS: dict[str, tuple[str, str]] = {
         "<!-- claims-compact:end -->",
     ),
 }
-#: C3a's rule: the step decreases the loss "as predicted" when measured/predicted is at least this
+#: the ratio measured/predicted at or above which C3a reads "decreases the loss as predicted"
 C3A_RATIO = 0.5
 #: the paper's relative test-loss difference, grown against scratch (C2)
 PAPER_C2 = -0.118
