@@ -776,20 +776,29 @@ def validate_rows(rows: Any, folder: str) -> tuple[dict[str, str], ...]:
     return tuple(rows)
 
 
+def _csv_wall(path: Path) -> float:
+    """The summed per-model wall time of one CSV (``model_wall_s``, else ``wall_s``; 0 without either)."""
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        column = "model_wall_s" if "model_wall_s" in header else "wall_s" if "wall_s" in header else None
+        return sum(float(r[column]) for r in reader if r.get(column)) if column else 0.0
+
+
 def _wall(folder: Path, meta: dict[str, Any]) -> str:
-    """The run's wall time; for a run aggregated from a resume file, the models' own wall times summed."""
+    """The run's wall time; for a run that reused models from a resume file, also their own wall times summed."""
     wall = float(meta.get("wall_s") or 0.0)
     threads = meta.get("machine", {}).get("torch_threads")
     how = f", {threads} thread" if threads == 1 else (f", {threads} threads" if threads else "")
     if "--resume" in str(meta.get("command", "")):
-        total = 0.0
-        for name, column in (("runs.csv", "model_wall_s"), ("growth.csv", "wall_s")):
-            path = folder / name
-            if path.is_file():
-                with open(path, newline="") as fh:
-                    total += sum(float(r[column]) for r in csv.DictReader(fh) if r.get(column))
+        parts = {p.stem: _csv_wall(p) for p in sorted(folder.glob("*.csv"))}
+        parts = {k: v for k, v in parts.items() if v > 0}
+        total = sum(parts.values())
         if total > 0:
-            return f"{total:,.0f} s ({total / 60:.0f} min) of models{how}; aggregated in {wall:.0f} s"
+            return (
+                f"{total:,.0f} s ({total / 60:.0f} min) summed over the models ({', '.join(parts)}){how}; "
+                f"this run {wall:,.0f} s"
+            )
     return f"{wall:,.0f} s ({wall / 60:.1f} min){how}"
 
 
