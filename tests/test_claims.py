@@ -111,6 +111,16 @@ def test_update_writes_between_the_markers_and_nothing_else(toy):
     assert C.update(toy, targets, check=True) == []
 
 
+def test_a_resumed_run_shows_the_models_own_wall_times(tmp_path):
+    meta = _meta(5.0, "abc1234", command="depthsat experiment x --resume done.jsonl")
+    _write(tmp_path, "x", {"meta": meta, "summary": {}, "claims": [_claim("C1: x", "fails")]})
+    (tmp_path / "x" / "runs.csv").write_text("seed,train_wall_s,model_wall_s\n0,50,60\n1,20,30\n")
+    (tmp_path / "x" / "growth.csv").write_text("seed,wall_s\n0,30\n")
+    (tmp_path / "x" / "sites.csv").write_text("seed,s\n0,1.5\n")
+    (res,) = C.collect(tmp_path)
+    assert res.wall == "120 s (2 min) summed over the models (growth, runs), 1 thread; this run 5 s"
+
+
 @pytest.mark.parametrize(
     ("rows", "match"),
     [
