@@ -349,6 +349,26 @@ def _teacher_known(
     return verdict, "", interval, reason
 
 
+def _batchmean_text(depth: Any) -> str:
+    return f"batch-mean AG_max below 5·10⁻³ at {depth if depth is not None else 'no depth'}"
+
+
+def _teacher_c1(c1: dict[str, Any], lstar: int, why_not: str) -> tuple[str, str, str, str]:
+    """C1 on the known-depth benchmark: the reading, and the deepest site's curves at 1, ``L*``, ``2L*``."""
+    verdict, reason = _c1_reading(c1, why_not)
+
+    def curve(name: str) -> str:
+        d = c1.get(name, {})
+        return f"{_num(d.get('first'))} → {_num(d.get('at_lstar'))} → {_num(d.get('deepest'))}"
+
+    interval = (
+        f"deepest site, depth 1 → L* → {2 * lstar}: AG_max {curve('probe_ag_max_last')}, "
+        f"AG_max·z_rms {curve('probe_ag_max_last_z')}, s·z_rms {curve('probe_s_z_last')}; "
+        + _batchmean_text(c1.get("probe_first_depth_batchmean_ag_max_last_below_5e-3"))
+    )
+    return verdict, "", interval, reason
+
+
 def _teacher_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, str]]:
     """The known-depth benchmark (``teacher``, ``teacher-probe65536``): per teacher depth ``L*``.
 
@@ -379,23 +399,7 @@ def _teacher_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, str]]
         t = c["transition"]
         trans = [r for r in s.get("transitions", []) if r.get("teacher_depth") == lstar]
         rows.append(_row(_KNOWN, setting, *_teacher_known(t, lstar, pays_text, trans)))
-        c1 = c["c1"]
-        v1, r1 = _c1_reading(c1, why_not)
-        last, z = c1.get("probe_ag_max_last", {}), c1.get("probe_ag_max_last_z", {})
-        sz = c1.get("probe_s_z_last", {})
-        curve = lambda d: f"{_num(d.get('first'))} → {_num(d.get('at_lstar'))} → {_num(d.get('deepest'))}"  # noqa: E731
-        bm = c1.get("probe_first_depth_batchmean_ag_max_last_below_5e-3")
-        rows.append(
-            _row(
-                _C1,
-                setting,
-                v1,
-                "",
-                f"deepest site, depth 1 → L* → {2 * lstar}: AG_max {curve(last)}, AG_max·z_rms {curve(z)}, "
-                f"s·z_rms {curve(sz)}; batch-mean AG_max below 5·10⁻³ at {bm if bm is not None else 'no depth'}",
-                r1,
-            )
-        )
+        rows.append(_row(_C1, setting, *_teacher_c1(c["c1"], lstar, why_not)))
         fams = [(k.split("(")[1].rstrip(")"), v) for k, v in c.items() if k.startswith("c3 (")]
         medians = [v["median_measured_over_predicted"] for _, v in fams]
         v3, q3 = _c3a_reading(medians)
@@ -476,8 +480,7 @@ def _budget_sweep_rows(summary: dict[str, Any], folder: Path) -> list[dict[str, 
             v1,
             "",
             f"{pre_text}; deepest-site AG_max {' → '.join(_num(v) for v in last.values())}, all-site "
-            f"{' → '.join(_num(v) for v in allsites.values())}; batch-mean AG_max below 5·10⁻³ at "
-            f"{bm if bm is not None else 'no depth'}",
+            f"{' → '.join(_num(v) for v in allsites.values())}; {_batchmean_text(bm)}",
             r1,
         )
     )
