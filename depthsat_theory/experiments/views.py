@@ -547,6 +547,8 @@ def _reg_model(cfg: ViewsConfig, dataset: str, seed: int, lam: float, splits: R.
     from depthsat_theory import views as V
 
     t0 = time.time()
+    if not isinstance(cfg.recipe, R.Recipe):
+        raise ExperimentError(f"L_depth needs the early-stopping recipe (it changes training), not {cfg.recipe}")
     recipe = dataclasses.replace(cfg.recipe, depth_reg=float(lam))
     model = R.build_model(cfg.reg_arch, cfg.reg_depth, splits, seed=seed, width=cfg.reg_width)
     result = R.train(model, splits, seed=seed, recipe=recipe)
