@@ -247,3 +247,14 @@ def test_views_budget_runs_after_the_budget_sweep_in_experiment_all(monkeypatch,
     for config in ("tiny", "full"):
         EXPERIMENTS["views-budget"](config, out=tmp_path / "views-budget", log=print)
     assert seen == {"tiny-budget": tmp_path / "budget-sweep", "budget": tmp_path / "budget-sweep"}
+
+
+def test_write_results_puts_claims_next_to_meta_and_summary(tmp_path):
+    from depthsat_theory.experiments.record import write_results
+
+    row = dict.fromkeys(SCHEMA_KEYS, "x")
+    write_results(tmp_path / "a", tables={}, summary={"n": 1}, meta={"m": 2}, claims=[row])
+    write_results(tmp_path / "b", tables={}, summary={"n": 1}, meta={"m": 2})
+    a, b = (json.loads((tmp_path / f / "summary.json").read_text()) for f in "ab")
+    assert a == {"meta": {"m": 2}, "summary": {"n": 1}, "claims": [row]}
+    assert b == {"meta": {"m": 2}, "summary": {"n": 1}}
