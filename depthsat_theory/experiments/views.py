@@ -21,8 +21,19 @@ grid).  Seed 002's ``L_depth`` penalty (:mod:`depthsat_theory.views.regularizer`
 ``depth_reg``) is measured separately: MLP at one depth on two data sets, 3 seeds, penalty on and
 off, effect on the expected stopping depth and on test accuracy.
 
+The ``budget`` configuration (:func:`budget_views_config`) looks the same four ways at the budget
+sweep's Fashion-MNIST models (:mod:`~depthsat_theory.experiments.budget_sweep`: 2,000-step cosine
+budget, where depth pays to 4 blocks): each model is made by the budget sweep's own training function
+with its seed and configuration, its test and train loss are checked against the budget sweep's
+``runs.csv`` (``summary.json → reproduction``), the sweep plateau is the budget sweep's
+``claims.precondition.test_loss_plateau_depth``, and there is no ``L_depth`` measurement (a penalty
+would change the models).  Every configuration also gives each seed's own views
+(``verdicts_per_seed``) and the ``"Views agree"`` claim rows (:func:`views_claims`,
+``summary.json → claims``).
+
 ``run_views`` writes ``sites.csv``, ``stopping.csv``, ``stopping_hist.csv``, ``runs.csv``,
-``curves.csv``, ``depth_reg.csv``, ``summary.json`` and ``views.png``/``.svg``.
+``curves.csv``, ``depth_reg.csv`` (when ``L_depth`` is measured), ``summary.json`` and
+``views.png``/``.svg``.
 """
 
 from __future__ import annotations
