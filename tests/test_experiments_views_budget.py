@@ -195,7 +195,7 @@ def _verdict(curve, first, stop, bi, plateau):
     ]
     bis = [1.0] * bi + [0.0] * (max(curve.depths) - bi)  # exactly `bi` blocks carry all the influence
     v = EV.curve_verdicts(curve, s_mean, stop, bis, plateau, mass=0.9, certified=False, retrained_plateau=plateau)
-    v["grid_min"] = min(curve.depths)
+    v.update(grid_min=min(curve.depths), grid_max=max(curve.depths))
     return v
 
 
@@ -210,7 +210,10 @@ def test_views_claims_rule_on_hand_values():
     (row,) = EV.views_claims({"fashion/mlp": v}, {"fashion/mlp": seeds}, {"fashion/mlp": "Fashion"})
     assert set(row) == SCHEMA_KEYS and row["claim"] == "Views agree" and row["setting"] == "Fashion"
     assert row["verdict"] == "holds"
-    assert row["qualifier"] == "all within one step in 1 of 2 seeds; exactly at 4: 0 of 3"
+    assert row["qualifier"] == (
+        "all within one step in 1 of 2 seeds; exactly at 4: 0 of 3; "
+        "first-order, block-influence at the deepest depth run (no plateau inside the grid)"
+    )
     assert "8/2/8; 8/1/8" in row["interval"]
     v = _verdict(curve, 8, 0.5, 6, 4)  # stopping snaps to 1: two steps from 4
     (row,) = EV.views_claims({"c": v}, {"c": seeds}, {})

@@ -150,7 +150,8 @@ RULES = {
     "all_agree when every view agrees with the sweep plateau, all_agree_retrained with the retrained plateau",
     "claim": "'Views agree' per curve: untestable here without a sweep plateau on the grid or with the plateau at "
     "the shallowest depth (depth never pays: nothing to locate); else holds when all_agree, fails otherwise; "
-    "the qualifier counts the seeds whose own views all agree and the views exactly at the plateau",
+    "the qualifier counts the seeds whose own views all agree and the views exactly at the plateau, and names "
+    "the views at the deepest depth run (they agree with a plateau one step below only by the one-step rule)",
 }
 
 _TINY_SIZES = R.Sizes(train=200, val=80, probe=96, test=96, seq_len=16)
@@ -917,6 +918,9 @@ def views_claims(
             verdict = "holds" if v["all_agree"] else "fails"
             off = [k.replace("_", "-") for k in _VIEWS if not v[f"agree_{k}"]]
             qualifier = f"all within one step in {n_all} of {len(seeds)} seeds; exactly at {plateau}: {len(exact)} of 3"
+            deepest = [k.replace("_", "-") for k, d in depths.items() if d == v.get("grid_max") != plateau]
+            if deepest:
+                qualifier += f"; {', '.join(deepest)} at the deepest depth run (no plateau inside the grid)"
             reason = (
                 "every view is within one depth step of the plateau"
                 if not off
@@ -990,7 +994,7 @@ def run_views(
     reproduction = _reproduction(col.runs, sw)
     curves_rows, verdicts = _verdicts(cfg, ran, col, seeds, sw)
     for curve in ran:
-        verdicts[curve.name]["grid_min"] = min(curve.depths)
+        verdicts[curve.name].update(grid_min=min(curve.depths), grid_max=max(curve.depths))
     per_seed = _per_seed_verdicts(cfg, ran, col, seeds, sw)
     reg_rows, reg_summary = _depth_reg(cfg, seeds, col, say)
     summary = {
