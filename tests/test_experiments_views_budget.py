@@ -159,15 +159,39 @@ def test_read_budget_sweep_and_reproduction_rule(tmp_path):
     assert sw["plateaus"] == {"fashion/mlp": 4} and sw["metric"] == {"fashion/mlp": "test_loss"}
     assert sw["commit"] == "c0ffee" and sw["depth_pays"] is True
     assert sw["runs"] == {
-        (0, 1): {"test_loss": 0.375, "train_loss": 0.25, "s_last": 0.25},
-        (0, 2): {"test_loss": 0.5, "train_loss": 0.125},
+        ("fashion", "mlp", 0, 1): {"test_loss": 0.375, "train_loss": 0.25, "s_last": 0.25},
+        ("fashion", "mlp", 0, 2): {"test_loss": 0.5, "train_loss": 0.125},
     }
     mine = B.CONFIGS["full"].to_dict()
     assert sw["recipe"] == {k: mine[k] for k in ("dataset", "width", "sizes", "budget", "model")}
     runs = [
-        {"seed": 0, "depth": 1, "test_loss": 0.375, "train_loss": 0.25, "s_last": 0.25},
-        {"seed": 0, "depth": 2, "test_loss": 0.5 + 2.0**-38, "train_loss": 0.125, "s_last": 0.5},  # 3.6e-12 off
-        {"seed": 1, "depth": 1, "test_loss": 0.375, "train_loss": 0.25, "s_last": 0.25},  # not committed
+        {
+            "dataset": "fashion",
+            "arch": "mlp",
+            "seed": 0,
+            "depth": 1,
+            "test_loss": 0.375,
+            "train_loss": 0.25,
+            "s_last": 0.25,
+        },
+        {
+            "dataset": "fashion",
+            "arch": "mlp",
+            "seed": 0,
+            "depth": 2,
+            "test_loss": 0.5 + 2.0**-38,
+            "train_loss": 0.125,
+            "s_last": 0.5,
+        },  # 3.6e-12 off
+        {
+            "dataset": "fashion",
+            "arch": "mlp",
+            "seed": 1,
+            "depth": 1,
+            "test_loss": 0.375,
+            "train_loss": 0.25,
+            "s_last": 0.25,
+        },  # not committed
     ]
     rep = EV._reproduction(runs, sw)
     assert [r["reproduced"] for r in runs] == [True, False, None]
@@ -175,7 +199,7 @@ def test_read_budget_sweep_and_reproduction_rule(tmp_path):
         2,
         1,
         1,
-        [(1, 1)],
+        [("fashion", "mlp", 1, 1)],
     )
     assert rep["max_abs_diff_test_loss"] == 2.0**-38 and rep["max_abs_diff_train_loss"] == 0.0
     runs[1]["test_loss"] = 0.5 + 2.0**-42  # 2.3e-13: within the tolerance, not bitwise
@@ -261,3 +285,27 @@ def test_write_results_puts_claims_next_to_meta_and_summary(tmp_path):
     a, b = (json.loads((tmp_path / f / "summary.json").read_text()) for f in "ab")
     assert a == {"meta": {"m": 2}, "summary": {"n": 1}, "claims": [row]}
     assert b == {"meta": {"m": 2}, "summary": {"n": 1}}
+
+
+def test_the_early_stopping_sweeps_runs_are_checked_too(tmp_path):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    plateaus = [{"dataset": "digits", "arch": "mlp", "metric": "test_loss", "plateau_depth": 2}]
+    (sweep / "summary.json").write_text(json.dumps({"meta": {}, "summary": {"plateaus": plateaus}}))
+    sw = EV.read_sweep_plateaus(sweep)
+    assert sw["runs"] is None and EV._reproduction([], sw) is None  # no runs.csv: nothing to compare
+    (sweep / "runs.csv").write_text("dataset,arch,depth,seed,test_loss\ndigits,mlp,1,0,0.125\ndigits,mlp,2,0,0.25\n")
+    sw = EV.read_sweep_plateaus(sweep)
+    assert sw["runs"] == {("digits", "mlp", 0, 1): {"test_loss": 0.125}, ("digits", "mlp", 0, 2): {"test_loss": 0.25}}
+    runs = [
+        {"dataset": "digits", "arch": "mlp", "seed": 0, "depth": 1, "test_loss": 0.125, "s_last": 0.5},
+        {"dataset": "digits", "arch": "mlp", "seed": 0, "depth": 2, "test_loss": 0.375, "s_last": 0.5},
+    ]
+    rep = EV._reproduction(runs, sw)
+    assert [r["reproduced"] for r in runs] == [True, False] and "committed_train_loss" not in runs[0]
+    assert (rep["reproduced"], rep["bitwise_losses"], rep["max_abs_diff_test_loss"]) == (1, 1, 0.125)
+    assert rep["max_abs_diff_train_loss"] is None
+    note = EV._sweep_note(True, rep)
+    assert note is not None and note.startswith("1 of 2 retrained models differ") and "0.125" in note
+    assert EV._sweep_note(True, {**rep, "reproduced": 2}) is None
+    assert "another recipe" in EV._sweep_note(False, None)

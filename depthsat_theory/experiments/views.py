@@ -263,7 +263,21 @@ def read_sweep_plateaus(folder: str | Path) -> dict[str, Any]:
         "metric": metric,
         "recipe": meta.get("config", {}).get("recipe"),
         "commit": meta.get("commit"),
+        "runs": _sweep_runs(Path(folder) / "runs.csv"),
     }
+
+
+def _sweep_runs(path: Path) -> dict[tuple[str, str, int, int], dict[str, float]] | None:
+    """The sweep's test loss per ``(dataset, arch, seed, depth)`` from its ``runs.csv`` (``None`` without one)."""
+    import csv
+
+    if not path.is_file():
+        return None
+    with open(path, newline="") as fh:
+        return {
+            (r["dataset"], r["arch"], int(r["seed"]), int(r["depth"])): {"test_loss": float(r["test_loss"])}
+            for r in csv.DictReader(fh)
+        }
 
 
 def read_budget_sweep(folder: str | Path) -> dict[str, Any]:
@@ -275,7 +289,7 @@ def read_budget_sweep(folder: str | Path) -> dict[str, Any]:
     Returns:
         ``{"plateaus": {"fashion/mlp": depth}, "metric": {…: "test_loss"}, "depth_pays": bool,
         "recipe": {the configuration's model-making fields} or None, "commit": str or None,
-        "runs": {(seed, depth): {"test_loss", "train_loss", "s_last"}}}`` — the plateau is
+        "runs": {(dataset, "mlp", seed, depth): {"test_loss", "train_loss", "s_last"}}}`` — the plateau is
         ``claims.precondition.test_loss_plateau_depth`` (``sweep.plateau_depth`` of the mean test
         loss), ``s_last`` the probe's ``s`` at the deepest site.
 
@@ -301,14 +315,13 @@ def read_budget_sweep(folder: str | Path) -> dict[str, Any]:
     if "test_loss_plateau_depth" not in pre or "dataset" not in config:
         raise ExperimentError(f"--sweep {folder}: summary.json has no claims.precondition (not a budget-sweep result)")
     name = f"{config['dataset']}/mlp"
-    table: dict[tuple[int, int], dict[str, float]] = {}
+    table: dict[tuple[str, str, int, int], dict[str, float]] = {}
+    ds = config["dataset"]
     for r in runs:
-        table[(int(r["seed"]), int(r["depth"]))] = {
-            "test_loss": float(r["test_loss"]),
-            "train_loss": float(r["train_loss"]),
-        }
+        losses = {"test_loss": float(r["test_loss"]), "train_loss": float(r["train_loss"])}
+        table[(ds, "mlp", int(r["seed"]), int(r["depth"]))] = losses
     for r in sites:  # file order is site order: the last row of a model with an s is its deepest site
-        table.setdefault((int(r["seed"]), int(r["depth"])), {})["s_last"] = float(r["s"])
+        table.setdefault((ds, "mlp", int(r["seed"]), int(r["depth"])), {})["s_last"] = float(r["s"])
     return {
         "plateaus": {name: int(pre["test_loss_plateau_depth"])},
         "metric": {name: "test_loss"},
@@ -802,11 +815,12 @@ REPRODUCTION_TOL = 1e-12
 
 
 def _reproduction(runs: list[dict[str, Any]], sw: dict[str, Any]) -> dict[str, Any] | None:
-    """Add the committed losses to each run row and say whether every retrained model is the committed one.
+    """Add the committed numbers to each run row and say whether every retrained model is the committed one.
 
-    Only for the budget sweep's models (``sw["runs"]``): per model ``committed_test_loss``,
-    ``committed_train_loss``, ``committed_s_last`` (the probe's ``s`` at the deepest site) and
-    ``reproduced`` (both losses within :data:`REPRODUCTION_TOL`).
+    When the sweep folder has a ``runs.csv`` (``sw["runs"]``): per model the committed values it has
+    (``committed_test_loss``; for the budget sweep also ``committed_train_loss`` and
+    ``committed_s_last``, the probe's ``s`` at the deepest site) and ``reproduced`` (test and, where
+    committed, train loss within :data:`REPRODUCTION_TOL`).
     """
     table = sw.get("runs")
     if table is None:
@@ -814,31 +828,42 @@ def _reproduction(runs: list[dict[str, Any]], sw: dict[str, Any]) -> dict[str, A
     diffs: dict[str, list[float]] = {"test_loss": [], "train_loss": [], "s_last": []}
     missing = []
     for r in runs:
-        ref = table.get((r["seed"], r["depth"]))
+        key = (r["dataset"], r["arch"], r["seed"], r["depth"])
+        ref = table.get(key)
         if ref is None:
-            missing.append((r["seed"], r["depth"]))
+            missing.append(key)
             r["reproduced"] = None
             continue
         for k in diffs:
-            r[f"committed_{k}"] = ref.get(k)
-            if ref.get(k) is not None and r.get(k) is not None:
+            if k in ref:
+                r[f"committed_{k}"] = ref[k]
                 diffs[k].append(abs(r[k] - ref[k]))
-        r["reproduced"] = all(abs(r[k] - ref[k]) <= REPRODUCTION_TOL for k in ("test_loss", "train_loss"))
+        losses = [k for k in ("test_loss", "train_loss") if k in ref]
+        r["reproduced"] = all(abs(r[k] - ref[k]) <= REPRODUCTION_TOL for k in losses)
+        r["bitwise"] = all(r[k] == ref[k] for k in losses)
     return {
         "models": len(runs),
         "compared": len(runs) - len(missing),
         "not_in_committed_runs": missing,
         "reproduced": sum(bool(r["reproduced"]) for r in runs),
-        "bitwise_losses": sum(
-            r.get("reproduced") is not None
-            and r["test_loss"] == r["committed_test_loss"]
-            and r["train_loss"] == r["committed_train_loss"]
-            for r in runs
-        ),
+        "bitwise_losses": sum(bool(r.get("bitwise")) for r in runs),
         **{f"max_abs_diff_{k}": (max(v) if v else None) for k, v in diffs.items()},
         "tolerance": REPRODUCTION_TOL,
-        "rule": "reproduced: |test loss - committed| and |train loss - committed| <= tolerance (nats per example)",
+        "rule": "reproduced: |test loss - committed| and, where committed, |train loss - committed| <= tolerance "
+        "(nats per example)",
     }
+
+
+def _sweep_note(recipe_matches: bool | None, reproduction: dict[str, Any] | None) -> str | None:
+    if recipe_matches is False:
+        return "the sweep's plateaus come from a run with another recipe than the models retrained here"
+    if reproduction and reproduction["reproduced"] < reproduction["compared"]:
+        return (
+            f"{reproduction['compared'] - reproduction['reproduced']} of {reproduction['compared']} retrained models "
+            f"differ from the sweep's runs.csv (max |test loss diff| {reproduction['max_abs_diff_test_loss']:.3g}): "
+            "read the views against the retrained plateau"
+        )
+    return None
 
 
 def _per_seed_verdicts(
@@ -1005,9 +1030,7 @@ def run_views(
             "recipe": sw["recipe"],
             "recipe_matches": recipe_matches,
             "depth_pays": sw.get("depth_pays"),
-            "note": None
-            if recipe_matches in (True, None)
-            else "the sweep's plateaus come from a run with another recipe than the models retrained here",
+            "note": _sweep_note(recipe_matches, reproduction),
         },
         "reproduction": reproduction,
         "reference_cost": cfg.reference_cost,
