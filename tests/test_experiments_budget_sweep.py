@@ -156,8 +156,12 @@ def test_c1_fails_a_curve_still_falling_past_the_test_plateau():
     got = B._c1(halving + flat, pre)
     assert got["probe_ag_max_last"]["verdict"] == "fails" and "still falling" in got["probe_ag_max_last"]["reason"]
     assert got["probe_ag_rms_last"]["verdict"] == "holds" and got["probe_ag_rms_last"]["plateau_depth"] == 4
-    both = B._c1(halving, {"holds": True, "test_loss_plateau_depth": 8})
+    assert got["probe_ag_max_last"]["plateau_depth"] is None  # still falling at 8: not reached
+    both = B._c1(halving, {"holds": True, "test_loss_plateau_depth": None})  # the test loss still falls too
     assert both["probe_ag_max_last"]["verdict"] == "untestable here"
+    assert "both still improve" in both["probe_ag_max_last"]["reason"]
+    perf_only = B._c1(flat, {"holds": True, "test_loss_plateau_depth": None})
+    assert perf_only["probe_ag_rms_last"]["verdict"] == "untestable here"
 
 
 # ----------------------------------------------------------------------------- the tiny run, through the CLI

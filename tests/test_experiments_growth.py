@@ -236,16 +236,17 @@ def test_growth_cli_refuses_one_seed(tmp_path):
 
 
 def _fake_sweep(folder):
-    """A made-up sweep result folder: width 16, a plateau at depth 4, examples seen per depth and seed."""
+    """A made-up sweep result folder: width 16, test loss 0.5, 0.25, 0.25 at depths 1, 2, 4 (plateau at 2)."""
     folder.mkdir()
-    plateaus = [{"dataset": "digits", "arch": "mlp", "metric": "test_loss", "plateau_depth": 4, "per_seed": "4 2"}]
-    meta = {"config": {"curves": [{"dataset": "digits", "arch": "mlp", "depths": [1, 2], "width": 16}]}}
-    (folder / "summary.json").write_text(json.dumps({"meta": meta, "summary": {"plateaus": plateaus}}))
-    runs = [(1, 0, 1000), (2, 0, 2000), (1, 1, 3000), (2, 1, 500)]  # depth, seed, examples seen
+    meta = {"config": {"curves": [{"dataset": "digits", "arch": "mlp", "depths": [1, 2, 4], "width": 16}]}}
+    (folder / "summary.json").write_text(json.dumps({"meta": meta, "summary": {"plateaus": []}}))
+    test = {1: 0.5, 2: 0.25, 4: 0.25}
+    runs = [(1, 0, 1000), (2, 0, 2000), (4, 0, 500), (1, 1, 3000), (2, 1, 500), (4, 1, 100)]  # depth, seed, examples
     with open(folder / "runs.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["dataset", "arch", "depth", "seed", "examples_seen"])
-        w.writerows(["digits", "mlp", d, sd, e] for d, sd, e in runs)
+        w.writerow(["dataset", "arch", "depth", "seed", "examples_seen", "test_loss"])
+        w.writerows(["digits", "mlp", d, sd, e, test[d]] for d, sd, e in runs)
+        w.writerow(["digits", "cnn", 1, 0, 10**6, 9.0])  # another curve of the sweep: not the reference
     return runs
 
 
@@ -258,29 +259,44 @@ def test_criterion_growth_tiny_through_the_cli(tmp_path):
     )
     assert res.exit_code == 0, res.output
     rounds, sites, stops = (_read(out / f"{n}.csv") for n in ("rounds", "sites", "stops"))
-    assert len(stops) == 3
+    assert sorted((s["arm"], s["seed"]) for s in stops) == [
+        (a, str(sd)) for a in ("certified", "noise") for sd in range(3)
+    ]
     for stop in stops:
-        mine = [r for r in rounds if r["seed"] == stop["seed"]]
+        mine = [r for r in rounds if (r["seed"], r["arm"]) == (stop["seed"], stop["arm"])]
         assert [int(r["depth"]) for r in mine] == list(range(1, len(mine) + 1))  # one block per round
         assert [r["decision"] == "stop" for r in mine] == [False] * (len(mine) - 1) + [True]
+        assert int(stop["stop_depth"]) == int(mine[-1]["depth"])
         assert all(
             int(a["examples_seen_cumulative"]) < int(b["examples_seen_cumulative"]) for a, b in itertools.pairwise(mine)
         )
+        # the reported round is the one with the lowest validation loss, and the stop row reports it
+        vals = [float(r["val_loss"]) for r in mine]
+        best = vals.index(min(vals))
+        assert [r["is_best"] == "True" for r in mine] == [i == best for i in range(len(mine))]
+        assert (int(stop["best_round"]), stop["test_loss"]) == (best, mine[best]["test_loss"])
         for r in mine:  # a diagnosis covers every site of the model diagnosed: embed + one per block
-            at = [s for s in sites if s["seed"] == stop["seed"] and s["round"] == r["round"]]
+            at = [s for s in sites if (s["seed"], s["arm"], s["round"]) == (stop["seed"], stop["arm"], r["round"])]
             assert [s["site"] for s in at] == ["embed"] + [f"blocks.{i}" for i in range(int(r["depth"]))]
-        if stop["certified_stop_depth"]:  # the certified rule stopped undetermined: no certificate either way
-            first = [
-                s for s in sites if s["seed"] == stop["seed"] and int(s["depth"]) == int(stop["certified_stop_depth"])
-            ]
-            assert all(s["certificate"] == "not certified" for s in first)
-    summary = json.loads((out / "summary.json").read_text())["summary"]["digits"]
-    assert summary["sweep_plateau_depth_test_loss"] == 4
+            noise_stops = not any(s["noise_verdict"] == "improvable" for s in at)
+            assert r["stops_noise"] == str(noise_stops)
+        if stop["arm"] == "noise":
+            assert (mine[-1]["stops_noise"] == "True") == (mine[-1]["reason"] != "max_depth reached")
+    data = json.loads((out / "summary.json").read_text())
+    ref = data["summary"]["digits"]["reference"]
+    assert ref["reference_plateau_depth_test_loss"] == 2
+    assert ref["reference_depth_pays"]["per_seed"] == [0.25, 0.25] and ref["reference_depth_pays"]["pays"]
     width = 16  # the sweep's width (its meta), not this experiment's
-    assert CRITERION_CONFIGS["tiny"]["width"] != width and summary["sweep_width"] == width
+    assert CRITERION_CONFIGS["tiny"]["width"] != width and ref["reference_width"] == width
     per_seed = [sum(2 * _macs(64, width, d, 10) * e for d, sd, e in fake if sd == seed) for seed in (0, 1)]
-    assert summary["sweep_flops_per_seed"]["mean"] == pytest.approx(sum(per_seed) / 2, rel=1e-12)
-    assert summary["sweep_examples_seen_per_seed"]["mean"] == 3250
+    assert ref["reference_flops_per_seed"]["mean"] == pytest.approx(sum(per_seed) / 2, rel=1e-12)
+    assert ref["reference_examples_seen_per_seed"]["mean"] == 3550
+    keys = {"claim", "setting", "verdict", "qualifier", "interval", "reason"}
+    assert len(data["claims"]) == 2 and all(set(c) == keys for c in data["claims"])
+    for c in data["claims"]:  # the stated rule: within a factor 2 of the plateau (2) in every seed
+        arm = "noise" if "noise rule" in c["setting"] else "certified"
+        depths = [int(s["stop_depth"]) for s in stops if s["arm"] == arm]
+        assert c["verdict"] == ("holds" if all(1 <= d <= 4 for d in depths) else "fails")
 
 
 def _fake_diagnosis(certs, lowers, scores, unbiased_sq, n_to_certify=10**6, n=256):

@@ -56,13 +56,28 @@ def tiny(tmp_path_factory):
         ([1.0, 0.5, 0.3, 0.31, 0.4], True, 4),  # U shape: the minimum's depth (deeper only worsens)
         ([0.5, 0.9, 0.95, 0.96], False, 4),  # accuracy rising: 0.96 - 0.95 <= 0.046, 0.96 - 0.9 > 0.046
         ([0.3, 0.3, 0.3, 0.3], True, 1),  # flat: the first depth
-        ([1.0, 0.2, 0.9, 0.1], True, 8),  # a late drop counts: nothing before 8 is within 0.09 of 0.1
+        ([1.0, 0.2, 0.9, 0.1], True, None),  # a late drop: nothing before 8 is within 0.09 of 0.1, still falling
+        ([1.0, 0.5, 0.25, 0.125], True, None),  # halving to the deepest depth: no plateau reached
+        ([1.0, 0.5, 0.3, 0.3, 0.3], True, 4),  # flat from depth 4 on
+        ([0.5, 0.6, 0.7, 0.9], False, None),  # accuracy still rising at the deepest depth
         ([0.0, 1.0, 2.0, 3.0], True, 1),  # rising loss: depth never helped
     ],
 )
 def test_plateau_rule_on_hand_made_curves(values, lower, expected):
     depths = [1, 2, 4, 8, 16][: len(values)]
     assert S.plateau_depth(depths, values, lower_is_better=lower) == expected
+
+
+def test_plateau_rule_on_exact_values_at_the_tolerance():
+    # R = 1 exactly; the tolerance's boundary is inclusive: v_i - min_{j>=i} v_j <= tol·R
+    assert S.plateau_depth([1, 2, 4, 8], [1.0, 0.125, 0.0, 0.0], tol=0.125) == 2  # 0.125 <= 0.125
+    assert S.plateau_depth([1, 2, 4, 8], [1.0, 0.125 + 2**-10, 0.0, 0.0], tol=0.125) == 4  # just above
+    assert S.plateau_depth([1, 2, 4, 8], [1.0, 0.1, 0.0, 0.0]) == 2  # the default 10 %: 0.1 <= 0.1·1.0
+    # at the deepest-but-one depth the last step still buys more than 10 %: not reached
+    assert S.plateau_depth([1, 2, 4], [1.0, 0.5, 0.375]) is None  # 0.5 - 0.375 = 0.125 > 0.1·0.625
+    assert S.plateau_depth([1, 2, 4], [1.0, 0.5, 0.4375]) is None  # 0.0625 > 0.1·0.5625 = 0.05625
+    assert S.plateau_depth([1, 2, 4], [1.0, 0.5, 0.4375], tol=0.125) == 2  # 0.0625 <= 0.125·0.5625
+    assert S.plateau_depth([3], [0.7]) is None  # one depth: nothing to compare
 
 
 def test_plateau_rule_sorts_by_depth_and_rejects_bad_input():
@@ -196,7 +211,9 @@ def test_plateaus_csv_applies_the_rule_to_the_mean_curves(tiny):
         pts = [c for c in curves if (c["dataset"], c["arch"], c["metric"]) == (p["dataset"], p["arch"], p["metric"])]
         depths, means = [int(c["depth"]) for c in pts], [float(c["mean"]) for c in pts]
         lower = S.CURVE_METRICS[p["metric"]]
-        assert int(p["plateau_depth"]) == S.plateau_depth(depths, means, lower_is_better=lower)
+        written = None if p["plateau_depth"] == "" else int(p["plateau_depth"])  # empty: not reached
+        assert written == S.plateau_depth(depths, means, lower_is_better=lower)
+        assert int(p["per_seed_not_reached"]) == p["per_seed"].split().count("None")
 
 
 # ----------------------------------------------------------------------------- atomicity and bad input
@@ -307,9 +324,9 @@ def test_c1_needs_a_falling_curve_whose_plateau_is_where_the_test_loss_stops_imp
     assert c["performance_plateau_depth"] == 4
     assert c["ag_max_plateau_depth"] == 4 and c["c1_holds_ag_max"] is True
     assert c["ag_max_last_plateau_depth"] == 1 and c["c1_holds_ag_max_last"] is False
-    c = claims([10.0, 9.0, 8.0, 0.1], [10.0, 1.0, 1.0, 1.0])  # falls late (plateau 8), early (plateau 2)
-    assert c["ag_max_plateau_depth"] == 8 and c["ag_max_plateau_matches_performance"] is False
-    assert c["c1_holds_ag_max"] is True  # one depth step from the test loss's plateau at 4
+    c = claims([10.0, 9.0, 8.0, 0.1], [10.0, 1.0, 1.0, 1.0])  # still falling at 8 (no plateau), early (plateau 2)
+    assert c["ag_max_plateau_depth"] is None and c["ag_max_plateau_matches_performance"] is False
+    assert c["c1_holds_ag_max"] is False  # no plateau reached, so none where the test loss stops improving (4)
     assert c["ag_max_last_plateau_depth"] == 2 and c["c1_holds_ag_max_last"] is True
 
 

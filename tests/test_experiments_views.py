@@ -243,6 +243,9 @@ def test_snap_influence_count_and_agreement():
     assert (
         EV.curve_verdicts(curve, [1, 1, 1, 1], 1.0, [1, 1, 1, 1], None, mass=0.9, certified=False)["all_agree"] is None
     )
+    # s still halving at the deepest depth: the first-order view reaches no plateau and agrees with none
+    v = EV.curve_verdicts(curve, [1.0, 0.5, 0.25, 0.125], 1.3, [0.6, 0.3, 0.05, 0.05], 4, mass=0.9, certified=False)
+    assert v["first_order"] is None and v["agree_first_order"] is False and v["all_agree"] is False
 
 
 # ----------------------------------------------------------------------------- bad input

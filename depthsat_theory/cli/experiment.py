@@ -317,26 +317,46 @@ def growth_command(
 # ----------------------------------------------------------------------------- criterion-driven growth
 @experiment_app.command("criterion-growth")
 def criterion_growth_command(
-    config: str = _CONFIG,
+    config: str = typer.Option(
+        "full",
+        "--config",
+        help="tiny (CI, seconds), full (digits and MNIST-5k, the committed results) or fashion "
+        "(Fashion-MNIST 60k/10k with the budget sweep's fixed cosine budget per round).",
+    ),
     out: Path | None = typer.Option(
         None, "--out", help="Result folder (default experiments/results/criterion-growth)."
     ),
     seeds: str | None = _SEEDS,
     dataset: list[str] | None = _DATASET,
     sweep: Path | None = typer.Option(
-        None, "--sweep", help="The depth sweep's result folder (default experiments/results/sweep)."
+        None,
+        "--sweep",
+        help="The reference's result folder (default experiments/results/sweep; budget-sweep for fashion).",
+    ),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished arms (stop rule, data set, seed), reused and appended to."
     ),
 ) -> None:
-    """Criterion-driven growth: insert where the certified score is largest, retrain, repeat.
+    """Criterion-driven growth: diagnose, grow one block where the criterion says, retrain with Adam's state carried.
 
-    Stops when every site is certified ε-saturated or the certificate is out of reach at the probe
-    size (then a point-estimate fallback continues, labelled as such).
+    Each arm runs one stop rule: the certified rule (every site certified ε-saturated, or the certificate
+    out of reach at the probe size, then a point-estimate fallback, labelled as such) or the noise rule (no
+    site improvable by the noise test at α on the probe). Every round records which rules would stop; the
+    reported model is the round with the lowest validation loss.
     """
     from depthsat_theory.experiments.criterion import run_criterion_growth
 
     if sweep is not None and not (sweep / "summary.json").is_file():
         fail(f"--sweep {sweep}: no summary.json there; name a folder written by `depthsat experiment sweep`")
-    _run(run_criterion_growth, config=config, out=out, seeds=_seeds(seeds), datasets=dataset, sweep=sweep)
+    _run(
+        run_criterion_growth,
+        config=config,
+        out=out,
+        seeds=_seeds(seeds),
+        datasets=dataset,
+        sweep=sweep,
+        resume=resume,
+    )
 
 
 def _growth_runner(config: str, out: Path, log) -> Path:

@@ -398,33 +398,40 @@ def _precondition(runs: list[dict[str, Any]], curves_rows: list[dict[str, Any]])
     }
 
 
-def _c1(curves_rows: list[dict[str, Any]], pre: dict[str, Any]) -> dict[str, Any]:
+def _c1_verdict(depths: list[int], vals: list[float], perf: int | None, why_not: str) -> dict[str, Any]:
+    """One activation-gradient curve's C1 reading against the test loss's plateau ``perf`` (``None``: not reached)."""
     from depthsat_theory.experiments.sweep import plateau_depth
 
+    plateau = plateau_depth(depths, vals)  # None: still falling at the deepest depth
+    falls = vals[-1] < vals[0]
+    near = plateau is not None and perf in depths and abs(depths.index(plateau) - depths.index(perf)) <= 1
+    if why_not:
+        verdict, why = "untestable here", why_not
+    elif plateau is None and perf is None:
+        verdict, why = "untestable here", "both still improve at the deepest depth run: no plateau to compare"
+    elif perf is None:
+        verdict, why = "untestable here", "the test loss still improves at the deepest depth run: no plateau"
+    elif plateau is None and falls:
+        verdict = "fails"
+        why = f"still falling at the deepest depth ({depths[-1]}) while the test loss stopped improving at {perf}"
+    elif falls and near:
+        verdict, why = "holds", f"falls and plateaus at {plateau} (test loss at {perf})"
+    else:
+        verdict = "fails"
+        at = "no depth run (still falling at the deepest)" if plateau is None else plateau
+        why = ("does not fall" if not falls else "falls") + f"; plateaus at {at} (test loss at {perf})"
+    curve = dict(zip(depths, vals, strict=True))
+    return {"curve": curve, "plateau_depth": plateau, "verdict": verdict, "reason": why}
+
+
+def _c1(curves_rows: list[dict[str, Any]], pre: dict[str, Any]) -> dict[str, Any]:
     perf = pre["test_loss_plateau_depth"]
     why_not = "" if pre["holds"] else "depth does not pay (precondition): no transition to coincide with"
     out: dict[str, Any] = {}
     for metric in C1_CURVES:
         depths, vals = _mean_curve(curves_rows, metric)
-        if not depths:
-            continue
-        plateau = plateau_depth(depths, vals)
-        falls = vals[-1] < vals[0]
-        near = abs(depths.index(plateau) - depths.index(perf)) <= 1 if perf in depths else False
-        if why_not:
-            verdict, why = "untestable here", why_not
-        elif plateau == depths[-1] and perf == depths[-1]:
-            verdict, why = "untestable here", "both still improve at the deepest depth run: no plateau to compare"
-        elif plateau == depths[-1] and falls:
-            verdict = "fails"
-            why = f"still falling at the deepest depth ({depths[-1]}) while the test loss stopped improving at {perf}"
-        elif falls and near:
-            verdict, why = "holds", f"falls and plateaus at {plateau} (test loss at {perf})"
-        else:
-            verdict = "fails"
-            why = ("does not fall" if not falls else "falls") + f"; plateaus at {plateau} (test loss at {perf})"
-        out[metric] = {"curve": dict(zip(depths, vals, strict=True)), "plateau_depth": plateau}
-        out[metric].update({"verdict": verdict, "reason": why})
+        if depths:
+            out[metric] = _c1_verdict(depths, vals, perf, why_not)
     for tag in ("probe", "train"):
         for what in ("ag_max_last_batchmean", "ag_max_batchmean"):
             depths, vals = _mean_curve(curves_rows, f"{tag}_{what}")

@@ -605,7 +605,10 @@ def train(
         seed: seed of the batch order (and of any dropout: the global RNG is forked and seeded).
         recipe: the recipe (default :data:`RECIPE`).
         optimizer: an optimizer to use instead of a fresh ``Adam(model.parameters(), lr)`` (e.g. one
-            extended by :func:`~depthsat_theory.grow.zero_state_param_groups` after growth).
+            carried over from an earlier round and extended by
+            :func:`~depthsat_theory.grow.zero_state_param_groups` after growth).  Its state is restored
+            with the weights: on return it is the state after the best epoch's last step, so the model
+            and the optimizer state are those of one run stopped at the best epoch.
 
     Returns:
         A :class:`TrainResult` with train/val/test metrics of the restored model.
@@ -619,6 +622,7 @@ def train(
     gen = torch.Generator().manual_seed(int(seed))
     x, y, n = splits.train.x, splits.train.y, len(splits.train)
     best = (math.inf, 0, copy.deepcopy(model.state_dict()), 0)
+    best_opt = copy.deepcopy(opt.state_dict()) if optimizer is not None else None
     history: list[dict[str, float]] = []
     seen, epoch = 0, 0
     with torch.random.fork_rng(devices=[]):
@@ -644,9 +648,13 @@ def train(
             history.append({"epoch": epoch, "train_loss": running / n, "val_loss": val})
             if val < best[0]:
                 best = (val, epoch, copy.deepcopy(model.state_dict()), seen)
+                if optimizer is not None:
+                    best_opt = copy.deepcopy(opt.state_dict())
             elif epoch - best[1] >= recipe.patience:
                 break
     model.load_state_dict(best[2])
+    if best_opt is not None:
+        opt.load_state_dict(best_opt)
     model.eval()
     metrics = {k: evaluate(model, getattr(splits, k), splits, recipe.eval_batch_size) for k in ("train", "val", "test")}
     return TrainResult(
@@ -708,6 +716,7 @@ def train_budget(
     *,
     seed: int,
     recipe: BudgetRecipe,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` in place for ``recipe.steps`` Adam steps with a cosine schedule (no early stopping).
 
@@ -718,6 +727,11 @@ def train_budget(
         loss_fn: per-example loss ``(output, targets) -> (B,)`` in nats.
         seed: seed of the batch order (the caller's global RNG is untouched).
         recipe: the budget.
+        optimizer: an optimizer to use instead of a fresh ``Adam(model.parameters(), recipe.lr)``
+            (e.g. one carried over from an earlier round and extended by
+            :func:`~depthsat_theory.grow.zero_state_param_groups`): its state (Adam's moments and step
+            counts) is kept; every group's learning rate is set back to ``recipe.lr`` and a fresh cosine
+            schedule runs over this budget.
 
     Returns:
         ``{"steps", "examples_seen", "wall_s", "final_running_loss"}`` (the mean loss of the last
@@ -727,7 +741,9 @@ def train_budget(
         ValueError: a non-finite training loss (the message names the step).
     """
     t0 = time.perf_counter()
-    opt = torch.optim.Adam(model.parameters(), lr=recipe.lr)
+    opt = optimizer if optimizer is not None else torch.optim.Adam(model.parameters(), lr=recipe.lr)
+    for group in opt.param_groups:  # a carried optimizer ends a cosine at lr 0: restart every group's schedule
+        group["lr"] = group["initial_lr"] = recipe.lr
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=recipe.steps)
     gen = torch.Generator().manual_seed(int(seed))
     n = int(x.shape[0])

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CLAIM_KEYS",
+    "CLAIM_VERDICTS",
     "ExperimentError",
     "ResumeFile",
     "config_tag",
@@ -282,6 +284,12 @@ def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
             writer.writerow({k: _clean(v) for k, v in row.items()})
 
 
+#: The keys of a claims row (``summary.json → claims``), in order.
+CLAIM_KEYS: tuple[str, ...] = ("claim", "setting", "verdict", "qualifier", "interval", "reason")
+#: The verdicts a claims row may carry.
+CLAIM_VERDICTS: tuple[str, ...] = ("holds", "fails", "untestable here")
+
+
 def write_results(
     folder: str | os.PathLike,
     *,
@@ -289,7 +297,7 @@ def write_results(
     summary: Mapping[str, Any],
     figures: Mapping[str, Any] | None = None,
     meta: Mapping[str, Any],
-    claims: Sequence[Mapping[str, Any]] | None = None,
+    claims: Sequence[Mapping[str, str]] | None = None,
 ) -> Path:
     """Write one experiment's results into ``folder``, replacing what was there in one rename.
 
@@ -299,20 +307,25 @@ def write_results(
         summary: the headline numbers; written with ``meta`` into ``summary.json``.
         figures: ``{name: matplotlib Figure}``; each is saved as ``name.png`` and ``name.svg``.
         meta: :func:`provenance` of the run.
-        claims: the claims rows the experiment reads (``CLAIMS_SCHEMA``: ``claim``, ``setting``,
-            ``verdict``, ``qualifier``, ``interval``, ``reason``), written as ``summary.json → claims``
-            next to ``meta`` and ``summary`` (``None``: no such key).
+        claims: the claims rows the experiment reads (``summary.json → claims``, next to ``meta`` and
+            ``summary``): each a dict with exactly the keys of :data:`CLAIM_KEYS`, ``verdict`` one of
+            :data:`CLAIM_VERDICTS`; ``None``: no ``claims`` key.
 
     Returns:
         The folder written.
 
     Raises:
-        ExperimentError: if ``folder`` exists and is not a directory.
+        ExperimentError: if ``folder`` exists and is not a directory, or a claims row is malformed.
         OSError: if the parent is not writable (nothing is left behind).
     """
     target = Path(folder)
     if target.exists() and not target.is_dir():
         raise ExperimentError(f"--out {target}: exists and is not a folder; name a folder")
+    for row in claims or ():
+        if set(row) != set(CLAIM_KEYS) or row["verdict"] not in CLAIM_VERDICTS:
+            raise ExperimentError(
+                f"claims row {dict(row)}: needs exactly the keys {CLAIM_KEYS} and a verdict in {CLAIM_VERDICTS}"
+            )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -322,10 +335,8 @@ def write_results(
             fig.savefig(tmp / f"{name}.png", dpi=120, bbox_inches="tight")
             fig.savefig(tmp / f"{name}.svg", bbox_inches="tight", metadata={"Date": None})
         with open(tmp / "summary.json", "w") as fh:
-            payload: dict[str, Any] = {"meta": meta, "summary": summary}
-            if claims is not None:
-                payload["claims"] = list(claims)
-            json.dump(_clean(payload), fh, indent=1, sort_keys=False)
+            top = {"meta": meta, "summary": summary, **({"claims": list(claims)} if claims is not None else {})}
+            json.dump(_clean(top), fh, indent=1, sort_keys=False)
             fh.write("\n")
         old = None
         if target.exists():

@@ -72,14 +72,17 @@ PLATEAU_TOLERANCE = 0.1
 
 def plateau_depth(
     depths: Sequence[int], values: Sequence[float], *, lower_is_better: bool = True, tol: float = PLATEAU_TOLERANCE
-) -> int:
+) -> int | None:
     """The depth where a curve plateaus: no deeper depth improves on it by more than ``tol`` of the range.
 
     With the curve oriented so that lower is better (accuracy is negated), ``R = max v − min v``
     over all depths, the plateau starts at the smallest depth ``d_i`` with
     ``v_i − min_{j ≥ i} v_j ≤ tol · R``: going deeper than ``d_i`` never buys more than ``tol``
     of what depth bought over the whole sweep.  A flat curve (``R = 0``) plateaus at the first
-    depth; the deepest depth always qualifies.
+    depth.  The deepest depth satisfies the inequality trivially, so it is no evidence of a
+    plateau: when no shallower depth qualifies the curve is **still falling** at its deepest depth
+    (its last step bought more than ``tol · R``) and the plateau is *not reached* (``None``); so is
+    a curve of one depth.
 
     Args:
         depths: the depths (any order; they are sorted with their values).
@@ -88,7 +91,8 @@ def plateau_depth(
         tol: the fraction of the range, ``0 <= tol < 1``.
 
     Returns:
-        The plateau depth (one of ``depths``).
+        The plateau depth (one of ``depths`` other than the deepest), or ``None``: not reached within
+        the depths given.
 
     Raises:
         ValueError: empty or mismatched input, a non-finite value, or ``tol`` outside ``[0, 1)``.
@@ -102,10 +106,10 @@ def plateau_depth(
     if not all(math.isfinite(x) for x in v):
         raise ValueError(f"plateau_depth: non-finite value in {values}")
     spread = max(v) - min(v)
-    for i, (d, _) in enumerate(pairs):
+    for i, (d, _) in enumerate(pairs[:-1]):
         if v[i] - min(v[i:]) <= tol * spread:
             return int(d)
-    raise AssertionError("unreachable: the deepest depth always qualifies")  # pragma: no cover
+    return None  # only the deepest depth qualifies (or there is one depth): still falling, not reached
 
 
 # ----------------------------------------------------------------------------
@@ -168,7 +172,8 @@ class SweepConfig:
             "family": "linear",
             "step_fraction": self.step_fraction,
             "probe_batch": self.probe_batch,
-            "plateau_rule": f"first depth d_i with v_i - min_(j>=i) v_j <= {PLATEAU_TOLERANCE} (max v - min v)",
+            "plateau_rule": f"first depth d_i short of the deepest with v_i - min_(j>=i) v_j <= {PLATEAU_TOLERANCE} "
+            "(max v - min v); none such: not reached (still falling at the deepest depth)",
         }
 
 
@@ -653,7 +658,7 @@ def _curve_rows(runs: list[dict[str, Any]], curve: Curve) -> list[dict[str, Any]
     return rows
 
 
-def _per_seed_plateaus(mine: list[dict[str, Any]], metric: str, lower: bool) -> list[int]:
+def _per_seed_plateaus(mine: list[dict[str, Any]], metric: str, lower: bool) -> list[int | None]:
     out = []
     for seed in sorted({r["seed"] for r in mine}):
         sr = sorted((r["depth"], r[metric]) for r in mine if r["seed"] == seed and r.get(metric) is not None)
@@ -672,16 +677,18 @@ def _plateau_rows(runs: list[dict[str, Any]], curves_rows: list[dict[str, Any]],
             continue
         at_mean = plateau_depth([c["depth"] for c in pts], [c["mean"] for c in pts], lower_is_better=lower)
         per_seed = _per_seed_plateaus(mine, metric, lower)
-        spread = summarize(per_seed) if per_seed else {}
+        reached = [d for d in per_seed if d is not None]
+        spread = summarize(reached) if reached else {}
         rows.append(
             {
                 "dataset": curve.dataset,
                 "arch": curve.arch,
                 "metric": metric,
                 "plateau_depth": at_mean,
-                "per_seed": " ".join(map(str, per_seed)),
+                "per_seed": " ".join(map(str, per_seed)),  # None: still falling at the deepest depth
                 "per_seed_mean": spread.get("mean"),
                 "per_seed_std": spread.get("std"),
+                "per_seed_not_reached": len(per_seed) - len(reached),
             }
         )
     return rows

@@ -20,7 +20,7 @@ def _series(rows: Sequence[dict[str, Any]], curve: Any, metric: str) -> tuple[li
 def _plateau(plateaus: Sequence[dict[str, Any]], curve: Any, metric: str) -> int | None:
     for p in plateaus:
         if p["dataset"] == curve.dataset and p["arch"] == curve.arch and p["metric"] == metric:
-            return int(p["plateau_depth"])
+            return None if p["plateau_depth"] is None else int(p["plateau_depth"])
     return None
 
 

@@ -74,18 +74,19 @@ def _c1(curves_rows: list[dict[str, Any]], lstar: int, perf_plateau: int | None,
         depths, vals = _mean_curve(curves_rows, lstar, metric)
         if not depths or lstar not in depths:
             continue
-        plateau = plateau_depth(depths, vals)
+        plateau = plateau_depth(depths, vals)  # None: still falling at the deepest depth
         falls = vals[depths.index(lstar)] < vals[0]
-        near = perf_plateau is not None and abs(plateau - perf_plateau) <= 1
+        near = perf_plateau is not None and plateau is not None and abs(plateau - perf_plateau) <= 1
         if why_not:
             verdict, why = "untestable here", why_not
         elif falls and near:
             verdict, why = "holds", f"falls to L* and plateaus at {plateau} (test excess at {perf_plateau})"
         else:
             verdict = "fails"
+            at = "no depth run (still falling at the deepest)" if plateau is None else plateau
             why = (
                 "does not fall to L*" if not falls else "falls"
-            ) + f"; plateaus at {plateau} (test excess at {perf_plateau})"
+            ) + f"; plateaus at {at} (test excess at {perf_plateau})"
         out[metric] = {"first": vals[0], "at_lstar": vals[depths.index(lstar)], "deepest": vals[-1]}
         out[metric].update({"plateau_depth": plateau, "verdict": verdict, "reason": why})
     for tag in ("probe", "train"):

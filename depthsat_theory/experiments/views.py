@@ -254,8 +254,8 @@ def read_sweep_plateaus(folder: str | Path) -> dict[str, Any]:
     for r in rows:
         name = f"{r['dataset']}/{r['arch']}"
         want = "test_bpc" if r["dataset"] == "kjv" else "test_loss"
-        if r["metric"] == want:
-            plateaus[name] = int(r["plateau_depth"])
+        if r["metric"] == want:  # None (null): the sweep's curve still falls at its deepest depth
+            plateaus[name] = None if r["plateau_depth"] is None else int(r["plateau_depth"])
             metric[name] = want
     meta = data.get("meta", {})
     return {
@@ -437,8 +437,8 @@ def curve_verdicts(
         if ref is None or ref not in grid:
             out.update({f"agree_{tag}{k}": None for k in views} | {f"all_agree{'_' + tag[:-1] if tag else ''}": None})
             continue
-        for k, v in views.items():
-            out[f"agree_{tag}{k}"] = _steps_apart(v, ref, grid) <= 1
+        for k, v in views.items():  # a view whose curve still falls (None) does not agree with a plateau
+            out[f"agree_{tag}{k}"] = v is not None and _steps_apart(v, ref, grid) <= 1
         out[f"all_agree{'_' + tag[:-1] if tag else ''}"] = all(out[f"agree_{tag}{k}"] for k in views)
     return out
 
@@ -648,7 +648,8 @@ def _figure(cfg: ViewsConfig, curves: list[S.Curve], sites: list[dict], stopping
             ax.axvline(v["sweep_plateau"], color="k", ls=":", label="sweep plateau")
         if v.get("retrained_plateau") is not None:
             ax.axvline(v["retrained_plateau"], color="0.5", ls="-.", lw=0.8, label="retrained plateau")
-        ax.axvline(v.get("first_order", deep), color="C3", ls="--", lw=0.8, label="first-order plateau of s")
+        if v.get("first_order") is not None:
+            ax.axvline(v["first_order"], color="C3", ls="--", lw=0.8, label="first-order plateau of s")
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(curve.depths), [str(d) for d in curve.depths])
         ax.set_xlabel("model depth (blocks)")
