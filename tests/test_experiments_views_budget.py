@@ -88,12 +88,12 @@ def test_tiny_budget_views_plateaus_and_claims(tiny_budget):
     # the sweep plateau is the budget sweep's own reading; recomputed here from its runs.csv
     runs = _rows(sweep / "runs.csv")
     means = [np.mean([float(r["test_loss"]) for r in runs if int(r["depth"]) == d]) for d in (1, 2)]
-    assert v["sweep_plateau"] == (1 if means[0] <= means[1] else 2)
+    assert v["sweep_plateau"] == (1 if means[0] <= means[1] else None)  # None: still falling at 2
     assert v["retrained_plateau"] == v["sweep_plateau"]
     claims = data["claims"]
     assert len(claims) == 1 and set(claims[0]) == SCHEMA_KEYS
     assert claims[0]["claim"] == "Views agree"
-    expected = "untestable here" if v["sweep_plateau"] == 1 else ("holds" if v["all_agree"] else "fails")
+    expected = "untestable here" if v["sweep_plateau"] in (1, None) else ("holds" if v["all_agree"] else "fails")
     assert claims[0]["verdict"] == expected
     per_seed = data["summary"]["verdicts_per_seed"]["digits/mlp"]
     assert [r["seed"] for r in per_seed] == [0]
@@ -213,10 +213,9 @@ def test_read_budget_sweep_and_reproduction_rule(tmp_path):
 
 
 def _verdict(curve, first, stop, bi, plateau):
-    n = len(curve.depths)
-    s_mean = {1: [1.0] * n, 2: [1.0] + [0.0] * (n - 1), 4: [1.0, 0.5] + [0.0] * (n - 2), 8: [1.0, 0.75, 0.5, 0.0]}[
-        first
-    ]
+    # s at the deepest site per depth 1, 2, 4, 8 whose plateau (10 % of the range) is `first` by hand;
+    # None: still falling at 8 (not reached)
+    s_mean = {1: [1.0] * 4, 2: [1.0, 0.0, 0.0, 0.0], 4: [1.0, 0.5, 0.0, 0.0], None: [1.0, 0.75, 0.5, 0.0]}[first]
     bis = [1.0] * bi + [0.0] * (max(curve.depths) - bi)  # exactly `bi` blocks carry all the influence
     v = EV.curve_verdicts(curve, s_mean, stop, bis, plateau, mass=0.9, certified=False, retrained_plateau=plateau)
     v.update(grid_min=min(curve.depths), grid_max=max(curve.depths))
@@ -225,29 +224,32 @@ def _verdict(curve, first, stop, bi, plateau):
 
 def test_views_claims_rule_on_hand_values():
     curve = S.Curve("fashion", "mlp", (1, 2, 4, 8), 32)
-    v = _verdict(curve, 8, 1.5, 6, 4)  # first-order 8, stopping 2, block influence 8: all within one step of 4
-    assert (v["first_order"], v["stopping"], v["block_influence"]) == (8, 2, 8)
+    v = _verdict(curve, 4, 1.5, 6, 4)  # first-order 4, stopping 2, block influence 8: all within one step of 4
+    assert (v["first_order"], v["stopping"], v["block_influence"]) == (4, 2, 8)
     seeds = [
-        {"seed": 0, "first_order": 8, "stopping": 2, "block_influence": 8, "all_agree": True},
-        {"seed": 1, "first_order": 8, "stopping": 1, "block_influence": 8, "all_agree": False},
+        {"seed": 0, "first_order": 4, "stopping": 2, "block_influence": 8, "all_agree": True},
+        {"seed": 1, "first_order": None, "stopping": 1, "block_influence": 8, "all_agree": False},
     ]
     (row,) = EV.views_claims({"fashion/mlp": v}, {"fashion/mlp": seeds}, {"fashion/mlp": "Fashion"})
     assert set(row) == SCHEMA_KEYS and row["claim"] == "Views agree" and row["setting"] == "Fashion"
     assert row["verdict"] == "holds"
     assert row["qualifier"] == (
-        "all within one step in 1 of 2 seeds; exactly at 4: 0 of 3; "
-        "first-order, block-influence at the deepest depth run (no plateau inside the grid)"
+        "all within one step in 1 of 2 seeds; exactly at 4: 1 of 3; "
+        "block-influence at the deepest depth run (one step from 4 by the grid)"
     )
-    assert "8/2/8; 8/1/8" in row["interval"]
-    v = _verdict(curve, 8, 0.5, 6, 4)  # stopping snaps to 1: two steps from 4
+    assert "4/2/8; not reached/1/8" in row["interval"]
+    v = _verdict(curve, None, 1.5, 6, 4)  # s still falls at 8: the first-order view is not reached
+    assert v["first_order"] is None
     (row,) = EV.views_claims({"c": v}, {"c": seeds}, {})
-    assert row["verdict"] == "fails" and row["reason"].startswith("stopping more than one depth step")
-    v = _verdict(curve, 2, 0.5, 1, 1)  # the plateau at the shallowest depth: depth never pays
+    assert row["verdict"] == "fails" and row["reason"].startswith("first-order not within one depth step")
+    assert row["interval"].startswith("first-order not reached, stopping 2, block-influence 8 against")
+    v = _verdict(curve, 4, 0.5, 6, 4)  # stopping snaps to 1: two steps from 4
     (row,) = EV.views_claims({"c": v}, {"c": seeds}, {})
-    assert row["verdict"] == "untestable here" and "never pays" in row["reason"]
-    v = _verdict(curve, 2, 0.5, 1, None)
-    (row,) = EV.views_claims({"c": v}, {"c": []}, {})
-    assert row["verdict"] == "untestable here" and "no performance plateau" in row["reason"]
+    assert row["verdict"] == "fails" and row["reason"].startswith("stopping not within one depth step")
+    for plateau, words in ((1, "never pays"), (None, "no test-loss plateau"), (3, "not on this curve's depth grid")):
+        (row,) = EV.views_claims({"c": _verdict(curve, 2, 0.5, 1, plateau)}, {"c": []}, {})
+        assert row["verdict"] == "untestable here" and words in row["reason"], plateau
+        assert row["qualifier"] == ""
 
 
 def test_budget_config_is_the_budget_sweeps():
@@ -274,17 +276,6 @@ def test_views_budget_runs_after_the_budget_sweep_in_experiment_all(monkeypatch,
     for config in ("tiny", "full"):
         EXPERIMENTS["views-budget"](config, out=tmp_path / "views-budget", log=print)
     assert seen == {"tiny-budget": tmp_path / "budget-sweep", "budget": tmp_path / "budget-sweep"}
-
-
-def test_write_results_puts_claims_next_to_meta_and_summary(tmp_path):
-    from depthsat_theory.experiments.record import write_results
-
-    row = dict.fromkeys(SCHEMA_KEYS, "x")
-    write_results(tmp_path / "a", tables={}, summary={"n": 1}, meta={"m": 2}, claims=[row])
-    write_results(tmp_path / "b", tables={}, summary={"n": 1}, meta={"m": 2})
-    a, b = (json.loads((tmp_path / f / "summary.json").read_text()) for f in "ab")
-    assert a == {"meta": {"m": 2}, "summary": {"n": 1}, "claims": [row]}
-    assert b == {"meta": {"m": 2}, "summary": {"n": 1}}
 
 
 def test_the_early_stopping_sweeps_runs_are_checked_too(tmp_path):

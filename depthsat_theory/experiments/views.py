@@ -148,8 +148,9 @@ RULES = {
     "sweep's plateau when the recipes match)",
     "agree": "two views agree when their depths are at most one step apart on the curve's depth grid; "
     "all_agree when every view agrees with the sweep plateau, all_agree_retrained with the retrained plateau",
-    "claim": "'Views agree' per curve: untestable here without a sweep plateau on the grid or with the plateau at "
-    "the shallowest depth (depth never pays: nothing to locate); else holds when all_agree, fails otherwise; "
+    "claim": "'Views agree' per curve: untestable here without a sweep plateau on the grid (none, or the test loss "
+    "still falls at the deepest depth) or with the plateau at the shallowest depth (depth never pays: nothing to "
+    "locate); else holds when all_agree (a view not reached does not agree), fails otherwise; "
     "the qualifier counts the seeds whose own views all agree and the views exactly at the plateau, and names "
     "the views at the deepest depth run (they agree with a plateau one step below only by the one-step rule)",
 }
@@ -323,7 +324,7 @@ def read_budget_sweep(folder: str | Path) -> dict[str, Any]:
     for r in sites:  # file order is site order: the last row of a model with an s is its deepest site
         table.setdefault((ds, "mlp", int(r["seed"]), int(r["depth"])), {})["s_last"] = float(r["s"])
     return {
-        "plateaus": {name: int(pre["test_loss_plateau_depth"])},
+        "plateaus": {name: None if pre["test_loss_plateau_depth"] is None else int(pre["test_loss_plateau_depth"])},
         "metric": {name: "test_loss"},
         "depth_pays": pre.get("holds"),
         "recipe": {k: config.get(k) for k in _MODEL_FIELDS},
@@ -907,51 +908,36 @@ _VIEWS = ("first_order", "stopping", "block_influence")
 _REFS = ("sweep_plateau", "retrained_plateau")
 
 
+def _depth_text(d: int | None) -> str:
+    return "not reached" if d is None else str(d)
+
+
 def views_claims(
     verdicts: dict[str, dict[str, Any]], per_seed: dict[str, list[dict[str, Any]]], setting: dict[str, str]
 ) -> list[dict[str, str]]:
     """The ``"Views agree"`` claim rows (``CLAIMS_SCHEMA``), one per curve, by :data:`RULES` ``["claim"]``.
 
     Args:
-        verdicts: :func:`curve_verdicts` per curve (means over seeds).
+        verdicts: :func:`curve_verdicts` per curve (means over seeds), with ``grid_min``/``grid_max``.
         per_seed: the same per seed (:func:`_per_seed_verdicts`).
         setting: per curve, the setting's one-line description.
 
     Returns:
-        Rows with exactly the keys ``claim, setting, verdict, qualifier, interval, reason``.
+        Rows with exactly the keys ``claim, setting, verdict, qualifier, interval, reason``; a view or
+        plateau of ``None`` (its curve still falls at the deepest depth run) reads "not reached".
     """
     rows = []
     for name, v in verdicts.items():
-        plateau = v["sweep_plateau"]
         depths = {k: v[k] for k in _VIEWS}
         seeds = per_seed.get(name, [])
-        n_all = sum(bool(r["all_agree"]) for r in seeds)
-        exact = [k for k, d in depths.items() if d == plateau]
-        said = ", ".join(f"{k.replace('_', '-')} {d}" for k, d in depths.items())
+        said = ", ".join(f"{k.replace('_', '-')} {_depth_text(d)}" for k, d in depths.items())
         interval = (
-            f"{said} against the test-loss plateau {plateau} (blocks, means over {len(seeds)} seeds; per seed: "
-            + "; ".join(f"{r['first_order']}/{r['stopping']}/{r['block_influence']}" for r in seeds)
+            f"{said} against the test-loss plateau {_depth_text(v['sweep_plateau'])} (blocks, means over "
+            f"{len(seeds)} seeds; per seed: "
+            + "; ".join("/".join(_depth_text(r[k]) for k in _VIEWS) for r in seeds)
             + " first-order/stopping/block-influence)"
         )
-        grid_min = v.get("grid_min")
-        if plateau is None or v["all_agree"] is None:
-            verdict, qualifier = "untestable here", ""
-            reason = "no performance plateau on the depth grid to compare the views with"
-        elif plateau == grid_min:
-            verdict, qualifier = "untestable here", ""
-            reason = f"the test loss plateaus at the shallowest depth ({plateau}): depth never pays, nothing to locate"
-        else:
-            verdict = "holds" if v["all_agree"] else "fails"
-            off = [k.replace("_", "-") for k in _VIEWS if not v[f"agree_{k}"]]
-            qualifier = f"all within one step in {n_all} of {len(seeds)} seeds; exactly at {plateau}: {len(exact)} of 3"
-            deepest = [k.replace("_", "-") for k, d in depths.items() if d == v.get("grid_max") != plateau]
-            if deepest:
-                qualifier += f"; {', '.join(deepest)} at the deepest depth run (no plateau inside the grid)"
-            reason = (
-                "every view is within one depth step of the plateau"
-                if not off
-                else f"{', '.join(off)} more than one depth step from the plateau"
-            ) + f" ({said}; plateau {plateau})"
+        verdict, qualifier, reason = _views_verdict(v, depths, seeds, said)
         rows.append(
             {
                 "claim": "Views agree",
@@ -963,6 +949,33 @@ def views_claims(
             }
         )
     return rows
+
+
+def _views_verdict(
+    v: dict[str, Any], depths: dict[str, int | None], seeds: list[dict[str, Any]], said: str
+) -> tuple[str, str, str]:
+    """``(verdict, qualifier, reason)`` of one curve's ``Views agree`` row (:data:`RULES` ``["claim"]``)."""
+    plateau = v["sweep_plateau"]
+    if plateau is None:
+        return (
+            "untestable here",
+            "",
+            "no test-loss plateau (none given, or the test loss still falls at the deepest depth)",
+        )
+    if v["all_agree"] is None:
+        return "untestable here", "", f"the test-loss plateau {plateau} is not on this curve's depth grid"
+    if plateau == v.get("grid_min"):
+        return "untestable here", "", f"the test loss plateaus at the shallowest depth ({plateau}): depth never pays"
+    n_all = sum(bool(r["all_agree"]) for r in seeds)
+    exact = sum(d == plateau for d in depths.values())
+    qualifier = f"all within one step in {n_all} of {len(seeds)} seeds; exactly at {plateau}: {exact} of 3"
+    deepest = [k.replace("_", "-") for k, d in depths.items() if d == v.get("grid_max") != plateau]
+    if deepest:
+        qualifier += f"; {', '.join(deepest)} at the deepest depth run (one step from {plateau} by the grid)"
+    off = [k.replace("_", "-") for k in _VIEWS if not v[f"agree_{k}"]]
+    if not off:
+        return "holds", qualifier, f"every view is within one depth step of the plateau ({said}; plateau {plateau})"
+    return "fails", qualifier, f"{', '.join(off)} not within one depth step of the plateau ({said}; plateau {plateau})"
 
 
 def _setting(cfg: ViewsConfig, curve: S.Curve, seeds: tuple[int, ...]) -> str:
