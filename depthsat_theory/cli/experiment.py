@@ -220,7 +220,7 @@ def _views_verdict_table(verdicts: dict):
     for name, v in verdicts.items():
         t.add_row(
             name,
-            f"{v['first_order']} ({v['first_order_basis']})",
+            f"{'not reached' if v['first_order'] is None else v['first_order']} ({v['first_order_basis']})",
             f"{v['stopping']} ({v['stopping_expected_depth']:.2f})",
             f"{v['block_influence']} ({v['block_influence_count']} blocks)",
             str(v["sweep_plateau"]),
