@@ -220,7 +220,7 @@ def _views_verdict_table(verdicts: dict):
     for name, v in verdicts.items():
         t.add_row(
             name,
-            f"{v['first_order']} ({v['first_order_basis']})",
+            f"{'not reached' if v['first_order'] is None else v['first_order']} ({v['first_order_basis']})",
             f"{v['stopping']} ({v['stopping_expected_depth']:.2f})",
             f"{v['block_influence']} ({v['block_influence_count']} blocks)",
             str(v["sweep_plateau"]),
@@ -245,29 +245,51 @@ def _print_views(folder: Path) -> None:
     render.console.print(_views_verdict_table(data["verdicts"]))
     if data.get("sweep", {}).get("note"):
         render.console.print(f"note: {data['sweep']['note']}", markup=False)
+    rep = data.get("reproduction")
+    if rep:
+        render.console.print(
+            f"reproduction: {rep['reproduced']} of {rep['models']} models have the committed test and train loss "
+            f"(|diff| <= {rep['tolerance']:g}; bitwise {rep['bitwise_losses']}; max |diff| test "
+            f"{rep['max_abs_diff_test_loss']}, train {rep['max_abs_diff_train_loss']})",
+            markup=False,
+        )
 
 
 @experiment_app.command("views")
 def views_command(
-    config: str = _CONFIG,
-    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/views)."),
+    config: str = typer.Option(
+        "full",
+        "--config",
+        help="tiny (CI, seconds), full (the sweep's curves), budget (the budget sweep's Fashion-MNIST models; "
+        "results in experiments/results/views-budget) or tiny-budget (CI).",
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Result folder (default experiments/results/views, or views-budget for --config budget)."
+    ),
     seeds: str | None = _SEEDS,
     sweep: Path | None = typer.Option(
-        None, "--sweep", help="The depth sweep's result folder (default experiments/results/sweep)."
+        None,
+        "--sweep",
+        help="The sweep's result folder (default experiments/results/sweep; experiments/results/budget-sweep "
+        "for the budget configurations).",
+    ),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished models: reused when present, appended as they finish."
     ),
 ) -> None:
     """Views side by side: first-order verdicts, optimal stopping depth (seed 002), block influence, sweep plateau.
 
-    Retrains a subset of the sweep's models (same recipe and seeds), reads exits at every depth
-    (logit lens for the GPT, fitted linear readouts otherwise), and measures seed 002's L_depth
-    penalty on two data sets.
+    Retrains a subset of the sweep's models (same recipe and seeds) or, with --config budget, the
+    budget sweep's models (its own training function; each model's losses checked against its
+    runs.csv), reads exits at every depth (logit lens for the GPT, fitted linear readouts
+    otherwise), and measures seed 002's L_depth penalty on two data sets (not for the budget models).
     """
     from depthsat_theory.experiments import ExperimentError
     from depthsat_theory.experiments.recipe import DatasetUnavailable
     from depthsat_theory.experiments.views import run_views
 
     try:
-        folder = run_views(config, out=out, sweep=sweep, seeds=_seeds(seeds), log=typer.echo)
+        folder = run_views(config, out=out, sweep=sweep, seeds=_seeds(seeds), resume=resume, log=typer.echo)
     except (ExperimentError, DatasetUnavailable) as exc:
         fail(exc)
     _print_views(folder)
@@ -528,6 +550,17 @@ def _budget_sweep_runner(config: str, out: Path, log) -> Path:
 
 
 EXPERIMENTS["budget-sweep"] = _budget_sweep_runner
+
+
+def _views_budget_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.views import run_views
+
+    sweep = out.parent / "budget-sweep"
+    return run_views("budget" if config == "full" else f"{config}-budget", out=out, sweep=sweep, log=log)
+
+
+# after the budget sweep: its models are retrained and checked against its runs.csv
+EXPERIMENTS["views-budget"] = _views_budget_runner
 
 
 @experiment_app.command("all")

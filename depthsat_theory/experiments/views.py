@@ -21,8 +21,19 @@ grid).  Seed 002's ``L_depth`` penalty (:mod:`depthsat_theory.views.regularizer`
 ``depth_reg``) is measured separately: MLP at one depth on two data sets, 3 seeds, penalty on and
 off, effect on the expected stopping depth and on test accuracy.
 
+The ``budget`` configuration (:func:`budget_views_config`) looks the same four ways at the budget
+sweep's Fashion-MNIST models (:mod:`~depthsat_theory.experiments.budget_sweep`: 2,000-step cosine
+budget, where depth pays to 4 blocks): each model is made by the budget sweep's own training function
+with its seed and configuration, its test and train loss are checked against the budget sweep's
+``runs.csv`` (``summary.json → reproduction``), the sweep plateau is the budget sweep's
+``claims.precondition.test_loss_plateau_depth``, and there is no ``L_depth`` measurement (a penalty
+would change the models).  Every configuration also gives each seed's own views
+(``verdicts_per_seed``) and the ``"Views agree"`` claim rows (:func:`views_claims`,
+``summary.json → claims``).
+
 ``run_views`` writes ``sites.csv``, ``stopping.csv``, ``stopping_hist.csv``, ``runs.csv``,
-``curves.csv``, ``depth_reg.csv``, ``summary.json`` and ``views.png``/``.svg``.
+``curves.csv``, ``depth_reg.csv`` (when ``L_depth`` is measured), ``summary.json`` and
+``views.png``/``.svg``.
 """
 
 from __future__ import annotations
@@ -38,18 +49,32 @@ from typing import Any
 
 import numpy as np
 
+from depthsat_theory.experiments import budget_sweep as B
 from depthsat_theory.experiments import recipe as R
 from depthsat_theory.experiments import sweep as S
 from depthsat_theory.experiments.record import (
     DEFAULT_RESULTS_ROOT,
     ExperimentError,
+    ResumeFile,
+    _clean,
+    config_tag,
     default_folder,
     provenance,
     summarize,
     write_results,
 )
 
-__all__ = ["CONFIGS", "ViewsConfig", "curve_verdicts", "read_sweep_plateaus", "run_views", "snap_depth"]
+__all__ = [
+    "CONFIGS",
+    "ViewsConfig",
+    "budget_views_config",
+    "curve_verdicts",
+    "read_budget_sweep",
+    "read_sweep_plateaus",
+    "run_views",
+    "snap_depth",
+    "views_claims",
+]
 
 
 @dataclass(frozen=True)
@@ -61,7 +86,7 @@ class ViewsConfig:
         curves: the sweep curves (data set, architecture, depths, width) looked at.
         seeds: seeds (the sweep's seeds: same splits, same initialisation, same batch order).
         sizes: split sizes per data set (the sweep's).
-        recipe: the training recipe (the sweep's).
+        recipe: the training recipe (the sweep's; the budget sweep's ``BudgetRecipe`` when ``budget`` is set).
         costs: costs per block ``c`` (nats per example/token) of the stopping views.
         reference_cost: the cost whose expected oracle stopping depth is the stopping view's answer.
         readout_l2: ridge weight of the fitted linear readouts.
@@ -70,14 +95,18 @@ class ViewsConfig:
         delta: ``δ`` of the first-order intervals (as the sweep).
         probe_batch: probe batch size.
         reg_datasets, reg_arch, reg_depth, reg_width, reg_lambdas: the ``L_depth`` measurement
-            (``λ = 0`` first: the unregularised reference).
+            (``λ = 0`` first: the unregularised reference; no data set: not measured).
+        budget: ``None`` (models retrained with ``recipe`` by :func:`~.recipe.train`) or the budget
+            sweep's configuration: every model is then the budget sweep's, trained by its own
+            training function (``budget_sweep._train``, same splits, seed and budget) and compared
+            with the budget sweep's committed results (:func:`budget_views_config`).
     """
 
     name: str
     curves: tuple[S.Curve, ...]
     seeds: tuple[int, ...]
     sizes: dict[str, R.Sizes]
-    recipe: R.Recipe
+    recipe: R.Recipe | R.BudgetRecipe
     costs: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03)
     reference_cost: float = 0.003
     readout_l2: float = 1e-3
@@ -89,6 +118,7 @@ class ViewsConfig:
     reg_depth: int = 8
     reg_width: int = 32
     reg_lambdas: tuple[float, ...] = (0.0, 0.1, 1.0)
+    budget: B.BudgetSweepConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dictionary.
@@ -99,6 +129,7 @@ class ViewsConfig:
         d = dataclasses.asdict(self)
         d["sizes"] = {k: dataclasses.asdict(v) for k, v in self.sizes.items()}
         d["recipe"] = self.recipe.to_dict()
+        d["budget"] = None if self.budget is None else self.budget.to_dict()
         d["rules"] = RULES
         return d
 
@@ -117,6 +148,11 @@ RULES = {
     "sweep's plateau when the recipes match)",
     "agree": "two views agree when their depths are at most one step apart on the curve's depth grid; "
     "all_agree when every view agrees with the sweep plateau, all_agree_retrained with the retrained plateau",
+    "claim": "'Views agree' per curve: untestable here without a sweep plateau on the grid (none, or the test loss "
+    "still falls at the deepest depth) or with the plateau at the shallowest depth (depth never pays: nothing to "
+    "locate); else holds when all_agree (a view not reached does not agree), fails otherwise; "
+    "the qualifier counts the seeds whose own views all agree and the views exactly at the plateau, and names "
+    "the views at the deepest depth run (they agree with a plateau one step below only by the one-step rule)",
 }
 
 _TINY_SIZES = R.Sizes(train=200, val=80, probe=96, test=96, seq_len=16)
@@ -153,6 +189,42 @@ CONFIGS: dict[str, ViewsConfig] = {
         recipe=S.CONFIGS["full"].recipe,
     ),
 }
+
+
+def budget_views_config(name: str, budget: B.BudgetSweepConfig, **changes: Any) -> ViewsConfig:
+    """The views on the budget sweep's models: its curve, seeds, splits, budget, ``δ`` and probe batch.
+
+    Args:
+        name: the configuration's name (``"budget"``, ``"tiny-budget"``).
+        budget: the budget sweep's configuration (:data:`~.budget_sweep.CONFIGS`).
+        **changes: other :class:`ViewsConfig` fields (e.g. ``costs``).
+
+    Returns:
+        A :class:`ViewsConfig` with ``budget`` set and no ``L_depth`` measurement (a penalty changes
+        training, so its models would not be the budget sweep's).
+    """
+    fields: dict[str, Any] = {
+        "name": name,
+        "curves": (S.Curve(budget.dataset, "mlp", budget.depths, budget.width),),
+        "seeds": budget.seeds,
+        "sizes": {budget.dataset: budget.sizes},
+        "recipe": budget.budget,
+        "delta": budget.delta,
+        "probe_batch": budget.probe_batch,
+        "reg_datasets": (),
+        "budget": budget,
+    }
+    return ViewsConfig(**(fields | changes))
+
+
+CONFIGS["budget"] = budget_views_config("budget", B.CONFIGS["full"])
+CONFIGS["tiny-budget"] = budget_views_config("tiny-budget", B.CONFIGS["tiny"])
+
+#: Where each configuration writes by default (others: a new temporary folder, see ``default_folder``).
+_DEFAULT_OUT = {"full": "views", "budget": "views-budget"}
+
+#: The fields of the budget sweep's configuration that make its models (the rest chooses which run).
+_MODEL_FIELDS = ("dataset", "width", "sizes", "budget", "model")
 
 
 # ----------------------------------------------------------------------------- reading the sweep
@@ -192,6 +264,72 @@ def read_sweep_plateaus(folder: str | Path) -> dict[str, Any]:
         "metric": metric,
         "recipe": meta.get("config", {}).get("recipe"),
         "commit": meta.get("commit"),
+        "runs": _sweep_runs(Path(folder) / "runs.csv"),
+    }
+
+
+def _sweep_runs(path: Path) -> dict[tuple[str, str, int, int], dict[str, float]] | None:
+    """The sweep's test loss per ``(dataset, arch, seed, depth)`` from its ``runs.csv`` (``None`` without one)."""
+    import csv
+
+    if not path.is_file():
+        return None
+    with open(path, newline="") as fh:
+        return {
+            (r["dataset"], r["arch"], int(r["seed"]), int(r["depth"])): {"test_loss": float(r["test_loss"])}
+            for r in csv.DictReader(fh)
+        }
+
+
+def read_budget_sweep(folder: str | Path) -> dict[str, Any]:
+    """The budget sweep's plateau depth, the configuration it ran with, and its per-model numbers.
+
+    Args:
+        folder: the budget sweep's result folder (``summary.json``, ``runs.csv``, ``sites.csv``).
+
+    Returns:
+        ``{"plateaus": {"fashion/mlp": depth}, "metric": {…: "test_loss"}, "depth_pays": bool,
+        "recipe": {the configuration's model-making fields} or None, "commit": str or None,
+        "runs": {(dataset, "mlp", seed, depth): {"test_loss", "train_loss", "s_last"}}}`` — the plateau is
+        ``claims.precondition.test_loss_plateau_depth`` (``sweep.plateau_depth`` of the mean test
+        loss), ``s_last`` the probe's ``s`` at the deepest site.
+
+    Raises:
+        ExperimentError: no readable ``summary.json`` or ``runs.csv`` there, or not a budget-sweep result.
+    """
+    import csv
+
+    base = Path(folder)
+    try:
+        data = json.loads((base / "summary.json").read_text())
+        with open(base / "runs.csv", newline="") as fh:
+            runs = list(csv.DictReader(fh))
+        with open(base / "sites.csv", newline="") as fh:
+            sites = [r for r in csv.DictReader(fh) if r.get("split") == "probe" and r.get("s")]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ExperimentError(
+            f"--sweep {folder}: cannot read the budget sweep's results ({exc}); run `depthsat experiment "
+            "budget-sweep` first"
+        ) from None
+    pre = data.get("summary", {}).get("claims", {}).get("precondition", {})
+    config = data.get("meta", {}).get("config", {})
+    if "test_loss_plateau_depth" not in pre or "dataset" not in config:
+        raise ExperimentError(f"--sweep {folder}: summary.json has no claims.precondition (not a budget-sweep result)")
+    name = f"{config['dataset']}/mlp"
+    table: dict[tuple[str, str, int, int], dict[str, float]] = {}
+    ds = config["dataset"]
+    for r in runs:
+        losses = {"test_loss": float(r["test_loss"]), "train_loss": float(r["train_loss"])}
+        table[(ds, "mlp", int(r["seed"]), int(r["depth"]))] = losses
+    for r in sites:  # file order is site order: the last row of a model with an s is its deepest site
+        table.setdefault((ds, "mlp", int(r["seed"]), int(r["depth"])), {})["s_last"] = float(r["s"])
+    return {
+        "plateaus": {name: None if pre["test_loss_plateau_depth"] is None else int(pre["test_loss_plateau_depth"])},
+        "metric": {name: "test_loss"},
+        "depth_pays": pre.get("holds"),
+        "recipe": {k: config.get(k) for k in _MODEL_FIELDS},
+        "commit": data.get("meta", {}).get("commit"),
+        "runs": table,
     }
 
 
@@ -330,14 +468,35 @@ def _site_depth(site: str) -> int:
     return int(site.split(".")[-1]) + 1
 
 
+def _trained(cfg: ViewsConfig, curve: S.Curve, depth: int, seed: int, splits: R.Splits):
+    """The model of ``(curve, depth, seed)`` and its metrics (the sweep's recipe or the budget sweep's training)."""
+    if cfg.budget is None:
+        model = R.build_model(curve.arch, depth, splits, seed=seed, width=curve.width)
+        assert isinstance(cfg.recipe, R.Recipe)
+        result = R.train(model, splits, seed=seed, recipe=cfg.recipe)
+        metrics = {
+            "test_loss": result.metrics["test"]["loss"],
+            "test_accuracy": result.metrics["test"]["accuracy"],
+            "epochs": result.epochs,
+        }
+        return result.model, metrics
+    model, fit = B._train(cfg.budget, splits, depth, seed)
+    test = R.evaluate(model, splits.test, splits)
+    metrics = {
+        "test_loss": test["loss"],
+        "test_accuracy": test["accuracy"],
+        "train_loss": R.evaluate(model, splits.train, splits)["loss"],
+        "steps": fit["steps"],
+    }
+    return model, metrics
+
+
 def _one_model(cfg: ViewsConfig, curve: S.Curve, depth: int, seed: int, splits: R.Splits) -> dict[str, Any]:
     from depthsat_theory import views as V
 
     t0 = time.time()
     key = {"dataset": curve.dataset, "arch": curve.arch, "depth": depth, "seed": seed}
-    model = R.build_model(curve.arch, depth, splits, seed=seed, width=curve.width)
-    result = R.train(model, splits, seed=seed, recipe=cfg.recipe)
-    model = result.model
+    model, metrics = _trained(cfg, curve, depth, seed, splits)
     sites = {
         _site_depth(r["site"]): r for r in S.site_rows(model, splits, delta=cfg.delta, probe_batch=cfg.probe_batch)
     }
@@ -393,9 +552,7 @@ def _one_model(cfg: ViewsConfig, curve: S.Curve, depth: int, seed: int, splits: 
     last = [r for r in site_rows if r["s"] is not None][-1]
     run = {
         **key,
-        "test_loss": result.metrics["test"]["loss"],
-        "test_accuracy": result.metrics["test"]["accuracy"],
-        "epochs": result.epochs,
+        **metrics,
         "readout": test.readout,
         "units": test.units,
         "s_last": last["s"],
@@ -416,6 +573,8 @@ def _reg_model(cfg: ViewsConfig, dataset: str, seed: int, lam: float, splits: R.
     from depthsat_theory import views as V
 
     t0 = time.time()
+    if not isinstance(cfg.recipe, R.Recipe):
+        raise ExperimentError(f"L_depth needs the early-stopping recipe (it changes training), not {cfg.recipe}")
     recipe = dataclasses.replace(cfg.recipe, depth_reg=float(lam))
     model = R.build_model(cfg.reg_arch, cfg.reg_depth, splits, seed=seed, width=cfg.reg_width)
     result = R.train(model, splits, seed=seed, recipe=recipe)
@@ -511,11 +670,18 @@ def _resolve(config: str | ViewsConfig) -> ViewsConfig:
     return CONFIGS[config]
 
 
-def _read_sweep(cfg: ViewsConfig, sweep: str | Path | None) -> tuple[Path, dict[str, Any]]:
-    sweep_dir = Path(sweep) if sweep is not None else DEFAULT_RESULTS_ROOT / "sweep"
+def _read_sweep(cfg: ViewsConfig, sweep: str | Path | None) -> tuple[Path, dict[str, Any], bool | None]:
+    """The sweep folder, what it says, and whether it ran with this configuration's recipe (None: unknown)."""
+    default = "budget-sweep" if cfg.budget is not None else "sweep"
+    sweep_dir = Path(sweep) if sweep is not None else DEFAULT_RESULTS_ROOT / default
     if cfg.name == "tiny" and sweep is None and not (sweep_dir / "summary.json").is_file():
-        return sweep_dir, {"plateaus": {}, "metric": {}, "recipe": None, "commit": None}
-    return sweep_dir, read_sweep_plateaus(sweep_dir)
+        return sweep_dir, {"plateaus": {}, "metric": {}, "recipe": None, "commit": None}, None
+    if cfg.budget is None:
+        sw = read_sweep_plateaus(sweep_dir)
+        return sweep_dir, sw, None if sw["recipe"] is None else sw["recipe"] == cfg.recipe.to_dict()
+    sw = read_budget_sweep(sweep_dir)
+    mine = cfg.budget.to_dict()
+    return sweep_dir, sw, sw["recipe"] == {k: mine.get(k) for k in _MODEL_FIELDS}
 
 
 @dataclass
@@ -528,7 +694,21 @@ class _Collected:
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _train_curves(cfg: ViewsConfig, seeds: tuple[int, ...], col: _Collected, say: Callable[[str], None]) -> list:
+class _Resume(ResumeFile):
+    """Finished models, keyed by the configuration's hash (minus what chooses which models run)."""
+
+    def __init__(self, path: str | Path | None, cfg: ViewsConfig):
+        super().__init__(path, "finished-model")
+        drop = ("name", "seeds", "curves", "rules", "reg_datasets", "reg_arch", "reg_depth", "reg_width", "reg_lambdas")
+        self.tag = config_tag(_clean(cfg.to_dict()), drop)
+
+    def key(self, curve: S.Curve, depth: int, seed: int) -> str:
+        return f"{self.tag}/{curve.name}/w{curve.width}/{depth}/{seed}"
+
+
+def _train_curves(
+    cfg: ViewsConfig, seeds: tuple[int, ...], col: _Collected, say: Callable[[str], None], done: _Resume
+) -> list:
     ran: list[S.Curve] = []
     for curve in cfg.curves:
         reason = R.dataset_unavailable(curve.dataset)
@@ -537,9 +717,13 @@ def _train_curves(cfg: ViewsConfig, seeds: tuple[int, ...], col: _Collected, say
             continue
         ran.append(curve)
         for seed in seeds:
-            splits = R.load_splits(curve.dataset, seed, cfg.sizes.get(curve.dataset))
+            splits = None
             for depth in curve.depths:
-                rec = _one_model(cfg, curve, depth, seed, splits)
+                rec = done.done.get(done.key(curve, depth, seed))
+                if rec is None:
+                    splits = splits or R.load_splits(curve.dataset, seed, cfg.sizes.get(curve.dataset))
+                    rec = _clean(_one_model(cfg, curve, depth, seed, splits))
+                    done.add(done.key(curve, depth, seed), rec)
                 col.runs.append(rec["run"])
                 col.sites.extend(rec["sites"])
                 col.stopping.extend(rec["stopping"])
@@ -628,24 +812,204 @@ def _verdicts(
     return curves_rows, verdicts
 
 
+#: Reproduction tolerance: a retrained model's loss against the budget sweep's committed ``runs.csv``.
+REPRODUCTION_TOL = 1e-12
+
+
+def _reproduction(runs: list[dict[str, Any]], sw: dict[str, Any]) -> dict[str, Any] | None:
+    """Add the committed numbers to each run row and say whether every retrained model is the committed one.
+
+    When the sweep folder has a ``runs.csv`` (``sw["runs"]``): per model the committed values it has
+    (``committed_test_loss``; for the budget sweep also ``committed_train_loss`` and
+    ``committed_s_last``, the probe's ``s`` at the deepest site) and ``reproduced`` (test and, where
+    committed, train loss within :data:`REPRODUCTION_TOL`).
+    """
+    table = sw.get("runs")
+    if table is None:
+        return None
+    diffs: dict[str, list[float]] = {"test_loss": [], "train_loss": [], "s_last": []}
+    missing = []
+    for r in runs:
+        key = (r["dataset"], r["arch"], r["seed"], r["depth"])
+        ref = table.get(key)
+        if ref is None:
+            missing.append(key)
+            r["reproduced"] = None
+            continue
+        for k in diffs:
+            if k in ref:
+                r[f"committed_{k}"] = ref[k]
+                diffs[k].append(abs(r[k] - ref[k]))
+        losses = [k for k in ("test_loss", "train_loss") if k in ref]
+        r["reproduced"] = all(abs(r[k] - ref[k]) <= REPRODUCTION_TOL for k in losses)
+        r["bitwise"] = all(r[k] == ref[k] for k in losses)
+    return {
+        "models": len(runs),
+        "compared": len(runs) - len(missing),
+        "not_in_committed_runs": missing,
+        "reproduced": sum(bool(r["reproduced"]) for r in runs),
+        "bitwise_losses": sum(bool(r.get("bitwise")) for r in runs),
+        **{f"max_abs_diff_{k}": (max(v) if v else None) for k, v in diffs.items()},
+        "tolerance": REPRODUCTION_TOL,
+        "rule": "reproduced: |test loss - committed| and, where committed, |train loss - committed| <= tolerance "
+        "(nats per example)",
+    }
+
+
+def _sweep_note(recipe_matches: bool | None, reproduction: dict[str, Any] | None) -> str | None:
+    if recipe_matches is False:
+        return "the sweep's plateaus come from a run with another recipe than the models retrained here"
+    if reproduction and reproduction["reproduced"] < reproduction["compared"]:
+        return (
+            f"{reproduction['compared'] - reproduction['reproduced']} of {reproduction['compared']} retrained models "
+            f"differ from the sweep's runs.csv (max |test loss diff| {reproduction['max_abs_diff_test_loss']:.3g}): "
+            "read the views against the retrained plateau"
+        )
+    return None
+
+
+def _per_seed_verdicts(
+    cfg: ViewsConfig, ran: list[S.Curve], col: _Collected, seeds: tuple[int, ...], sw: dict[str, Any]
+) -> dict[str, list[dict[str, Any]]]:
+    """Each seed's own views (:func:`curve_verdicts` on that seed's models alone)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    c = cfg.reference_cost
+    for curve in ran:
+        deep = max(curve.depths)
+        rows = []
+        for seed in seeds:
+            runs = {r["depth"]: r for r in col.runs if (r["dataset"], r["arch"], r["seed"]) == (*_ds(curve), seed)}
+            oracle = [
+                r["expected_depth"]
+                for r in col.stopping
+                if (r["dataset"], r["arch"], r["depth"], r["seed"], r["policy"], r["cost"])
+                == (*_ds(curve), deep, seed, "oracle", c)
+            ]
+            v = curve_verdicts(
+                curve,
+                [runs[d]["s_last"] for d in curve.depths],
+                oracle[0],
+                col.bis[(curve.name, deep, seed)],
+                sw["plateaus"].get(curve.name),
+                mass=cfg.influence_mass,
+                certified=False,
+                retrained_plateau=S.plateau_depth(list(curve.depths), [runs[d]["test_loss"] for d in curve.depths]),
+            )
+            rows.append({"seed": seed, **{k: v[k] for k in (*_VIEWS, *_REFS, "all_agree", "all_agree_retrained")}})
+        out[curve.name] = rows
+    return out
+
+
+def _ds(curve: S.Curve) -> tuple[str, str]:
+    return curve.dataset, curve.arch
+
+
+_VIEWS = ("first_order", "stopping", "block_influence")
+_REFS = ("sweep_plateau", "retrained_plateau")
+
+
+def _depth_text(d: int | None) -> str:
+    return "not reached" if d is None else str(d)
+
+
+def views_claims(
+    verdicts: dict[str, dict[str, Any]], per_seed: dict[str, list[dict[str, Any]]], setting: dict[str, str]
+) -> list[dict[str, str]]:
+    """The ``"Views agree"`` claim rows (``CLAIMS_SCHEMA``), one per curve, by :data:`RULES` ``["claim"]``.
+
+    Args:
+        verdicts: :func:`curve_verdicts` per curve (means over seeds), with ``grid_min``/``grid_max``.
+        per_seed: the same per seed (:func:`_per_seed_verdicts`).
+        setting: per curve, the setting's one-line description.
+
+    Returns:
+        Rows with exactly the keys ``claim, setting, verdict, qualifier, interval, reason``; a view or
+        plateau of ``None`` (its curve still falls at the deepest depth run) reads "not reached".
+    """
+    rows = []
+    for name, v in verdicts.items():
+        depths = {k: v[k] for k in _VIEWS}
+        seeds = per_seed.get(name, [])
+        said = ", ".join(f"{k.replace('_', '-')} {_depth_text(d)}" for k, d in depths.items())
+        interval = (
+            f"{said} against the test-loss plateau {_depth_text(v['sweep_plateau'])} (blocks, means over "
+            f"{len(seeds)} seeds; per seed: "
+            + "; ".join("/".join(_depth_text(r[k]) for k in _VIEWS) for r in seeds)
+            + " first-order/stopping/block-influence)"
+        )
+        verdict, qualifier, reason = _views_verdict(v, depths, seeds, said)
+        rows.append(
+            {
+                "claim": "Views agree",
+                "setting": setting.get(name, name),
+                "verdict": verdict,
+                "qualifier": qualifier,
+                "interval": interval,
+                "reason": reason,
+            }
+        )
+    return rows
+
+
+def _views_verdict(
+    v: dict[str, Any], depths: dict[str, int | None], seeds: list[dict[str, Any]], said: str
+) -> tuple[str, str, str]:
+    """``(verdict, qualifier, reason)`` of one curve's ``Views agree`` row (:data:`RULES` ``["claim"]``)."""
+    plateau = v["sweep_plateau"]
+    if plateau is None:
+        return (
+            "untestable here",
+            "",
+            "no test-loss plateau (none given, or the test loss still falls at the deepest depth)",
+        )
+    if v["all_agree"] is None:
+        return "untestable here", "", f"the test-loss plateau {plateau} is not on this curve's depth grid"
+    if plateau == v.get("grid_min"):
+        return "untestable here", "", f"the test loss plateaus at the shallowest depth ({plateau}): depth never pays"
+    n_all = sum(bool(r["all_agree"]) for r in seeds)
+    exact = sum(d == plateau for d in depths.values())
+    qualifier = f"all within one step in {n_all} of {len(seeds)} seeds; exactly at {plateau}: {exact} of 3"
+    deepest = [k.replace("_", "-") for k, d in depths.items() if d == v.get("grid_max") != plateau]
+    if deepest:
+        qualifier += f"; {', '.join(deepest)} at the deepest depth run (one step from {plateau} by the grid)"
+    off = [k.replace("_", "-") for k in _VIEWS if not v[f"agree_{k}"]]
+    if not off:
+        return "holds", qualifier, f"every view is within one depth step of the plateau ({said}; plateau {plateau})"
+    return "fails", qualifier, f"{', '.join(off)} not within one depth step of the plateau ({said}; plateau {plateau})"
+
+
+def _setting(cfg: ViewsConfig, curve: S.Curve, seeds: tuple[int, ...]) -> str:
+    depths = ", ".join(map(str, curve.depths))
+    if cfg.budget is not None:
+        b = cfg.budget.budget
+        return (
+            f"{curve.dataset} (budget-sweep models), residual MLP width {curve.width}, depths {depths}, "
+            f"fixed cosine budget ({b.steps:,} steps of {b.batch_size}), {len(seeds)} seeds"
+        )
+    return f"{curve.name} width {curve.width}, depths {depths}, early-stopping recipe (sweep), {len(seeds)} seeds"
+
+
 def run_views(
     config: str | ViewsConfig = "tiny",
     *,
     out: str | Path | None = None,
     sweep: str | Path | None = None,
     seeds: Sequence[int] | None = None,
+    resume: str | Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Path:
     """Run the views experiment and write its results atomically.
 
     Args:
-        config: ``"tiny"``, ``"full"`` (:data:`CONFIGS`) or a :class:`ViewsConfig`.
-        out: the result folder (default :func:`~.record.default_folder`: ``experiments/results/views``
-            for ``full``, a new temporary folder otherwise).
+        config: ``"tiny"``, ``"full"``, ``"budget"``, ``"tiny-budget"`` (:data:`CONFIGS`) or a
+            :class:`ViewsConfig`.
+        out: the result folder (default ``experiments/results/views`` for ``full``,
+            ``experiments/results/views-budget`` for ``budget``, a new temporary folder otherwise).
         sweep: the sweep's result folder whose plateau depths are compared (default
-            ``experiments/results/sweep``; for ``tiny`` a missing default folder is allowed: no
-            plateau).
+            ``experiments/results/sweep``, or ``experiments/results/budget-sweep`` for a configuration
+            on the budget sweep's models; for ``tiny`` a missing default folder is allowed: no plateau).
         seeds: seeds (default: the configuration's).
+        resume: a JSON-lines file of finished models, reused and appended to.
         log: called with one line per model.
 
     Returns:
@@ -660,14 +1024,17 @@ def run_views(
     seeds = tuple(cfg.seeds if seeds is None else seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise ExperimentError(f"--seeds: give distinct seeds, got {list(seeds)}")
-    sweep_dir, sw = _read_sweep(cfg, sweep)
-    recipe_matches = None if sw["recipe"] is None else sw["recipe"] == cfg.recipe.to_dict()
+    sweep_dir, sw, recipe_matches = _read_sweep(cfg, sweep)
     say = log or (lambda _m: None)
     col = _Collected()
-    ran = _train_curves(cfg, seeds, col, say)
+    ran = _train_curves(cfg, seeds, col, say, _Resume(resume, cfg))
     if not ran:
         raise ExperimentError(f"no data set available: {col.skipped}")
+    reproduction = _reproduction(col.runs, sw)
     curves_rows, verdicts = _verdicts(cfg, ran, col, seeds, sw)
+    for curve in ran:
+        verdicts[curve.name].update(grid_min=min(curve.depths), grid_max=max(curve.depths))
+    per_seed = _per_seed_verdicts(cfg, ran, col, seeds, sw)
     reg_rows, reg_summary = _depth_reg(cfg, seeds, col, say)
     summary = {
         "skipped": col.skipped,
@@ -676,12 +1043,13 @@ def run_views(
             "commit": sw["commit"],
             "recipe": sw["recipe"],
             "recipe_matches": recipe_matches,
-            "note": None
-            if recipe_matches in (True, None)
-            else "the sweep's plateaus come from a run with another recipe than the models retrained here",
+            "depth_pays": sw.get("depth_pays"),
+            "note": _sweep_note(recipe_matches, reproduction),
         },
+        "reproduction": reproduction,
         "reference_cost": cfg.reference_cost,
         "verdicts": verdicts,
+        "verdicts_per_seed": per_seed,
         "curves_all_agree": sum(bool(v.get("all_agree")) for v in verdicts.values()),
         "curves_all_agree_retrained": sum(bool(v.get("all_agree_retrained")) for v in verdicts.values()),
         "curves": len(verdicts),
@@ -691,18 +1059,27 @@ def run_views(
         "depth_reg": reg_summary,
         "rules": RULES,
     }
-    folder = Path(out) if out is not None else default_folder("views", cfg.name)
+    claims = views_claims(verdicts, per_seed, {c.name: _setting(cfg, c, seeds) for c in ran})
+    default = _DEFAULT_OUT.get(cfg.name)
+    folder = (
+        Path(out)
+        if out is not None
+        else (DEFAULT_RESULTS_ROOT / default if default else default_folder("views", cfg.name))
+    )
+    tables = {
+        "runs": col.runs,
+        "sites": col.sites,
+        "stopping": col.stopping,
+        "stopping_hist": col.hist,
+        "curves": curves_rows,
+    }
+    if cfg.reg_datasets:
+        tables["depth_reg"] = reg_rows
     return write_results(
         folder,
-        tables={
-            "runs": col.runs,
-            "sites": col.sites,
-            "stopping": col.stopping,
-            "stopping_hist": col.hist,
-            "curves": curves_rows,
-            "depth_reg": reg_rows,
-        },
+        tables=tables,
         summary=summary,
+        claims=claims,
         figures={"views": _figure(cfg, ran, col.sites, col.stopping, verdicts)},
         meta=provenance(seeds=seeds, config=cfg.to_dict(), started=started),
     )
