@@ -489,13 +489,15 @@ def budget_sweep_command(
         "results in experiments/results/budget-sweep-kjv).",
     ),
 ) -> None:
-    """Depth sweep on a whole data set (Fashion-MNIST 60k/10k, or the KJV text) with a fixed cosine budget: C1, C3 cross-fitted, C2.
+    """Depth sweep on a whole data set (Fashion-MNIST 60k/10k or the KJV text), fixed cosine budget: C1, C3, C2.
 
     Residual MLPs of each depth are trained for the same number of Adam steps, diagnosed at every
     site on a held-out probe and on as many training examples (both activation-gradient conventions,
     the bias-corrected headline), probed by a cross-fitted steepest insertion (fitted on one probe
     half, measured on the other and on the test set), and a trained shallow network is grown
-    one-shot and compared with scratch, paired by seed.
+    one-shot and staged (2 -> 4 -> 8) and compared with scratch at equal examples and at matched
+    FLOPs, paired by seed. With --data kjv: CharGPT on character windows interleaved over the whole
+    King James text (no growth arms).
     """
     from depthsat_theory.experiments.budget_sweep import run_budget_sweep
 

@@ -79,11 +79,14 @@ class BudgetSweepConfig:
         growth: ``(shallow, deep)`` depths of C2's one-shot growth (both in ``depths``), or ``None``.
         chain: depths of C2's staged growth (e.g. ``(2, 4, 8)``: the trained 2-block network grown to
             4, trained one budget, grown to 8, trained one budget; the first in ``depths``; the last
-            there too for the one-budget scratch reference), or ``None``.  Left out of the resume key (it chooses runs, not how a model is made).
+            there too for the one-budget scratch reference), or ``None``.  Left out of the resume key
+            (it chooses runs, not how a model is made).
         arch: ``"mlp"`` (images) or ``"gpt"`` (text: :class:`~depthsat_theory.tasks.models.CharGPT`).
         text_block: text only: the character block size over which the four splits are interleaved
             (:func:`~depthsat_theory.experiments.recipe.interleaved_text_windows`); ``None``: the
             contiguous ranges of :func:`~depthsat_theory.experiments.recipe.load_splits`.
+        crossfit_test: test examples the cross-fitted step is measured on (the first ones); ``None``:
+            the whole test set.  The test metrics always use the whole test set.
         delta: ``δ`` of the score intervals (union-bounded over each model's sites).
         step_fraction: the steepest insertion step's size as a fraction of the site's ``z_rms``.
         probe_batch: batch size of the diagnosis.
@@ -100,6 +103,7 @@ class BudgetSweepConfig:
     chain: tuple[int, ...] | None = None
     arch: str = "mlp"
     text_block: int | None = None
+    crossfit_test: int | None = None
     delta: float = 0.05
     step_fraction: float = 0.01
     probe_batch: int = 1024
@@ -120,8 +124,9 @@ class BudgetSweepConfig:
             )
         else:
             d["model"] = f"CharGPT (d_model = width, 2 heads), build_model({self.arch!r}, depth, splits, seed=seed)"
-        if self.text_block is None:
-            d.pop("text_block")
+        for k in ("text_block", "crossfit_test"):
+            if d[k] is None:
+                d.pop(k)
         d["family"] = "linear"
         d["training_split_diagnosis"] = "the first n_probe examples of the train split"
         return d
@@ -227,7 +232,7 @@ def _one_model(cfg: BudgetSweepConfig, splits: R.Splits, depth: int, seed: int) 
     parts = {
         "a": _batches(px[:half], py[:half], cfg.probe_batch),
         "b": _batches(px[half : 2 * half], py[half : 2 * half], cfg.probe_batch),
-        "test": _batches(splits.test.x, splits.test.y, cfg.probe_batch),
+        "test": _batches(splits.test.x[: cfg.crossfit_test], splits.test.y[: cfg.crossfit_test], cfg.probe_batch),
     }
     cross = crossfit_rows(model, parts, diag["probe"], loss_fn=R.loss_function(splits), step_fraction=cfg.step_fraction)
     key = {"depth": depth, "seed": seed}
@@ -696,7 +701,8 @@ def claims(
             is the sweep's model of the chain's last depth.
 
     Returns:
-        ``{"precondition", "c1", "c3", "c2", "c2_chain"}`` (the last two when their rows are given): every interval is a Student-t 95 % interval over seeds
+        ``{"precondition", "c1", "c3", "c2", "c2_chain"}`` (the last two when their rows are given):
+        every interval is a Student-t 95 % interval over seeds
         (:func:`~depthsat_theory.experiments.record.summarize`); each C1 curve's ``verdict`` is
         ``holds``/``fails``/``untestable here`` with the reason.
     """
@@ -912,25 +918,14 @@ def run_budget_sweep(
         DatasetUnavailable: the data set cannot be read here.
     """
     started = time.time()
-    cfg = _resolve(config, data)
-    seeds = tuple(cfg.seeds if seeds is None else seeds)
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ExperimentError(f"--seeds: give distinct seeds, got {list(seeds)}")
-    for what, depths in (("growth", cfg.growth), ("chain", cfg.chain and cfg.chain[:1])):
-        if depths is not None and not set(depths) <= set(cfg.depths):
-            raise ExperimentError(f"{what} depths {depths} must be among the sweep's depths {cfg.depths}")
-    cfg = dataclasses.replace(cfg, seeds=seeds)
+    cfg = _checked(_resolve(config, data), seeds)
+    seeds = cfg.seeds
     done = _Resume(resume, cfg)
     tables: dict[str, list[dict]] = {k: [] for k in ("runs", "sites", "crossfit", "growth", "growth_chain")}
     flops: dict[str, Any] = {}
     for seed in seeds:
         for key, record in _seed_records(cfg, done, seed, growth, log).items():
-            if key in ("growth", "chain"):
-                tables["growth" if key == "growth" else "growth_chain"].extend(record[key])
-                flops[key] = {k: record[k] for k in ("flops_per_example", "scratch_steps_at_grown_flops")}
-            else:
-                for name in ("runs", "sites", "crossfit"):
-                    tables[name].extend(record[name])
+            _collect(tables, flops, key, record)
     runs = tables["runs"]
     curves_rows = _curves(runs, tables["crossfit"])
     readings = claims(
@@ -960,6 +955,27 @@ def run_budget_sweep(
         figures={"budget_sweep": _figure(runs, curves_rows)},
         meta=provenance(seeds=seeds, config=cfg.to_dict(), started=started),
     )
+
+
+def _checked(cfg: BudgetSweepConfig, seeds: Sequence[int] | None) -> BudgetSweepConfig:
+    """The configuration with its seeds, checked (distinct seeds; growth depths among the sweep's)."""
+    seeds = tuple(cfg.seeds if seeds is None else seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ExperimentError(f"--seeds: give distinct seeds, got {list(seeds)}")
+    for what, depths in (("growth", cfg.growth), ("chain", cfg.chain and cfg.chain[:1])):
+        if depths is not None and not set(depths) <= set(cfg.depths):
+            raise ExperimentError(f"{what} depths {depths} must be among the sweep's depths {cfg.depths}")
+    return dataclasses.replace(cfg, seeds=seeds)
+
+
+def _collect(tables: dict[str, list[dict]], flops: dict[str, Any], key: str, record: dict) -> None:
+    """Add one record of :func:`_seed_records` to the tables (and its FLOPs to ``flops``)."""
+    if key in ("growth", "chain"):
+        tables["growth" if key == "growth" else "growth_chain"].extend(record[key])
+        flops[key] = {k: record[k] for k in ("flops_per_example", "scratch_steps_at_grown_flops")}
+        return
+    for name in ("runs", "sites", "crossfit"):
+        tables[name].extend(record[name])
 
 
 #: the committed result folder of each data set's ``full`` configuration

@@ -45,6 +45,7 @@ import copy
 import dataclasses
 import functools
 import gzip
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -457,7 +458,7 @@ def interleaved_text_windows(
         raise ValueError(f"text_block={block} must be at least the window ({window} characters)")
     n_blocks = n_chars // block
     edges = [0, *(round(n_blocks * f) for f in (0.8, 0.85, 0.9)), n_blocks]
-    if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+    if any(b <= a for a, b in itertools.pairwise(edges)):
         raise ValueError(f"text_block={block}: {n_blocks} blocks of the text cannot give all four splits one; lower it")
     gen = torch.Generator().manual_seed(int(seed))
     order = torch.randperm(n_blocks, generator=gen)

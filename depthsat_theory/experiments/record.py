@@ -299,8 +299,9 @@ def write_results(
         summary: the headline numbers; written with ``meta`` into ``summary.json``.
         figures: ``{name: matplotlib Figure}``; each is saved as ``name.png`` and ``name.svg``.
         meta: :func:`provenance` of the run.
-        claims: the claims rows (``/work/CLAIMS_SCHEMA.md``: claim, setting, verdict, qualifier,
-            interval, reason), written as ``summary.json``'s top-level ``"claims"``; ``None``: no key.
+        claims: the claims rows (dicts with ``claim``, ``setting``, ``verdict`` — ``holds``, ``fails``
+            or ``untestable here`` —, ``qualifier``, ``interval``, ``reason``), written as
+            ``summary.json``'s top-level ``"claims"``; ``None``: no key.
 
     Returns:
         The folder written.
