@@ -216,7 +216,7 @@ def test_tiny_budget_sweep_writes_tables_and_readings(tiny):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["config"]["name"] == "tiny" and summary["meta"]["commit"]
     got = summary["summary"]["claims"]
-    assert set(got) == {"precondition", "c1", "c3", "c2"}
+    assert set(got) == {"precondition", "c1", "c3", "c2", "c2_chain"}
     assert all(v["verdict"] in ("holds", "fails", "untestable here") for v in got["c1"].values() if isinstance(v, dict))
 
 

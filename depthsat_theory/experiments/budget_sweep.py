@@ -87,6 +87,8 @@ class BudgetSweepConfig:
             contiguous ranges of :func:`~depthsat_theory.experiments.recipe.load_splits`.
         crossfit_test: test examples the cross-fitted step is measured on (the first ones); ``None``:
             the whole test set.  The test metrics always use the whole test set.
+        train_eval: training examples the reported train metrics are measured on (the first ones);
+            ``None``: the whole train split.
         delta: ``δ`` of the score intervals (union-bounded over each model's sites).
         step_fraction: the steepest insertion step's size as a fraction of the site's ``z_rms``.
         probe_batch: batch size of the diagnosis.
@@ -104,6 +106,7 @@ class BudgetSweepConfig:
     arch: str = "mlp"
     text_block: int | None = None
     crossfit_test: int | None = None
+    train_eval: int | None = None
     delta: float = 0.05
     step_fraction: float = 0.01
     probe_batch: int = 1024
@@ -124,7 +127,7 @@ class BudgetSweepConfig:
             )
         else:
             d["model"] = f"CharGPT (d_model = width, 2 heads), build_model({self.arch!r}, depth, splits, seed=seed)"
-        for k in ("text_block", "crossfit_test"):
+        for k in ("text_block", "crossfit_test", "train_eval"):
             if d[k] is None:
                 d.pop(k)
         d["family"] = "linear"
@@ -201,10 +204,13 @@ def _train(cfg: BudgetSweepConfig, splits: R.Splits, depth: int, seed: int) -> t
     return model, fit
 
 
-def _metrics(model: nn.Module, splits: R.Splits) -> dict[str, float]:
+def _metrics(model: nn.Module, splits: R.Splits, n_train: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in ("train", "val", "test"):
-        for k, v in R.evaluate(model, getattr(splits, name), splits).items():
+        split = getattr(splits, name)
+        if name == "train" and n_train is not None:
+            split = R.Split(split.x[:n_train], split.y[:n_train])
+        for k, v in R.evaluate(model, split, splits).items():
             out[f"{name}_{k}"] = v
     return out
 
@@ -238,7 +244,7 @@ def _one_model(cfg: BudgetSweepConfig, splits: R.Splits, depth: int, seed: int) 
     key = {"depth": depth, "seed": seed}
     run = {
         **key,
-        **_metrics(model, splits),
+        **_metrics(model, splits, cfg.train_eval),
         "steps": fit["steps"],
         "examples_seen": fit["examples_seen"],
         "final_running_loss": fit["final_running_loss"],
