@@ -183,9 +183,11 @@ KJV_CONFIGS: dict[str, BudgetSweepConfig] = {
         width=64,
         depths=(1, 2, 4, 8),
         seeds=(0, 1, 2),
-        sizes=R.Sizes(train=32768, val=1024, probe=2048, test=10000, seq_len=32),
-        budget=R.BudgetRecipe(steps=1500, batch_size=32),
+        sizes=R.Sizes(train=32768, val=512, probe=1024, test=10000, seq_len=32),
+        budget=R.BudgetRecipe(steps=600, batch_size=32),
         text_block=4096,
+        crossfit_test=2048,
+        train_eval=4096,
         probe_batch=256,
     ),
 }
