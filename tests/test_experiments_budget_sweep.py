@@ -424,7 +424,9 @@ def _readings(shrink, held, c2_interval):
             "probe_ag_max_first_depth_below_5e-3": None,
         },
         "c3": {
-            "held_out_decrease_over_seeds_and_depths": {"b": {**iv, "ci_low": held[0], "ci_high": held[1]}},
+            "held_out_decrease_over_seeds_and_depths": {
+                p: {**iv, "ci_low": held[0], "ci_high": held[1]} for p in ("b", "test")
+            },
             "median_measured_over_predicted_deepest": {"a": 1.0, "b": 0.5, "test": 0.25},
             "deepest_decrease_shrinks_first_to_deepest": {
                 "b": {**iv, "difference": "d", "ci_low": shrink[0], "ci_high": shrink[1]}

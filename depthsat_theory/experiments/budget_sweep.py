@@ -816,6 +816,7 @@ def claim_rows(readings: dict[str, Any], setting: str, chain: Sequence[int] | No
         label = " -> ".join(map(str, chain))
         rows.append(_c2_row(readings["c2_chain"], f"grown_{chain[-1]}", "C2", f"{setting}, staged growth {label}"))
     held = c3["held_out_decrease_over_seeds_and_depths"]["b"]
+    on_test = c3["held_out_decrease_over_seeds_and_depths"]["test"]
     ratio = c3["median_measured_over_predicted_deepest"]
     shrink = c3["deepest_decrease_shrinks_first_to_deepest"]["b"]
     rows.append(
@@ -828,7 +829,9 @@ def claim_rows(readings: dict[str, Any], setting: str, chain: Sequence[int] | No
             else "",
             "interval": _iv_text(
                 held, "held-out decrease (probe half B) of the deepest site's step", over="(seed, depth) pairs"
-            ),
+            )
+            + "; "
+            + _iv_text(on_test, "on the test set", over="(seed, depth) pairs"),
             "reason": "the step fitted on probe half A "
             + {"holds": "decreases", "fails": "increases", "untestable here": "does not resolve"}[_tri(held)]
             + " the loss on half B over seeds and depths",
