@@ -161,30 +161,36 @@ def test_c1_fails_a_curve_still_falling_past_the_test_plateau():
 
 
 # ----------------------------------------------------------------------------- the tiny run, through the CLI
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("budget")
+def _cli_at_one_thread(*runs):
+    """Run ``(args, out)`` invocations of the CLI at one thread (the bitwise comparisons need it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = ["experiment", "budget-sweep", "--config", "tiny", "--resume", str(root / "done.jsonl")]
-        res = runner.invoke(app, [*args, "--out", str(root / "a")])
-        assert res.exit_code == 0, res.output
-        lines = (root / "done.jsonl").read_text().splitlines()
-        again = runner.invoke(app, [*args, "--out", str(root / "b")])
-        assert again.exit_code == 0, again.output
+        for args, out in runs:
+            res = runner.invoke(app, [*args, "--out", str(out)])
+            assert res.exit_code == 0, res.output
     finally:
         torch.set_num_threads(threads)
-    assert (root / "done.jsonl").read_text().splitlines() == lines  # resume: nothing retrained
+
+
+def _run_twice(root, *extra):
+    """The tiny run, then again from its resume file (which must gain no line: nothing retrained)."""
+    args = ["experiment", "budget-sweep", *extra, "--config", "tiny", "--resume", str(root / "done.jsonl")]
+    _cli_at_one_thread((args, root / "a"))
+    lines = (root / "done.jsonl").read_text().splitlines()
+    _cli_at_one_thread((args, root / "b"))
+    assert (root / "done.jsonl").read_text().splitlines() == lines
+    return lines
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget")
+    lines = _run_twice(root)
     # the staged growth alone rerun in a new process: its shallow model is retrained (not in memory)
     (root / "no_chain.jsonl").write_text("\n".join(x for x in lines if "/chain-" not in x) + "\n")
-    torch.set_num_threads(1)
-    try:
-        args = ["experiment", "budget-sweep", "--config", "tiny", "--resume", str(root / "no_chain.jsonl")]
-        res = runner.invoke(app, [*args, "--out", str(root / "c")])
-        assert res.exit_code == 0, res.output
-    finally:
-        torch.set_num_threads(threads)
+    args = ["experiment", "budget-sweep", "--config", "tiny", "--resume", str(root / "no_chain.jsonl")]
+    _cli_at_one_thread((args, root / "c"))
     return root
 
 
@@ -253,18 +259,7 @@ def test_tiny_staged_growth_preserves_the_function_and_keeps_the_budget(tiny):
 @pytest.fixture(scope="module")
 def tiny_kjv(tmp_path_factory):
     root = tmp_path_factory.mktemp("budget_kjv")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        args = ["experiment", "budget-sweep", "--data", "kjv", "--config", "tiny", "--resume", str(root / "d.jsonl")]
-        res = runner.invoke(app, [*args, "--out", str(root / "a")])
-        assert res.exit_code == 0, res.output
-        lines = (root / "d.jsonl").read_text().splitlines()
-        again = runner.invoke(app, [*args, "--out", str(root / "b")])
-        assert again.exit_code == 0, again.output
-    finally:
-        torch.set_num_threads(threads)
-    assert (root / "d.jsonl").read_text().splitlines() == lines  # resume: nothing retrained
+    _run_twice(root, "--data", "kjv")
     return root
 
 
