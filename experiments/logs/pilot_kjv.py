@@ -14,7 +14,10 @@ from depthsat_theory.experiments import budget_sweep as B
 
 torch.set_num_threads(1)
 cfg = dataclasses.replace(
-    B.KJV_CONFIGS["full"], depths=(1, 4), seeds=(0,), budget=dataclasses.replace(B.KJV_CONFIGS["full"].budget, steps=1000)
+    B.KJV_CONFIGS["full"],
+    depths=(1, 4),
+    seeds=(0,),
+    budget=dataclasses.replace(B.KJV_CONFIGS["full"].budget, steps=1000),
 )
 splits = B._load(cfg, 0)
 print("sizes", splits.sizes(), flush=True)
