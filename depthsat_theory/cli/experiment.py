@@ -521,15 +521,25 @@ def budget_sweep_command(
     resume: Path | None = typer.Option(
         None, "--resume", help="JSON-lines file of finished models: reused when present, appended as they finish."
     ),
-    growth: bool = typer.Option(True, "--growth/--no-growth", help="Run C2's growth arms (grown, scratch)."),
+    growth: bool = typer.Option(
+        True, "--growth/--no-growth", help="Run C2's growth arms (one-shot and staged grown, scratch)."
+    ),
+    data: str = typer.Option(
+        "fashion",
+        "--data",
+        help="fashion (residual MLPs, Fashion-MNIST 60k/10k) or kjv (CharGPT, windows across the whole KJV text; "
+        "results in experiments/results/budget-sweep-kjv).",
+    ),
 ) -> None:
-    """Depth sweep on a whole data set (Fashion-MNIST 60k/10k) with a fixed cosine budget: C1, C3 cross-fitted, C2.
+    """Depth sweep on a whole data set (Fashion-MNIST 60k/10k or the KJV text), fixed cosine budget: C1, C3, C2.
 
     Residual MLPs of each depth are trained for the same number of Adam steps, diagnosed at every
     site on a held-out probe and on as many training examples (both activation-gradient conventions,
     the bias-corrected headline), probed by a cross-fitted steepest insertion (fitted on one probe
     half, measured on the other and on the test set), and a trained shallow network is grown
-    one-shot and compared with scratch, paired by seed.
+    one-shot and staged (2 -> 4 -> 8) and compared with scratch at equal examples and at matched
+    FLOPs, paired by seed. With --data kjv: CharGPT on character windows interleaved over the whole
+    King James text (no growth arms).
     """
     from depthsat_theory.experiments.budget_sweep import run_budget_sweep
 
@@ -540,6 +550,7 @@ def budget_sweep_command(
         seeds=_seeds(seeds),
         resume=resume,
         growth=growth,
+        data=data,
     )
 
 
@@ -549,7 +560,14 @@ def _budget_sweep_runner(config: str, out: Path, log) -> Path:
     return run_budget_sweep(config, out=out, log=log)
 
 
+def _budget_sweep_kjv_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.budget_sweep import run_budget_sweep
+
+    return run_budget_sweep(config, data="kjv", out=out, log=log)
+
+
 EXPERIMENTS["budget-sweep"] = _budget_sweep_runner
+EXPERIMENTS["budget-sweep-kjv"] = _budget_sweep_kjv_runner
 
 
 def _views_budget_runner(config: str, out: Path, log) -> Path:

