@@ -462,3 +462,19 @@ def test_claim_rows_follow_the_interval_rules(shrink, held, c2, want):
     by = {r["claim"]: r for r in rows}
     assert by["C1"]["verdict"] == "fails" and by["C1"]["qualifier"] == "1 of 2 activation-gradient curves hold"
     assert (by["C2"]["verdict"], by["C3a"]["verdict"], by["C3b"]["verdict"]) == want
+
+
+@pytest.mark.parametrize(("flops", "note"), [((-0.0625, 0.0625), True), ((-0.25, -0.125), False)])
+def test_c2_row_carries_the_matched_flops_interval_beside_equal_examples(flops, note):
+    readings = _readings((0.125, 0.25), (0.125, 0.25), (-0.25, -0.125))
+    readings["c2"]["test_loss: (grown - scratch_flops) / scratch_flops"] = {
+        "n": 3,
+        "mean": (flops[0] + flops[1]) / 2,
+        "ci_low": flops[0],
+        "ci_high": flops[1],
+    }
+    row = {r["claim"]: r for r in B.claim_rows(readings, "s")}["C2"]
+    lo, hi = 100 * flops[0], 100 * flops[1]
+    assert "at matched FLOPs" in row["interval"] and f"[{lo:+.3g}, {hi:+.3g}]" in row["interval"]
+    assert ("at matched FLOPs no difference" in row["qualifier"]) is note
+    assert row["verdict"] == "holds"  # the verdict reads equal examples; the qualifier says what matched FLOPs adds

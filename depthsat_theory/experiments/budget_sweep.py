@@ -767,12 +767,20 @@ def _c2_row(c2: dict[str, Any], grown: str, claim: str, setting: str) -> dict[st
             )
             if q
         )
+    interval = _iv_text(main, f"test loss ({grown} - scratch)/scratch at equal examples", 100, "%")
+    flops = c2.get(f"test_loss: ({grown} - scratch_flops) / scratch_flops")
+    if flops is not None and flops.get("n", 0) >= 2:
+        # equal examples can reward scratch's overfitting; the matched-FLOPs reference stands beside it
+        interval += "; " + _iv_text(flops, "at matched FLOPs", 100, "%")
+        if flops["ci_low"] <= 0 <= flops["ci_high"]:
+            same = "at matched FLOPs no difference (the interval contains 0)"
+            qualifier = f"{qualifier}, {same}" if qualifier else same
     return {
         "claim": claim,
         "setting": setting,
         "verdict": verdict,
         "qualifier": qualifier,
-        "interval": _iv_text(main, f"test loss ({grown} - scratch)/scratch at equal examples", 100, "%"),
+        "interval": interval,
         "reason": c2["verdict"],
     }
 
