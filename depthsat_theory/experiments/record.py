@@ -289,6 +289,7 @@ def write_results(
     summary: Mapping[str, Any],
     figures: Mapping[str, Any] | None = None,
     meta: Mapping[str, Any],
+    claims: Sequence[Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write one experiment's results into ``folder``, replacing what was there in one rename.
 
@@ -298,6 +299,8 @@ def write_results(
         summary: the headline numbers; written with ``meta`` into ``summary.json``.
         figures: ``{name: matplotlib Figure}``; each is saved as ``name.png`` and ``name.svg``.
         meta: :func:`provenance` of the run.
+        claims: the claims rows (``/work/CLAIMS_SCHEMA.md``: claim, setting, verdict, qualifier,
+            interval, reason), written as ``summary.json``'s top-level ``"claims"``; ``None``: no key.
 
     Returns:
         The folder written.
@@ -318,7 +321,8 @@ def write_results(
             fig.savefig(tmp / f"{name}.png", dpi=120, bbox_inches="tight")
             fig.savefig(tmp / f"{name}.svg", bbox_inches="tight", metadata={"Date": None})
         with open(tmp / "summary.json", "w") as fh:
-            json.dump(_clean({"meta": meta, "summary": summary}), fh, indent=1, sort_keys=False)
+            doc = {"meta": meta, "summary": summary, **({"claims": list(claims)} if claims is not None else {})}
+            json.dump(_clean(doc), fh, indent=1, sort_keys=False)
             fh.write("\n")
         old = None
         if target.exists():
