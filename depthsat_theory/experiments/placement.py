@@ -811,7 +811,9 @@ def _rho_rows_table(result: dict) -> list[dict]:
     for what, block in [("reliability", result["reliability"])] + [(f"rho_{k}", v) for k, v in result["rho"].items()]:
         rows.extend(
             {"reading": what, "seed": i, "value": v, "low": lo, "high": hi}
-            for i, (v, lo, hi) in enumerate(zip(block["per_seed"], block["per_seed_low"], block["per_seed_high"]))
+            for i, (v, lo, hi) in enumerate(
+                zip(block["per_seed"], block["per_seed_low"], block["per_seed_high"], strict=True)
+            )
         )
         rows.append(
             {"reading": what, "seed": "pooled", "value": block["pooled"], "low": block["low"], "high": block["high"]}
