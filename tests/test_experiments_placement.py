@@ -83,7 +83,7 @@ def test_window_sets_are_disjoint_spread_and_new_per_seed():
     n, v = 30_000, 3
     sizes = {"train": 32, "probe": 256, "heldout": 96}
     sets = {s: pl.window_sets(n, v, sizes, s) for s in (0, 1, 2)}
-    for seed, got in sets.items():
+    for got in sets.values():
         assert {k: len(x) for k, x in got.items()} == sizes
         lines = [set(range(s, s + v)) for x in got.values() for s in x]
         assert sum(len(x) for x in lines) == len(set().union(*lines))  # no line in two windows
@@ -137,7 +137,7 @@ def _constructed(strength, criterion, seeds=3, positions=12, windows=40, seed=0)
     for _ in range(seeds):
         g = strength[:, None] + rng.normal(scale=0.05, size=(positions, windows))
         gains.append(g)
-        crit = [{"criterion": c, "half_a_criterion": c, "half_b_criterion": c} for c in criterion]
+        crit = [{"criterion": c} for c in criterion]
         bi = np.stack([rng.random((positions, 8)), np.ones((positions, 8))], axis=-1)
         probes.append({"positions": list(range(positions)), "criterion": crit, "bi_windows": bi})
     return probes, gains
@@ -200,7 +200,7 @@ def _heldout_loss_by_hand(seed):
     losses = []
     with torch.no_grad():
         for s in starts:
-            ids = tok("\n".join(lines[s : s + cfg.verses_per_window]))["input_ids"][: cfg.max_tokens]
+            ids = tok("\n".join(lines[s : s + cfg.verses_per_window]))["input_ids"][: cfg.heldout_tokens]
             x = torch.tensor([ids])
             logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, :-1]
             losses.append(float(F.cross_entropy(logits, x[0, 1:])))

@@ -268,7 +268,8 @@ def train_copies(
     lr: float,
     seed: int,
     probe_inputs: Any,
-) -> tuple[Any, list[float], float]:
+    before: Callable[[nn.Module], Any] | None = None,
+) -> tuple[Any, list[float], float, Any]:
     """Insert zero-output copies of the layers ``positions`` and train only them (LLaMA-Pro's recipe).
 
     The copies (:func:`~depthsat_theory.grow.expand_layers`) are trained ``steps`` Adam steps from zero state
@@ -284,10 +285,11 @@ def train_copies(
         lr: Adam's learning rate.
         seed: the Trainer's seed.
         probe_inputs: inputs of one batch, on which function preservation is measured.
+        before: called with the grown model before training (e.g. a held-out evaluation).
 
     Returns:
-        ``(expansion, training losses per step, training CPU-free wall seconds)``; ``expansion.model`` is the
-        trained grown model.
+        ``(expansion, training losses per step, training wall seconds, before's value or None)``;
+        ``expansion.model`` is the trained grown model.
 
     Raises:
         ExperimentError: the grown model's outputs differ from the base model's before training
@@ -302,6 +304,7 @@ def train_copies(
             f"positions {positions}: the grown model's outputs differ from the original's by {exp.deviation!r} "
             "before training; the growth did not preserve the function"
         )
+    measured = None if before is None else before(exp.model)
     t = time.perf_counter()
     losses = train_new_blocks(
         exp.model, loss_fn, train, exp.new_params, steps, lr, True, trainer=True, seed=seed, sampling="sequential"
@@ -309,7 +312,7 @@ def train_copies(
     seconds = time.perf_counter() - t
     if not _old_layers_unchanged(base, exp.model, exp.new_indices):
         raise ExperimentError(f"positions {positions}: an old layer's weights moved although they were frozen")
-    return exp, losses, seconds
+    return exp, losses, seconds, measured
 
 
 def _run_arm(
@@ -322,13 +325,11 @@ def _run_arm(
     seed: int,
 ) -> dict[str, Any]:
     from depthsat_theory.capture.probe import unpack_batch
-    from depthsat_theory.grow import expand_layers
     from depthsat_theory.grow.optim import flat_params
     from depthsat_theory.grow.run import mean_probe_loss
 
     t0 = time.perf_counter()
-    before = mean_probe_loss(expand_layers(base, positions).model, loss_fn, heldout)
-    exp, losses, train_seconds = train_copies(
+    exp, losses, train_seconds, before = train_copies(
         base,
         loss_fn,
         positions,
@@ -337,6 +338,7 @@ def _run_arm(
         lr=cfg.lr,
         seed=seed,
         probe_inputs=unpack_batch(heldout[0])[0],
+        before=lambda model: mean_probe_loss(model, loss_fn, heldout),
     )
     after = mean_probe_loss(exp.model, loss_fn, heldout)
     return {

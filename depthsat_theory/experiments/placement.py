@@ -17,10 +17,11 @@ training:
 
 Each score is read as "higher: place the copy here".  The readings (:func:`readings`): per seed and pooled
 (mean over seeds), Spearman's ρ of each score with the gain, with 95 % percentile intervals from a
-bootstrap over held-out windows (and over probe windows for block influence; the criterion's probe noise
-is read by cross-fitting: its ρ with the scores of each probe half).  First, whether the gains are
-resolved at all: the split-half reliability of the gain ranking (ρ between the gains measured on two
-halves of the held-out windows).  The verdict rule (:func:`placement_verdict`) is stated in code.
+bootstrap over held-out windows (and over probe windows for block influence; the criterion's probe
+noise shows in the spread over seeds, whose probes are disjoint, and in ``score_agreement_between_seeds``).
+First, whether the gains are resolved at all: the split-half reliability of the gain ranking (ρ between
+the gains measured on two halves of the held-out windows).  The verdict rule (:func:`placement_verdict`)
+is stated in code.
 
 Then ``k`` copies (``k`` in ``ks``) placed four ways (:func:`arm_positions`) with the same ``S`` steps and
 trainable parameters, paired by seed.
@@ -88,12 +89,14 @@ class PlacementConfig:
         seeds: the seeds (window sets, training order, random arm).
         steps: ``S``, optimizer steps of every trained copy (one training batch per step).
         batch_size: training windows per step.
-        max_tokens: tokens per window at most.
+        max_tokens: tokens per training window at most.
         verses_per_window: consecutive verses per window.
-        probe_windows: probe windows (even: two halves).
-        heldout_windows: held-out windows (even: two halves).
+        probe_windows: probe windows.
+        heldout_windows: held-out windows (two halves for the split-half reliability).
         eval_batch_size: windows per forward pass of the probe and held-out passes.
         lr: Adam's learning rate (constant).
+        probe_tokens: tokens per probe window at most.
+        heldout_tokens: tokens per held-out window at most.
         ks: copies placed together in the arms' runs (empty: no arms).
         bootstrap: bootstrap replicates.
     """
@@ -109,6 +112,8 @@ class PlacementConfig:
     heldout_windows: int
     eval_batch_size: int
     lr: float
+    probe_tokens: int
+    heldout_tokens: int
     ks: tuple[int, ...] = (2, 4)
     bootstrap: int = 2000
 
@@ -122,8 +127,8 @@ class PlacementConfig:
 
 
 CONFIGS: dict[str, PlacementConfig] = {
-    "tiny": PlacementConfig("tiny", "tiny-llama", (0, 1, 2), 2, 2, 24, 1, 16, 8, 8, 1e-3, (2,), 200),
-    "full": PlacementConfig("full", "smollm2", (0, 1, 2), 8, 4, 64, 3, 256, 96, 8, 2e-4, (2, 4), 2000),
+    "tiny": PlacementConfig("tiny", "tiny-llama", (0, 1, 2), 2, 2, 24, 1, 16, 8, 8, 1e-3, 24, 24, (2,), 200),
+    "full": PlacementConfig("full", "smollm2", (0, 1, 2), 8, 4, 64, 3, 128, 64, 8, 2e-4, 32, 32, (2, 4), 2000),
 }
 """``tiny``: CI (seconds); ``full``: the committed CPU run (experiments/README.md has its budget)."""
 
@@ -171,15 +176,12 @@ def _seed_windows(tok: Any, lines: list[str], cfg: PlacementConfig, seed: int, d
 
     sizes = {"train": cfg.steps * cfg.batch_size, "probe": cfg.probe_windows, "heldout": cfg.heldout_windows}
     sets = window_sets(len(lines), cfg.verses_per_window, sizes, seed)
-    half = cfg.probe_windows // 2
     bs = {"train": cfg.batch_size, "probe": cfg.eval_batch_size, "heldout": cfg.eval_batch_size}
+    tokens = {"train": cfg.max_tokens, "probe": cfg.probe_tokens, "heldout": cfg.heldout_tokens}
     out: dict[str, Any] = {"starts": sets}
     for name, starts in sets.items():
-        parts = [starts[:half], starts[half:]] if name == "probe" else [starts]
-        out[name] = [
-            to_device(window_batches(tok, lines, p, bs[name], cfg.verses_per_window, cfg.max_tokens), dev)
-            for p in parts
-        ]
+        batches = window_batches(tok, lines, starts, bs[name], cfg.verses_per_window, tokens[name])
+        out[name] = to_device(batches, dev)
     return out
 
 
@@ -242,49 +244,45 @@ def block_influence(model: nn.Module, batches: Sequence) -> np.ndarray:
     return np.concatenate(rows, axis=1)
 
 
-def _criterion(base: nn.Module, loss_fn: Callable, halves: list[list], positions: list[int]) -> tuple[list, float]:
-    """The copy scores of every position on each probe half and on the whole probe (halves merged)."""
+def _criterion(base: nn.Module, loss_fn: Callable, probe: list, positions: list[int]) -> tuple[list, float]:
+    """The copy score of every position on the probe: all copies inserted at once, one probe pass.
+
+    Each copy adds exactly zero, so each sees the original stream and activation gradient
+    (:func:`~depthsat_theory.grow.copyscore.copy_scores`, as ``depthsat grow`` ranks copies).
+    """
     from depthsat_theory.capture.probe import unpack_batch
     from depthsat_theory.grow import expand_layers
     from depthsat_theory.grow.copyscore import copy_statistics
 
     t = time.process_time()
-    exp = expand_layers(base, positions, probe=unpack_batch(halves[0][0])[0])
-    stats = [copy_statistics(exp, loss_fn, h) for h in halves]
+    exp = expand_layers(base, positions, probe=unpack_batch(probe[0])[0])
+    stats = copy_statistics(exp, loss_fn, probe)
     rows = []
     for p in positions:
         site = f"model.layers.{p}"
-        a, b = stats[0][site], stats[1][site]
-        row = {"position": p, **_score_fields(a.result(), "half_a_"), **_score_fields(b.result(), "half_b_")}
-        a.merge(b)
-        row.update(_score_fields(a.result(), ""))
-        rows.append(row)
-        del stats[0][site], stats[1][site]
+        rows.append({"position": p, **_score_fields(stats.pop(site).result())})
     return rows, time.process_time() - t
 
 
-def _score_fields(r: Any, prefix: str) -> dict[str, Any]:
+def _score_fields(r: Any) -> dict[str, Any]:
+    """The criterion's numbers of one copy: headline ``s_U/AG_rms`` and its interval, plug-in, chance, verdict."""
     from depthsat_theory.diagnose.report import headline_or_none
 
     h = headline_or_none(r)
-    full = prefix == ""
-    out = {f"{prefix}criterion": h.relative_score if h is not None else math.nan}
-    if full:
-        ag = r.ag_rms
-        out.update(
-            {
-                "criterion_low": h.low / ag if h is not None and ag > 0 else math.nan,
-                "criterion_high": h.high / ag if h is not None and ag > 0 else math.nan,
-                "criterion_level": h.level if h is not None else math.nan,
-                "plugin": r.relative_score,
-                "chance": h.relative_chance if h is not None else math.nan,
-                "noise_ratio": r.noise_ratio,
-                "verdict": r.verdict.value,
-                "ag_rms": r.ag_rms,
-                "probe_windows": r.n,
-            }
-        )
-    return out
+    ag = r.ag_rms
+    ok = h is not None and ag > 0
+    return {
+        "criterion": h.relative_score if h is not None else math.nan,
+        "criterion_low": h.low / ag if ok else math.nan,
+        "criterion_high": h.high / ag if ok else math.nan,
+        "criterion_level": h.level if h is not None else math.nan,
+        "plugin": r.relative_score,
+        "chance": h.relative_chance if h is not None else math.nan,
+        "noise_ratio": r.noise_ratio,
+        "verdict": r.verdict.value,
+        "ag_rms": ag,
+        "probe_windows": r.n,
+    }
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -404,16 +402,15 @@ def readings(probes: list[dict], gains: list[np.ndarray], replicates: int, seed:
     """Rank correlations of each site score with the held-out gain, per seed and pooled, with bootstrap intervals.
 
     Args:
-        probes: per seed, ``{"positions": [P], "criterion": [rows with "criterion", "half_a_criterion",
-            "half_b_criterion"], "bi_windows": (P, W_probe, 2)}``.
+        probes: per seed, ``{"positions": [P], "criterion": [rows with "criterion"], "bi_windows": (P, W_probe, 2)}``.
         gains: per seed, ``(P, W_heldout)`` per-window held-out gains (nats per token), rows in ``positions`` order.
         replicates: bootstrap replicates.
         seed: the bootstrap generator's seed.
 
     Returns:
-        ``{"reliability": {...}, "rho": {score: {...}}, "difference": {score: {...}}, "cross_fitted": {...},
-        "verdict": str}``: point values per seed, the pooled value (mean over seeds) and its 95 % percentile
-        interval (``low``, ``high``); the bootstrap resamples each seed's windows independently.
+        ``{"reliability", "rho": {score: ...}, "difference": {score: ...}, "verdict"}``: point values per
+        seed, the pooled value (mean over seeds) and its 95 % percentile interval (``low``, ``high``); the
+        bootstrap resamples each seed's windows independently.
     """
     rng = np.random.default_rng(seed)
     n_seeds = len(gains)
@@ -440,26 +437,12 @@ def readings(probes: list[dict], gains: list[np.ndarray], replicates: int, seed:
     for other in ("block_influence", "depth"):
         point = [c - o for c, o in zip(rho["criterion"]["per_seed"], rho[other]["per_seed"], strict=True)]
         diff[other] = _pooled(point, [c - o for c, o in zip(reps["criterion"], reps[other], strict=True)])
-    cross = {}
-    for half in ("half_a", "half_b"):
-        vals = [
-            spearman([r[f"{half}_criterion"] for r in p["criterion"]], g.mean(1))
-            for p, g in zip(probes, gains, strict=True)
-        ]
-        cross[half] = {"per_seed": vals, "pooled": float(np.mean(vals))}
-    cross["halves_agree"] = {
-        "per_seed": [
-            spearman([r["half_a_criterion"] for r in p["criterion"]], [r["half_b_criterion"] for r in p["criterion"]])
-            for p in probes
-        ]
-    }
     verdict = placement_verdict(rel["low"], rho["criterion"]["low"])
     return {
         "seeds": n_seeds,
         "reliability": rel,
         "rho": rho,
         "difference": diff,
-        "cross_fitted": cross,
         "verdict": verdict,
     }
 
@@ -535,18 +518,18 @@ def _train_unit(base, loss_fn, positions, win, cfg, seed, before) -> dict[str, A
     from depthsat_theory.experiments.expand import train_copies
 
     c, w = time.process_time(), time.perf_counter()
-    exp, losses, _ = train_copies(
+    exp, losses, _, _ = train_copies(
         base,
         loss_fn,
         positions,
-        win["train"][0],
+        win["train"],
         steps=cfg.steps,
         lr=cfg.lr,
         seed=seed,
-        probe_inputs=unpack_batch(win["heldout"][0][0])[0],
+        probe_inputs=unpack_batch(win["heldout"][0])[0],
     )
     train_cpu = time.process_time() - c
-    after = _window_losses(exp.model, loss_fn, win["heldout"][0])
+    after = _window_losses(exp.model, loss_fn, win["heldout"])
     gain = [b - a for b, a in zip(before, after, strict=True)]
     return {
         "positions": positions,
@@ -563,10 +546,10 @@ def _train_unit(base, loss_fn, positions, win, cfg, seed, before) -> dict[str, A
 
 def _probe_unit(base, loss_fn, win, positions) -> dict[str, Any]:
     c = time.process_time()
-    before = _window_losses(base, loss_fn, win["heldout"][0])
+    before = _window_losses(base, loss_fn, win["heldout"])
     before_cpu = time.process_time() - c
     c = time.process_time()
-    bi = block_influence(base, [b for h in win["probe"] for b in h])
+    bi = block_influence(base, win["probe"])
     bi_cpu = time.process_time() - c
     rows, crit_cpu = _criterion(base, loss_fn, win["probe"], positions)
     return {
@@ -773,8 +756,8 @@ def _config(config: str | PlacementConfig, seeds: Sequence[int] | None) -> Place
         raise ExperimentError("steps and batch size must be >= 1 and bootstrap >= 10")
     if cfg.probe_windows < 4 or cfg.heldout_windows < 4:
         raise ExperimentError("the probe and the held-out set need at least 4 windows each (two halves of 2)")
-    if cfg.max_tokens < 2 or not cfg.lr > 0:
-        raise ExperimentError(f"max_tokens {cfg.max_tokens} (>= 2) and lr {cfg.lr} (> 0) out of range")
+    if min(cfg.max_tokens, cfg.probe_tokens, cfg.heldout_tokens) < 2 or not cfg.lr > 0:
+        raise ExperimentError(f"tokens per window (>= 2) or lr {cfg.lr} (> 0) out of range")
     return cfg
 
 

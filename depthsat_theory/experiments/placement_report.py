@@ -44,10 +44,10 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
     rho, rel = r["rho"]["criterion"], r["reliability"]
     seeds = r["seeds"]
     setting = (
-        f"{summary['model_short']}, one zero-output copy at each of {summary['positions']} positions trained alone "
-        f"{cfg.steps} steps of {cfg.batch_size}x{cfg.max_tokens} tokens (old layers frozen), probe {cfg.probe_windows} "
-        f"and held-out {cfg.heldout_windows} KJV windows of <= {cfg.max_tokens} tokens, disjoint, a new draw per seed, "
-        f"{seeds} seeds"
+        f"{summary['model_short']}, one zero-output copy at each of {summary['positions']} positions trained "
+        f"alone {cfg.steps} steps of {cfg.batch_size}x{cfg.max_tokens} tokens (old layers frozen), "
+        f"probe {cfg.probe_windows} x {cfg.probe_tokens} and held-out {cfg.heldout_windows} x "
+        f"{cfg.heldout_tokens} KJV tokens (windows disjoint, across the text, a new draw per seed), {seeds} seeds"
     )
     vs = [beats_text(r["difference"][o], o.replace("_", " ")) for o in ("block_influence", "depth")]
     interval = (
