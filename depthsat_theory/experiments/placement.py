@@ -128,7 +128,7 @@ class PlacementConfig:
 
 CONFIGS: dict[str, PlacementConfig] = {
     "tiny": PlacementConfig("tiny", "tiny-llama", (0, 1, 2), 2, 2, 24, 1, 16, 8, 8, 1e-3, 24, 24, (2,), 200),
-    "full": PlacementConfig("full", "smollm2", (0, 1, 2), 8, 4, 64, 3, 128, 64, 8, 2e-4, 32, 32, (2, 4), 2000),
+    "full": PlacementConfig("full", "smollm2", (0, 1, 2), 8, 4, 64, 3, 128, 48, 8, 2e-4, 32, 32, (2, 4), 2000),
 }
 """``tiny``: CI (seconds); ``full``: the committed CPU run (experiments/README.md has its budget)."""
 
