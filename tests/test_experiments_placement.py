@@ -279,3 +279,19 @@ def test_recorded_only_needs_resume_and_lists_what_is_missing(tiny_run, tmp_path
     doc = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert any("seed 1" in m for m in doc["summary"]["left_out"])
     assert doc["meta"]["seeds"] == [0]
+
+
+def test_paired_window_interval_pairs_the_windows():
+    a = [0.5, 0.25, 0.75, 1.0]
+    got = pl.paired_window_interval([(a, [x - 0.125 for x in a]), (a, [x - 0.375 for x in a])], 50)
+    assert got == {"mean": 0.25, "low": 0.25, "high": 0.25, "seeds": 2}  # paired: window noise cancels exactly
+    rng = np.random.default_rng(4)
+    d1, d2 = rng.normal(size=7), rng.normal(size=5)
+    got = pl.paired_window_interval([(d1, np.zeros(7)), (d2, np.zeros(5))], 40, seed=9)
+    again = np.random.default_rng(9)
+    reps = []
+    i1 = again.integers(0, 7, size=(40, 7))
+    i2 = again.integers(0, 5, size=(40, 5))
+    reps = (d1[i1].mean(1) + d2[i2].mean(1)) / 2
+    assert got["mean"] == pytest.approx((d1.mean() + d2.mean()) / 2)
+    assert (got["low"], got["high"]) == pytest.approx(tuple(np.quantile(reps, [0.025, 0.975])))

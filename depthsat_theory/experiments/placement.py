@@ -63,6 +63,7 @@ __all__ = [
     "arm_positions",
     "block_influence",
     "bootstrap_spearman",
+    "paired_window_interval",
     "placement_verdict",
     "readings",
     "run_placement",
@@ -814,7 +815,30 @@ def _rho_rows_table(result: dict) -> list[dict]:
     return rows
 
 
-def _arm_summary(arm_rows: list[dict]) -> tuple[list[dict], dict[str, Any]]:
+def paired_window_interval(pairs: list[tuple[Sequence[float], Sequence[float]]], replicates: int, seed: int = 0):
+    """Mean over seeds of the paired gain difference, with a 95 % bootstrap interval over held-out windows.
+
+    Each seed's windows are resampled with replacement (the same draw for both arms: paired); the interval
+    covers the held-out sample only, not the training order or the probe (those vary by seed).
+
+    Args:
+        pairs: per seed, ``(gain windows of arm a, gain windows of arm b)`` over the same held-out windows.
+        replicates: bootstrap replicates.
+        seed: the generator's seed.
+
+    Returns:
+        ``{"mean", "low", "high", "seeds"}`` (nats per token).
+    """
+    rng = np.random.default_rng(seed)
+    diffs = [np.asarray(a, dtype=float) - np.asarray(b, dtype=float) for a, b in pairs]
+    reps = np.zeros(replicates)
+    for d in diffs:
+        reps += d[rng.integers(0, d.size, size=(replicates, d.size))].mean(1)
+    lo, hi = _interval(reps / len(diffs))
+    return {"mean": float(np.mean([d.mean() for d in diffs])), "low": lo, "high": hi, "seeds": len(diffs)}
+
+
+def _arm_summary(arm_rows: list[dict], replicates: int) -> tuple[list[dict], dict[str, Any]]:
     paired, out = [], {}
     for k in sorted({r["k"] for r in arm_rows}):
         by = {(r["arm"], r["seed"]): r for r in arm_rows if r["k"] == k}
@@ -822,13 +846,20 @@ def _arm_summary(arm_rows: list[dict]) -> tuple[list[dict], dict[str, Any]]:
         out[f"k{k}"] = {"gain": {a: [by[(a, s)]["gain"] for s in seeds if (a, s) in by] for a in ARMS}}
         for other in ARMS[1:]:
             both = [s for s in seeds if (other, s) in by]
+            if not both:
+                continue
             diffs = [by[("criterion", s)]["gain"] - by[(other, s)]["gain"] for s in both]
             paired.extend(
                 {"k": k, "comparison": f"criterion - {other}", "seed": s, "gain_difference": d}
                 for s, d in zip(both, diffs, strict=True)
             )
-            if diffs:
-                out[f"k{k}"][f"criterion_minus_{other}"] = summarize(diffs)
+            out[f"k{k}"][f"criterion_minus_{other}"] = {
+                "over_seeds": summarize(diffs),
+                "over_heldout_windows": paired_window_interval(
+                    [(by[("criterion", s)]["gain_windows"], by[(other, s)]["gain_windows"]) for s in both],
+                    replicates,
+                ),
+            }
     return paired, out
 
 
@@ -870,7 +901,7 @@ def _summarize(
     from depthsat_theory.experiments.placement_report import beats_text
 
     positions = _position_rows(probes, unit_rows)
-    paired, arms = _arm_summary(arm_rows)
+    paired, arms = _arm_summary(arm_rows, cfg.bootstrap)
     crit_by_seed = [[r["criterion"] for r in p["criterion"]] for p in probes]
     bi_by_seed = [_point("block_influence", np.asarray(p["bi_windows"], dtype=float)).tolist() for p in probes]
     agree = {
