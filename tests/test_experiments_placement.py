@@ -295,3 +295,9 @@ def test_paired_window_interval_pairs_the_windows():
     reps = (d1[i1].mean(1) + d2[i2].mean(1)) / 2
     assert got["mean"] == pytest.approx((d1.mean() + d2.mean()) / 2)
     assert (got["low"], got["high"]) == pytest.approx(tuple(np.quantile(reps, [0.025, 0.975])))
+
+
+def test_windows_to_decide_is_the_noise_tests_size():
+    # chi2_{1,0.95} = 3.841458820694124; v = n chance^2 = 100/16; s_U^2 = 1/4: 3.8414588 * 6.25 * 4 = 96.04
+    assert pl._windows_to_decide({"criterion": 0.5, "chance": 0.25, "probe_windows": 100}) == 97
+    assert math.isnan(pl._windows_to_decide({"criterion": 0.0, "chance": 0.25, "probe_windows": 100}))

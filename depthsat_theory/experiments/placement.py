@@ -782,12 +782,27 @@ def _position_rows(probes: list[dict], unit_rows: list[dict]) -> list[dict]:
                     "gain_high": st["ci_high"],
                     "loss_after": u["loss_after"],
                     **{k: v for k, v in crit.items() if k != "position"},
+                    "windows_to_decide": _windows_to_decide(crit),
                     "block_influence": float(bi[j]),
                     "train_cpu_s": u["train_cpu_s"],
                     "cpu_s": u["cpu_s"],
                 }
             )
     return rows
+
+
+def _windows_to_decide(crit: dict) -> float:
+    """Probe windows at which the noise test would reject ``s = 0`` if ``s² = ŝ²_U`` (``nan``: ``ŝ²_U ≤ 0``).
+
+    ``χ²_{1,0.95} v̂ / ŝ²_U`` with ``v̂ = n · chance²`` and ``ŝ²_U = criterion²`` in units of ``AG_rms²``
+    (as :attr:`~depthsat_theory.statistics.SaturationResult.examples_needed`).
+    """
+    from scipy.stats import chi2
+
+    c, ch, n = crit["criterion"], crit["chance"], crit["probe_windows"]
+    if not (math.isfinite(c) and c > 0 and math.isfinite(ch)):
+        return math.nan
+    return float(math.ceil(chi2.ppf(0.95, 1) * n * ch * ch / (c * c)))
 
 
 def _rho_rows_table(result: dict) -> list[dict]:
@@ -880,6 +895,7 @@ def _costs(cfg: PlacementConfig, probes: list[dict], unit_rows: list[dict], load
         "criterion_probe_cpu_s_per_seed": round(crit, 1),
         "block_influence_cpu_s_per_seed": round(float(np.mean([p["block_influence_cpu_s"] for p in probes])), 1),
         "criterion_probe_in_training_steps": round(crit / step, 1),
+        "criterion_probe_cpu_s_per_window": round(crit / cfg.probe_windows, 2),
         "long_budget_unit": f"{long_steps} steps of 16x256 tokens (expand's 'large' configuration)",
         "long_budget_cpu_hours_per_copy": round(long_unit_h, 2),
         "long_budget_cpu_hours_30_positions_3_seeds": round(90 * long_unit_h, 1),
@@ -925,6 +941,16 @@ def _summarize(
         "verdict": result["verdict"],
         "criterion_vs": {o: beats_text(result["difference"][o], o) for o in ("block_influence", "depth")},
         "score_agreement_between_seeds": agree,
+        "criterion_improvable": {
+            str(p["seed"]): sum(r["verdict"] == "improvable" for r in p["criterion"]) for p in probes
+        },
+        "criterion_noise_ratio_range": [
+            min(r["noise_ratio"] for p in probes for r in p["criterion"]),
+            max(r["noise_ratio"] for p in probes for r in p["criterion"]),
+        ],
+        "criterion_windows_to_decide_median": float(
+            np.nanmedian([_windows_to_decide(r) for p in probes for r in p["criterion"]])
+        ),
         "arms": arms,
         "arm_rules": {
             "criterion": "the k highest s_U/AG_rms of the seed's probe",

@@ -68,7 +68,10 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
             f"the gain ranking is resolved (reliability lower end {rel['low']:+.2f} > 0) but the criterion's pooled "
             f"rho interval reaches {rho['low']:+.2f} <= 0"
         )
-    qualifier = f"short horizon ({cfg.steps} steps); " + ", ".join(vs)
+    n_imp = sum(summary["criterion_improvable"].values())
+    n_sites = summary["positions"] * seeds
+    chance = "" if n_imp else f"; the criterion is at its chance level ({n_imp}/{n_sites} copies improvable)"
+    qualifier = f"short horizon ({cfg.steps} steps); " + ", ".join(vs) + chance
     return [
         {
             "claim": "LLM placement",
