@@ -258,7 +258,7 @@ def _criterion(base: nn.Module, loss_fn: Callable, probe: list, positions: list[
     t = time.process_time()
     exp = expand_layers(base, positions, probe=unpack_batch(probe[0])[0])
     stats = copy_statistics(exp, loss_fn, probe)
-    rows = []
+    rows: list[dict] = []
     for p in positions:
         site = f"model.layers.{p}"
         rows.append({"position": p, **_score_fields(stats.pop(site).result())})
@@ -271,14 +271,19 @@ def _score_fields(r: Any) -> dict[str, Any]:
 
     h = headline_or_none(r)
     ag = r.ag_rms
-    ok = h is not None and ag > 0
+    nan = math.nan
+    low, high, level, chance, head = nan, nan, nan, nan, nan
+    if h is not None:
+        head, level, chance = h.relative_score, h.level, h.relative_chance
+        if ag > 0:
+            low, high = h.low / ag, h.high / ag
     return {
-        "criterion": h.relative_score if h is not None else math.nan,
-        "criterion_low": h.low / ag if ok else math.nan,
-        "criterion_high": h.high / ag if ok else math.nan,
-        "criterion_level": h.level if h is not None else math.nan,
+        "criterion": head,
+        "criterion_low": low,
+        "criterion_high": high,
+        "criterion_level": level,
         "plugin": r.relative_score,
-        "chance": h.relative_chance if h is not None else math.nan,
+        "chance": chance,
         "noise_ratio": r.noise_ratio,
         "verdict": r.verdict.value,
         "ag_rms": ag,
@@ -287,7 +292,7 @@ def _score_fields(r: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- statistics
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
     """Spearman's rank correlation (average ranks for ties; ``nan`` when either side is constant).
 
     Args:
@@ -627,7 +632,7 @@ def _arm_block(base, tok, lines, cfg, seed, probe, resume, dev, say) -> list[dic
     win = _seed_windows(tok, lines, cfg, seed, dev)
     crit = [r["criterion"] for r in probe["criterion"]]
     bi = _point("block_influence", np.asarray(probe["bi_windows"], dtype=float)).tolist()
-    rows = []
+    rows: list[dict] = []
     for k in cfg.ks:
         for arm in ARMS:
             pos = arm_positions(arm, n_layers, k, seed=seed, criterion=crit, bi=bi)
@@ -685,7 +690,11 @@ def run_placement(
     load_cpu = time.process_time() - t
     lines = kjv_verses()
     n_layers = len(_layers(base))
-    probes, gains, unit_rows, arm_rows, missing = [], [], [], [], []
+    probes: list[dict] = []
+    gains: list[np.ndarray] = []
+    unit_rows: list[dict] = []
+    arm_rows: list[dict] = []
+    missing: list[str] = []
     for seed in cfg.seeds:
         if recorded_only:
             got = _recorded_seed(rec, seed, n_layers)
@@ -731,7 +740,7 @@ def _recorded_seed(rec: _Resume, seed: int, n_layers: int) -> tuple[dict, list[d
 
 
 def _recorded_arms(rec: _Resume, cfg: PlacementConfig, seed: int, missing: list[str]) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for k in cfg.ks:
         for arm in ARMS:
             unit = rec.done.get(rec.key(seed, f"k{k}/{arm}"))
@@ -764,7 +773,7 @@ def _config(config: str | PlacementConfig, seeds: Sequence[int] | None) -> Place
 
 def _position_rows(probes: list[dict], unit_rows: list[dict]) -> list[dict]:
     by = {(u["seed"], u["position"]): u for u in unit_rows}
-    rows = []
+    rows: list[dict] = []
     for probe in probes:
         seed = probe["seed"]
         bi = _point("block_influence", np.asarray(probe["bi_windows"], dtype=float))
@@ -806,7 +815,7 @@ def _windows_to_decide(crit: dict) -> float:
 
 
 def _rho_rows_table(result: dict) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for what, block in [("reliability", result["reliability"])] + [(f"rho_{k}", v) for k, v in result["rho"].items()]:
         rows.extend(
             {"reading": what, "seed": i, "value": v, "low": lo, "high": hi}
@@ -854,7 +863,8 @@ def paired_window_interval(pairs: list[tuple[Sequence[float], Sequence[float]]],
 
 
 def _arm_summary(arm_rows: list[dict], replicates: int) -> tuple[list[dict], dict[str, Any]]:
-    paired, out = [], {}
+    paired: list[dict] = []
+    out: dict[str, dict[str, Any]] = {}
     for k in sorted({r["k"] for r in arm_rows}):
         by = {(r["arm"], r["seed"]): r for r in arm_rows if r["k"] == k}
         seeds = sorted({s for (a, s) in by if a == "criterion"})
