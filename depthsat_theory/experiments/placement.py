@@ -684,37 +684,15 @@ def run_placement(
         raise ExperimentError("--recorded-only needs --resume FILE (the units to aggregate)")
     rec = _Resume(resume, cfg)
     dev = resolve_device(device)
-    t = time.process_time()
-    base, tok, model_text = _load(cfg)
-    base = base.to(dev)
-    load_cpu = time.process_time() - t
-    lines = kjv_verses()
-    n_layers = len(_layers(base))
-    probes: list[dict] = []
-    gains: list[np.ndarray] = []
-    unit_rows: list[dict] = []
-    arm_rows: list[dict] = []
-    missing: list[str] = []
-    for seed in cfg.seeds:
-        if recorded_only:
-            got = _recorded_seed(rec, seed, n_layers)
-            if got is None:
-                missing.append(f"seed {seed}: probe or positions not all recorded")
-                continue
-            probe, units = got
-        else:
-            probe, units = _seed_block(base, tok, lines, cfg, seed, rec, dev, say)
-        probes.append({"seed": seed, **probe})
-        gains.append(np.asarray([u["gain_windows"] for u in units], dtype=float))
-        unit_rows.extend({"seed": seed, "position": u["positions"][0], **u} for u in units)
-    if not probes:
-        raise ExperimentError("no seed has its probe and every position recorded: nothing to aggregate")
-    for probe in probes:
-        seed = probe["seed"]
-        if recorded_only:
-            arm_rows.extend(_recorded_arms(rec, cfg, seed, missing))
-        else:
-            arm_rows.extend(_arm_block(base, tok, lines, cfg, seed, probe, rec, dev, say))
+    work: tuple | None = None
+    load_cpu: float | None = None
+    model_text = _MODEL_TEXT[cfg.model]
+    if not recorded_only:
+        t = time.process_time()
+        base, tok, model_text = _load(cfg)
+        load_cpu = time.process_time() - t
+        work = (base.to(dev), tok, kjv_verses(), dev, say)
+    probes, gains, unit_rows, arm_rows, missing = _gather(cfg, rec, work)
     result = readings(probes, gains, cfg.bootstrap)
     folder = Path(out) if out is not None else default_folder("placement", cfg.name)
     summary, tables = _summarize(cfg, probes, unit_rows, arm_rows, result, model_text, load_cpu, missing)
@@ -731,10 +709,48 @@ def run_placement(
     return folder
 
 
-def _recorded_seed(rec: _Resume, seed: int, n_layers: int) -> tuple[dict, list[dict]] | None:
+_MODEL_TEXT = {
+    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized to float32, 30 pre-LN Llama layers x 576)",
+    "tiny-llama": "a random LlamaForCausalLM (4 layers x 16, seed 0) over KJV characters",
+}
+
+
+def _gather(cfg: PlacementConfig, rec: _Resume, work: tuple | None) -> tuple[list, list, list, list, list[str]]:
+    """Every seed's probe, per-position units and arms, run or read from the resume file.
+
+    ``work`` is ``(model, tokenizer, lines, device, log)``, or ``None`` for ``--recorded-only`` (what is
+    missing is listed).
+    """
+    probes: list[dict] = []
+    gains: list[np.ndarray] = []
+    unit_rows: list[dict] = []
+    arm_rows: list[dict] = []
+    missing: list[str] = []
+    for seed in cfg.seeds:
+        got = _recorded_seed(rec, seed) if work is None else _seed_block(*work[:3], cfg, seed, rec, *work[3:])
+        if got is None:
+            missing.append(f"seed {seed}: probe or positions not all recorded")
+            continue
+        probe, units = got
+        probes.append({"seed": seed, **probe})
+        gains.append(np.asarray([u["gain_windows"] for u in units], dtype=float))
+        unit_rows.extend({"seed": seed, "position": u["positions"][0], **u} for u in units)
+    if not probes:
+        raise ExperimentError("no seed has its probe and every position recorded: nothing to aggregate")
+    for probe in probes:
+        if work is None:
+            arm_rows.extend(_recorded_arms(rec, cfg, probe["seed"], missing))
+        else:
+            arm_rows.extend(_arm_block(*work[:3], cfg, probe["seed"], probe, rec, *work[3:]))
+    return probes, gains, unit_rows, arm_rows, missing
+
+
+def _recorded_seed(rec: _Resume, seed: int) -> tuple[dict, list[dict]] | None:
     probe = rec.done.get(rec.key(seed, "probe"))
-    units = [rec.done.get(rec.key(seed, f"position{p}")) for p in range(n_layers)]
-    if probe is None or any(u is None for u in units):
+    if probe is None:
+        return None
+    units = [rec.done.get(rec.key(seed, f"position{p}")) for p in probe["positions"]]
+    if any(u is None for u in units):
         return None
     return probe, [u for u in units if u is not None]
 
@@ -888,7 +904,7 @@ def _arm_summary(arm_rows: list[dict], replicates: int) -> tuple[list[dict], dic
     return paired, out
 
 
-def _costs(cfg: PlacementConfig, probes: list[dict], unit_rows: list[dict], load_cpu: float) -> dict[str, Any]:
+def _costs(cfg: PlacementConfig, probes: list[dict], unit_rows: list[dict], load_cpu: float | None) -> dict[str, Any]:
     train = float(np.mean([u["train_cpu_s"] for u in unit_rows]))
     step = train / cfg.steps
     evals = float(np.mean([u["cpu_s"] - u["train_cpu_s"] for u in unit_rows]))
@@ -897,7 +913,7 @@ def _costs(cfg: PlacementConfig, probes: list[dict], unit_rows: list[dict], load
     long_steps, long_tokens = 500, 16 * 256  # expand's "large": 500 steps of 16 x 256 tokens per copy
     long_unit_h = step * long_steps * long_tokens / tokens / 3600
     return {
-        "load_cpu_s": round(load_cpu, 1),
+        "load_cpu_s": None if load_cpu is None else round(load_cpu, 1),  # None: an aggregation (--recorded-only)
         "train_cpu_s_per_unit": round(train, 2),
         "cpu_s_per_step": round(step, 3),
         "tokens_per_step": tokens,
@@ -914,6 +930,17 @@ def _costs(cfg: PlacementConfig, probes: list[dict], unit_rows: list[dict], load
     }
 
 
+def _criterion_summary(probes: list[dict]) -> dict[str, Any]:
+    rows = [r for p in probes for r in p["criterion"]]
+    return {
+        "criterion_improvable": {
+            str(p["seed"]): sum(r["verdict"] == "improvable" for r in p["criterion"]) for p in probes
+        },
+        "criterion_noise_ratio_range": [min(r["noise_ratio"] for r in rows), max(r["noise_ratio"] for r in rows)],
+        "criterion_windows_to_decide_median": float(np.nanmedian([_windows_to_decide(r) for r in rows])),
+    }
+
+
 def _summarize(
     cfg: PlacementConfig,
     probes: list[dict],
@@ -921,7 +948,7 @@ def _summarize(
     arm_rows: list[dict],
     result: dict,
     model_text: str,
-    load_cpu: float,
+    load_cpu: float | None,
     missing: list[str],
 ) -> tuple[dict[str, Any], dict[str, list[dict]]]:
     from depthsat_theory.experiments.placement_report import beats_text
@@ -951,16 +978,7 @@ def _summarize(
         "verdict": result["verdict"],
         "criterion_vs": {o: beats_text(result["difference"][o], o) for o in ("block_influence", "depth")},
         "score_agreement_between_seeds": agree,
-        "criterion_improvable": {
-            str(p["seed"]): sum(r["verdict"] == "improvable" for r in p["criterion"]) for p in probes
-        },
-        "criterion_noise_ratio_range": [
-            min(r["noise_ratio"] for p in probes for r in p["criterion"]),
-            max(r["noise_ratio"] for p in probes for r in p["criterion"]),
-        ],
-        "criterion_windows_to_decide_median": float(
-            np.nanmedian([_windows_to_decide(r) for p in probes for r in p["criterion"]])
-        ),
+        **_criterion_summary(probes),
         "arms": arms,
         "arm_rules": {
             "criterion": "the k highest s_U/AG_rms of the seed's probe",
