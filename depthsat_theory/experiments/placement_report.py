@@ -89,7 +89,7 @@ def figure(rows: list[dict[str, Any]], cfg: Any) -> Any:
 
     Args:
         rows: ``positions`` table rows (``seed``, ``position``, ``gain``, ``criterion``, ``criterion_low``,
-            ``criterion_high``, ``block_influence``).
+            ``criterion_high``, ``plugin``, ``chance``, ``block_influence``; the intervals stay in the table).
         cfg: the configuration run.
 
     Returns:
@@ -107,27 +107,17 @@ def figure(rows: list[dict[str, Any]], cfg: Any) -> Any:
         x = [r["position"] for r in mine]
         c = f"C{i}"
         axes[0].plot(x, [r["gain"] for r in mine], "o-", color=c, ms=3, label=f"seed {s}")
-        axes[1].errorbar(
-            x,
-            [r["criterion"] for r in mine],
-            yerr=[
-                [max(r["criterion"] - r["criterion_low"], 0) for r in mine],
-                [max(r["criterion_high"] - r["criterion"], 0) for r in mine],
-            ],
-            fmt="o-",
-            color=c,
-            ms=3,
-            capsize=2,
-            alpha=0.8,
-        )
+        axes[1].plot(x, [r["criterion"] for r in mine], "o-", color=c, ms=3)
+        axes[1].plot(x, [r["plugin"] for r in mine], "--", color=c, lw=1)
         axes[1].plot(x, [r["chance"] for r in mine], ":", color=c, lw=1)
         axes[2].plot(x, [r["block_influence"] for r in mine], "o-", color=c, ms=3)
     axes[0].set_ylabel("held-out gain\n(nats/token)")
     axes[0].set_title(f"one zero-output copy after layer p, trained {cfg.steps} steps (old layers frozen)")
     axes[0].axhline(0, color="0.6", lw=0.8)
     axes[0].legend(fontsize=8)
-    axes[1].set_ylabel("criterion s_U/AG_rms\n(dotted: plug-in chance)")
+    axes[1].set_ylabel("criterion s_U/AG_rms (dots)\nplug-in (dashed), its chance (dotted)")
     axes[2].set_ylabel("block influence\n1 - cos(h_in, h_out)")
+    axes[2].set_yscale("log")
     axes[2].set_xlabel("position p (copy of layer p inserted after it)")
     fig.tight_layout()
     return fig
