@@ -301,3 +301,16 @@ def test_windows_to_decide_is_the_noise_tests_size():
     # chi2_{1,0.95} = 3.841458820694124; v = n chance^2 = 100/16; s_U^2 = 1/4: 3.8414588 * 6.25 * 4 = 96.04
     assert pl._windows_to_decide({"criterion": 0.5, "chance": 0.25, "probe_windows": 100}) == 97
     assert math.isnan(pl._windows_to_decide({"criterion": 0.0, "chance": 0.25, "probe_windows": 100}))
+
+
+def test_partial_given_depth_is_the_rank_residual_correlation():
+    rng = np.random.default_rng(5)
+    p = 10
+    strength = np.linspace(1, 0, p) + rng.normal(scale=0.3, size=p)
+    criterion = strength + rng.normal(scale=0.3, size=p)
+    probes, gains = _constructed(strength, criterion, seeds=2, positions=p)
+    got = pl.readings(probes, gains, 50)["partial_given_depth"]["per_seed"]
+    for i, g in enumerate(gains):  # residuals of the ranks on the depth ranks, then their correlation
+        rc, rg, rd = (stats.rankdata(v) for v in (criterion, g.mean(1), np.arange(p)))
+        res = [v - np.polyval(np.polyfit(rd, v, 1), rd) for v in (rc, rg)]
+        assert got[i] == pytest.approx(np.corrcoef(*res)[0, 1], abs=1e-9)

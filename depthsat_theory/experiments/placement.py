@@ -431,26 +431,49 @@ def readings(probes: list[dict], gains: list[np.ndarray], replicates: int, seed:
     rel = _pooled(rel_point, rel_reps)
     rho: dict[str, Any] = {}
     reps: dict[str, list[np.ndarray]] = {}
+    draw = [int(x) for x in rng.integers(0, 2**31, size=len(gains))]  # one held-out resample per seed, every score
     for name in SCORES:
         mats = _score_matrix(probes, name)
         point = [spearman(_point(name, m), g.mean(1)) for m, g in zip(mats, gains, strict=True)]
         reps[name] = [
-            bootstrap_spearman(m if name == "block_influence" else None, _point(name, m), g, replicates, rng)
-            for m, g in zip(mats, gains, strict=True)
+            bootstrap_spearman(
+                m if name == "block_influence" else None, _point(name, m), g, replicates, np.random.default_rng(d)
+            )
+            for m, g, d in zip(mats, gains, draw, strict=True)
         ]
         rho[name] = _pooled(point, reps[name])
     diff = {}
-    for other in ("block_influence", "depth"):
-        point = [c - o for c, o in zip(rho["criterion"]["per_seed"], rho[other]["per_seed"], strict=True)]
-        diff[other] = _pooled(point, [c - o for c, o in zip(reps["criterion"], reps[other], strict=True)])
+    for other in ("block_influence", "depth"):  # against the better orientation of the other score: |rho|
+        point = [c - abs(o) for c, o in zip(rho["criterion"]["per_seed"], rho[other]["per_seed"], strict=True)]
+        diff[other] = _pooled(point, [c - np.abs(o) for c, o in zip(reps["criterion"], reps[other], strict=True)])
+    partial = _partial_given_depth(probes, rho, reps)
+    verdict = placement_verdict(rel["low"], rho["criterion"]["low"])
     verdict = placement_verdict(rel["low"], rho["criterion"]["low"])
     return {
         "seeds": n_seeds,
         "reliability": rel,
         "rho": rho,
         "difference": diff,
+        "partial_given_depth": partial,
         "verdict": verdict,
     }
+
+
+def _partial_given_depth(probes: list[dict], rho: dict, reps: dict) -> dict[str, Any]:
+    """Spearman partial correlation of the criterion with the gain given the depth index, per seed and pooled.
+
+    ``(ρ_cg − ρ_cd ρ_dg) / sqrt((1 − ρ_cd²)(1 − ρ_dg²))`` with ``ρ_cd`` fixed per seed (both scores are read
+    off the probe) and ``ρ_cg``, ``ρ_dg`` from the same held-out resamples.
+    """
+    points, rep_list = [], []
+    for i, p in enumerate(probes):
+        r_cd = spearman([r["criterion"] for r in p["criterion"]], p["positions"])
+        c, d = rho["criterion"]["per_seed"][i], rho["depth"]["per_seed"][i]
+        points.append((c - r_cd * d) / math.sqrt(max((1 - r_cd**2) * (1 - d**2), 1e-300)))
+        rc, rd = reps["criterion"][i], reps["depth"][i]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rep_list.append((rc - r_cd * rd) / np.sqrt((1 - r_cd**2) * (1 - rd**2)))
+    return _pooled(points, rep_list)
 
 
 def _pooled(point: list[float], reps: list[np.ndarray]) -> dict[str, Any]:
@@ -727,7 +750,11 @@ def _gather(cfg: PlacementConfig, rec: _Resume, work: tuple | None) -> tuple[lis
     arm_rows: list[dict] = []
     missing: list[str] = []
     for seed in cfg.seeds:
-        got = _recorded_seed(rec, seed) if work is None else _seed_block(*work[:3], cfg, seed, rec, *work[3:])
+        if work is None:
+            got = _recorded_seed(rec, seed)
+        else:
+            base, tok, lines, dev, say = work
+            got = _seed_block(base, tok, lines, cfg, seed, rec, dev, say)
         if got is None:
             missing.append(f"seed {seed}: probe or positions not all recorded")
             continue
@@ -741,7 +768,8 @@ def _gather(cfg: PlacementConfig, rec: _Resume, work: tuple | None) -> tuple[lis
         if work is None:
             arm_rows.extend(_recorded_arms(rec, cfg, probe["seed"], missing))
         else:
-            arm_rows.extend(_arm_block(*work[:3], cfg, probe["seed"], probe, rec, *work[3:]))
+            base, tok, lines, dev, say = work
+            arm_rows.extend(_arm_block(base, tok, lines, cfg, probe["seed"], probe, rec, dev, say))
     return probes, gains, unit_rows, arm_rows, missing
 
 

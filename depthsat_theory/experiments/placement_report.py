@@ -16,7 +16,8 @@ def beats_text(diff: dict[str, Any], other: str) -> str:
     """Whether the criterion's ρ beats another score's, from the bootstrap interval of their difference.
 
     Args:
-        diff: ``{"pooled", "low", "high"}`` of ρ(criterion) − ρ(other) (pooled over seeds).
+        diff: ``{"pooled", "low", "high"}`` of ρ(criterion) − |ρ(other)| (pooled over seeds; the other score
+            in its better orientation).
         other: the other score's name.
 
     Returns:
@@ -43,16 +44,17 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
     r = summary["readings"]
     rho, rel = r["rho"]["criterion"], r["reliability"]
     seeds = r["seeds"]
+    n_seeds = f"{seeds} seed" + "s" * (seeds != 1)
     setting = (
         f"{summary['model_short']}, one zero-output copy at each of {summary['positions']} positions trained "
         f"alone {cfg.steps} steps of {cfg.batch_size}x{cfg.max_tokens} tokens (old layers frozen), "
         f"probe {cfg.probe_windows} x {cfg.probe_tokens} and held-out {cfg.heldout_windows} x "
-        f"{cfg.heldout_tokens} KJV tokens (windows disjoint, across the text, a new draw per seed), {seeds} seeds"
+        f"{cfg.heldout_tokens} KJV tokens (windows disjoint, across the text, a new draw per seed), {n_seeds}"
     )
     vs = [beats_text(r["difference"][o], o.replace("_", " ")) for o in ("block_influence", "depth")]
     interval = (
         f"Spearman rho(criterion s_U/AG_rms, held-out gain) = {rho['pooled']:+.2f} [{rho['low']:+.2f}, "
-        f"{rho['high']:+.2f}] (mean over {seeds} seeds, 95 % bootstrap over held-out windows); gain split-half "
+        f"{rho['high']:+.2f}] (mean over {n_seeds}, 95 % bootstrap over held-out windows); gain split-half "
         f"reliability {rel['pooled']:+.2f} [{rel['low']:+.2f}, {rel['high']:+.2f}]"
     )
     verdict = r["verdict"]
@@ -71,7 +73,10 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
     n_imp = sum(summary["criterion_improvable"].values())
     n_sites = summary["positions"] * seeds
     chance = "" if n_imp else f"; the criterion is at its chance level ({n_imp}/{n_sites} copies improvable)"
-    qualifier = f"short horizon ({cfg.steps} steps); " + ", ".join(vs) + chance
+    part = r["partial_given_depth"]
+    partial = f"; partial rho given depth {part['pooled']:+.2f} [{part['low']:+.2f}, {part['high']:+.2f}]"
+    one = "; one seed: the interval holds no probe noise" if seeds == 1 else ""
+    qualifier = f"short horizon ({cfg.steps} steps); " + ", ".join(vs) + partial + chance + one
     return [
         {
             "claim": "LLM placement",
