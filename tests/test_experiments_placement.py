@@ -133,6 +133,7 @@ def test_verdict_rule():
     assert pl.placement_verdict(0.2, 0.05) == "holds"
     assert pl.placement_verdict(0.2, -0.05) == "fails"
     assert pl.placement_verdict(0.2, 0.0) == "fails"
+    assert pl.placement_verdict(0.2, 0.5, seeds=1) == "untestable here"  # one probe: no probe noise in the interval
 
 
 def _constructed(strength, criterion, seeds=3, positions=12, windows=40, seed=0):

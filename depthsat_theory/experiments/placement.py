@@ -370,19 +370,21 @@ def _interval(reps: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def placement_verdict(reliability_low: float, criterion_low: float) -> str:
-    """The claim's verdict, stated before the results were read.
+def placement_verdict(reliability_low: float, criterion_low: float, seeds: int = 2) -> str:
+    """The claim's verdict, by a rule stated in code.
 
     Args:
         reliability_low: lower end of the 95 % interval of the pooled split-half reliability of the gain
             ranking (Spearman's ρ between the gains on two halves of the held-out windows).
         criterion_low: lower end of the 95 % interval of the criterion's pooled ρ with the gain.
+        seeds: seeds (independent probes) pooled.
 
     Returns:
         ``"untestable here"`` when the gain ranking is not resolved above noise (``reliability_low ≤ 0`` or
-        not finite); else ``"holds"`` when ``criterion_low > 0``; else ``"fails"``.
+        not finite) or fewer than 2 probes were pooled (the bootstrap over held-out windows holds no probe
+        noise, so one probe cannot decide); else ``"holds"`` when ``criterion_low > 0``; else ``"fails"``.
     """
-    if not (math.isfinite(reliability_low) and reliability_low > 0):
+    if not (math.isfinite(reliability_low) and reliability_low > 0) or seeds < 2:
         return "untestable here"
     if math.isfinite(criterion_low) and criterion_low > 0:
         return "holds"
@@ -447,8 +449,8 @@ def readings(probes: list[dict], gains: list[np.ndarray], replicates: int, seed:
         point = [c - abs(o) for c, o in zip(rho["criterion"]["per_seed"], rho[other]["per_seed"], strict=True)]
         diff[other] = _pooled(point, [c - np.abs(o) for c, o in zip(reps["criterion"], reps[other], strict=True)])
     partial = _partial_given_depth(probes, rho, reps)
-    verdict = placement_verdict(rel["low"], rho["criterion"]["low"])
-    verdict = placement_verdict(rel["low"], rho["criterion"]["low"])
+    verdict = placement_verdict(rel["low"], rho["criterion"]["low"], n_seeds)
+    verdict = placement_verdict(rel["low"], rho["criterion"]["low"], n_seeds)
     return {
         "seeds": n_seeds,
         "reliability": rel,
@@ -1000,8 +1002,9 @@ def _summarize(
         "position and arm of a seed",
         "short_budget": f"{cfg.steps} steps: the short-horizon gain, which a first-order criterion predicts; "
         "whether the ranking holds after a long continued pretraining is a GPU run (costs below)",
-        "verdict_rule": "untestable here if the pooled split-half reliability interval of the gain ranking reaches 0; "
-        "else holds if the criterion's pooled rho interval is above 0, fails otherwise (placement_verdict)",
+        "verdict_rule": "untestable here if the pooled split-half reliability interval of the gain ranking reaches 0 "
+        "or fewer than 2 seeds (probes) are pooled; else holds if the criterion's pooled rho interval is above 0, "
+        "fails otherwise (placement_verdict)",
         "readings": result,
         "verdict": result["verdict"],
         "criterion_vs": {o: beats_text(result["difference"][o], o) for o in ("block_influence", "depth")},

@@ -58,7 +58,14 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
         f"reliability {rel['pooled']:+.2f} [{rel['low']:+.2f}, {rel['high']:+.2f}]"
     )
     verdict = r["verdict"]
-    if verdict == "untestable here":
+    n_imp = sum(summary["criterion_improvable"].values())
+    if verdict == "untestable here" and rel["low"] > 0:
+        reason = (
+            f"one probe only (the run was cut to {seeds} seed): the gain ranking is resolved (reliability lower end "
+            f"{rel['low']:+.2f}) and rho's held-out interval is {rho['low']:+.2f} to {rho['high']:+.2f}, but that "
+            "interval holds no probe noise" + (", and no copy's noise test rejects s = 0" if n_imp == 0 else "")
+        )
+    elif verdict == "untestable here":
         reason = (
             f"the gain ranking is not resolved: its split-half reliability interval reaches {rel['low']:+.2f} <= 0, "
             f"so no score can be checked against it at {cfg.steps} steps and {cfg.heldout_windows} held-out windows"
@@ -70,7 +77,6 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
             f"the gain ranking is resolved (reliability lower end {rel['low']:+.2f} > 0) but the criterion's pooled "
             f"rho interval reaches {rho['low']:+.2f} <= 0"
         )
-    n_imp = sum(summary["criterion_improvable"].values())
     n_sites = summary["positions"] * seeds
     chance = "" if n_imp else f"; the criterion is at its chance level ({n_imp}/{n_sites} copies improvable)"
     part = r["partial_given_depth"]
