@@ -581,6 +581,60 @@ def _views_budget_runner(config: str, out: Path, log) -> Path:
 EXPERIMENTS["views-budget"] = _views_budget_runner
 
 
+@experiment_app.command("placement")
+def placement_command(
+    config: str = typer.Option(
+        "full",
+        "--config",
+        help="tiny (CI, seconds) or full (SmolLM2, the committed results; experiments/README.md has its CPU time).",
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Result folder (default experiments/results/placement)."),
+    seeds: str | None = _SEEDS,
+    resume: Path | None = typer.Option(
+        None, "--resume", help="JSON-lines file of finished units: reused when present, appended as they finish."
+    ),
+    recorded_only: bool = typer.Option(
+        False,
+        "--recorded-only",
+        help="Train nothing: aggregate the units recorded in --resume (what is missing is listed as left out).",
+    ),
+    device: str = typer.Option("cpu", "--device", help="Where the models run and train: cpu, cuda (cuda:N) or auto."),
+) -> None:
+    """Where to grow an LLM: the held-out gain of one layer copy at each position against three site scores.
+
+    At every position of SmolLM2, one zero-output layer copy is trained alone for the same few steps (old
+    layers frozen) and its held-out gain is measured; the copy's own tangent score, block influence and the
+    depth index are read off a probe first, and their rank correlations with the gain are reported with
+    bootstrap intervals, per seed (a new probe and held-out draw each) and pooled; then k = 2 and 4 copies
+    placed by the criterion, LLaMA-Pro's even spacing, random and block influence, paired by seed.
+    """
+    from depthsat_theory.experiments.placement import run_placement
+    from depthsat_theory.tasks.custom import ModelSpecError
+    from depthsat_theory.tasks.zoo import ZooUnavailableError
+
+    try:
+        _run(
+            lambda log, **kw: run_placement(log=log, **kw),
+            config=config,
+            out=out,
+            seeds=_seeds(seeds),
+            resume=resume,
+            recorded_only=recorded_only,
+            device=device,
+        )
+    except (ModelSpecError, ZooUnavailableError) as exc:
+        fail(exc)
+
+
+def _placement_runner(config: str, out: Path, log) -> Path:
+    from depthsat_theory.experiments.placement import run_placement
+
+    return run_placement(config, out=out, log=log)
+
+
+EXPERIMENTS["placement"] = _placement_runner
+
+
 @experiment_app.command("all")
 def all_command(
     config: str = _CONFIG,

@@ -786,7 +786,7 @@ def _c2_row(c2: dict[str, Any], grown: str, claim: str, setting: str) -> dict[st
 
 
 def claim_rows(readings: dict[str, Any], setting: str, chain: Sequence[int] | None = None) -> list[dict[str, str]]:
-    """The claims rows of the budget sweep (``/work`` schema: claim, setting, verdict, qualifier, interval, reason).
+    """The claims rows of the budget sweep (the keys of ``record.CLAIM_KEYS``).
 
     Rules (from :func:`claims`'s readings):
 

@@ -258,6 +258,63 @@ def _old_layers_unchanged(base: nn.Module, grown: nn.Module, new_indices: Sequen
     return True
 
 
+def train_copies(
+    base: nn.Module,
+    loss_fn: Callable,
+    positions: list[int],
+    train: list,
+    *,
+    steps: int,
+    lr: float,
+    seed: int,
+    probe_inputs: Any,
+    before: Callable[[nn.Module], Any] | None = None,
+) -> tuple[Any, list[float], float, Any]:
+    """Insert zero-output copies of the layers ``positions`` and train only them (LLaMA-Pro's recipe).
+
+    The copies (:func:`~depthsat_theory.grow.expand_layers`) are trained ``steps`` Adam steps from zero state
+    (constant ``lr``, no clipping) under ``transformers.Trainer``, one batch of ``train`` per step in order
+    (sequential sampling), the old layers frozen; the old layers are then checked to be bitwise unchanged.
+
+    Args:
+        base: the causal LM (not modified).
+        loss_fn: per-example loss ``loss_fn(output, labels) -> (B,)`` in nats per token.
+        positions: the layers to copy, each copy inserted right after its layer (ascending).
+        train: training batches (:func:`~depthsat_theory.tasks.zoo.window_batches`), at least one.
+        steps: optimizer steps.
+        lr: Adam's learning rate.
+        seed: the Trainer's seed.
+        probe_inputs: inputs of one batch, on which function preservation is measured.
+        before: called with the grown model before training (e.g. a held-out evaluation).
+
+    Returns:
+        ``(expansion, training losses per step, training wall seconds, before's value or None)``;
+        ``expansion.model`` is the trained grown model.
+
+    Raises:
+        ExperimentError: the grown model's outputs differ from the base model's before training
+            (``expansion.deviation != 0``), or an old layer moved.
+    """
+    from depthsat_theory.grow import expand_layers
+    from depthsat_theory.grow.run import train_new_blocks
+
+    exp = expand_layers(base, positions, probe=probe_inputs)
+    if exp.deviation != 0:
+        raise ExperimentError(
+            f"positions {positions}: the grown model's outputs differ from the original's by {exp.deviation!r} "
+            "before training; the growth did not preserve the function"
+        )
+    measured = None if before is None else before(exp.model)
+    t = time.perf_counter()
+    losses = train_new_blocks(
+        exp.model, loss_fn, train, exp.new_params, steps, lr, True, trainer=True, seed=seed, sampling="sequential"
+    )
+    seconds = time.perf_counter() - t
+    if not _old_layers_unchanged(base, exp.model, exp.new_indices):
+        raise ExperimentError(f"positions {positions}: an old layer's weights moved although they were frozen")
+    return exp, losses, seconds, measured
+
+
 def _run_arm(
     base: nn.Module,
     loss_fn: Callable,
@@ -268,31 +325,22 @@ def _run_arm(
     seed: int,
 ) -> dict[str, Any]:
     from depthsat_theory.capture.probe import unpack_batch
-    from depthsat_theory.grow import expand_layers
     from depthsat_theory.grow.optim import flat_params
-    from depthsat_theory.grow.run import mean_probe_loss, train_new_blocks
+    from depthsat_theory.grow.run import mean_probe_loss
 
     t0 = time.perf_counter()
-    exp = expand_layers(base, positions, probe=unpack_batch(heldout[0])[0])
-    before = mean_probe_loss(exp.model, loss_fn, heldout)
-    t1 = time.perf_counter()
-    losses = train_new_blocks(
-        exp.model,
+    exp, losses, train_seconds, before = train_copies(
+        base,
         loss_fn,
+        positions,
         train,
-        exp.new_params,
-        cfg.steps,
-        cfg.lr,
-        True,
-        trainer=True,
+        steps=cfg.steps,
+        lr=cfg.lr,
         seed=seed,
-        sampling="sequential",
+        probe_inputs=unpack_batch(heldout[0])[0],
+        before=lambda model: mean_probe_loss(model, loss_fn, heldout),
     )
-    t2 = time.perf_counter()
     after = mean_probe_loss(exp.model, loss_fn, heldout)
-    unchanged = _old_layers_unchanged(base, exp.model, exp.new_indices)
-    if not unchanged:
-        raise ExperimentError(f"positions {positions}: an old layer's weights moved although they were frozen")
     return {
         "positions": positions,
         "loss_before": before,
@@ -302,8 +350,8 @@ def _run_arm(
         "train_loss_last": losses[-1] if losses else math.nan,
         "new_parameters": sum(p.numel() for p in flat_params(exp.new_params)),
         "deviation": exp.deviation,
-        "old_layers_unchanged": unchanged,
-        "train_seconds": round(t2 - t1, 1),
+        "old_layers_unchanged": True,
+        "train_seconds": round(train_seconds, 1),
         "seconds": round(time.perf_counter() - t0, 1),
         "train_losses": losses,
     }

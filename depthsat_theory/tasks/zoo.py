@@ -80,6 +80,7 @@ __all__ = [
     "load_model",
     "load_smollm2",
     "token_loss_masked",
+    "window_batches",
 ]
 
 NAMES: tuple[str, ...] = model_names(Source.ZOO)
@@ -324,6 +325,35 @@ def causal_lm_batches(
             f"least {n + lines_per_example}"
         )
     starts = random.Random(seed).sample(range(len(lines) - lines_per_example), n)
+    return window_batches(tokenizer, lines, starts, batch_size, lines_per_example, max_tokens)
+
+
+def window_batches(
+    tokenizer: Any, lines: list[str], starts: list[int], batch_size: int, lines_per_example: int, max_tokens: int
+) -> list[tuple[dict[str, Tensor], Tensor]]:
+    r"""Batches of causal-LM windows that start at given lines, right-padded (as :func:`causal_lm_batches`).
+
+    Example ``i`` is the ``lines_per_example`` lines starting at ``starts[i]``, joined with ``"\n"``,
+    tokenized by ``tokenizer`` and truncated to ``max_tokens`` tokens; examples keep the order of ``starts``.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``tokenizer(text)["input_ids"]``).
+        lines: the text's lines.
+        starts: the first line of each example.
+        batch_size: examples per batch.
+        lines_per_example: consecutive lines per example.
+        max_tokens: tokens per example at most (truncation).
+
+    Returns:
+        ``[({"input_ids": (B, T) long, "attention_mask": (B, T) long}, labels (B, T) long)]``, labels as in
+        :func:`causal_lm_batches` (``-100`` at padding and at the last real token).
+
+    Raises:
+        ValueError: no start, or an example of fewer than 2 tokens.
+    """
+    if not starts:
+        raise ValueError("no windows: give at least one start line")
+    n = len(starts)
     seqs = []
     for s in starts:
         ids = tokenizer("\n".join(lines[s : s + lines_per_example]))["input_ids"][:max_tokens]
