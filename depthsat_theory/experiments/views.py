@@ -915,7 +915,7 @@ def _depth_text(d: int | None) -> str:
 def views_claims(
     verdicts: dict[str, dict[str, Any]], per_seed: dict[str, list[dict[str, Any]]], setting: dict[str, str]
 ) -> list[dict[str, str]]:
-    """The ``"Views agree"`` claim rows (the keys of ``record.CLAIM_KEYS``), one per curve, by :data:`RULES` ``["claim"]``.
+    """The ``"Views agree"`` claim rows (``record.CLAIM_KEYS``), one per curve, by :data:`RULES` ``["claim"]``.
 
     Args:
         verdicts: :func:`curve_verdicts` per curve (means over seeds), with ``grid_min``/``grid_max``.
