@@ -67,7 +67,9 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
     )
     vs = [beats_text(r["difference"][o], o.replace("_", " ")) for o in ("block_influence", "depth")]
     over = _over_seeds(rho["per_seed"]) if len(rho.get("per_seed", [])) >= 2 else None
-    rho_seeds = f"; Student-t over seeds [{over['ci_low']:+.2f}, {over['ci_high']:+.2f}]" if over else ""
+    # a rank correlation lies in [-1, 1]: the t-interval is shown cut to that range
+    cut = (max(over["ci_low"], -1.0), min(over["ci_high"], 1.0)) if over else None
+    rho_seeds = f"; Student-t over seeds [{cut[0]:+.2f}, {cut[1]:+.2f}]" if cut else ""
     interval = (
         f"Spearman rho(criterion s_U/AG_rms, held-out gain) = {rho['pooled']:+.2f} [{rho['low']:+.2f}, "
         f"{rho['high']:+.2f}] (mean over {n_seeds}, 95 % bootstrap over held-out windows{rho_seeds}); gain split-half "
