@@ -478,3 +478,14 @@ def test_c2_row_carries_the_matched_flops_interval_beside_equal_examples(flops, 
     assert "at matched FLOPs" in row["interval"] and f"[{lo:+.3g}, {hi:+.3g}]" in row["interval"]
     assert ("at matched FLOPs no difference" in row["qualifier"]) is note
     assert row["verdict"] == "holds"  # the verdict reads equal examples; the qualifier says what matched FLOPs adds
+
+
+def test_c3a_below_half_the_prediction_is_qualified_and_a_first_depth_plateau_said_in_words():
+    readings = _readings((0.125, 0.25), (0.125, 0.25), (-0.25, -0.125))
+    readings["c3"]["median_measured_over_predicted_deepest"]["b"] = 0.25
+    readings["precondition"]["test_loss_first_minus_best"]["difference"] = "test_loss(1) - test_loss(1)"
+    rows = {r["claim"]: r for r in B.claim_rows(readings, "s")}
+    assert rows["C3a"]["verdict"] == "holds"
+    assert rows["C3a"]["qualifier"].startswith("in direction, not in size (median measured/predicted 0.25 on half B")
+    assert "test loss lowest at the first depth (test_loss(1))" in rows["C1"]["interval"]
+    assert "test_loss(1) - test_loss(1)" not in rows["C1"]["interval"].replace("(test_loss(1))", "")
