@@ -22,7 +22,7 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from depthsat_theory.cli import app
-from depthsat_theory.experiments import ExperimentError
+from depthsat_theory.experiments import ExperimentError, placement_report
 from depthsat_theory.experiments import placement as pl
 
 runner = CliRunner()
@@ -315,3 +315,19 @@ def test_partial_given_depth_is_the_rank_residual_correlation():
         rc, rg, rd = (stats.rankdata(v) for v in (criterion, g.mean(1), np.arange(p)))
         res = [v - np.polyval(np.polyfit(rd, v, 1), rd) for v in (rc, rg)]
         assert got[i] == pytest.approx(np.corrcoef(*res)[0, 1], abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("per_seed", "low", "high", "want"),
+    [
+        # over seeds: mean 1.25, sd 0.25, t_{0.975,2} = 4.302653 -> [0.629, 1.871], above 0 like the bootstrap
+        ([1.0, 1.25, 1.5], 0.5, 2.0, "beats depth"),
+        ([-1.0, -1.25, -1.5], -2.0, -0.5, "loses to depth"),
+        # over seeds: mean 2, sd 1 -> [2 - 2.484, 2 + 2.484] reaches 0 although the bootstrap is above 0
+        ([1.0, 2.0, 3.0], 0.5, 3.5, "not resolved against depth over seeds (+2.00 [-0.48, +4.48])"),
+        ([1.0, 1.25, 1.5], -0.5, 2.0, "not resolved against depth"),
+    ],
+)
+def test_beats_needs_the_bootstrap_and_the_over_seeds_interval_to_agree(per_seed, low, high, want):
+    diff = {"pooled": sum(per_seed) / 3, "low": low, "high": high, "per_seed": per_seed}
+    assert placement_report.beats_text(diff, "depth") == want

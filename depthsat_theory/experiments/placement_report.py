@@ -12,22 +12,36 @@ from typing import Any
 __all__ = ["beats_text", "claims", "figure"]
 
 
+def _over_seeds(per_seed: list[float]) -> dict[str, float]:
+    from depthsat_theory.experiments.record import summarize
+
+    return summarize(per_seed)
+
+
 def beats_text(diff: dict[str, Any], other: str) -> str:
-    """Whether the criterion's ρ beats another score's, from the bootstrap interval of their difference.
+    """Whether the criterion's ρ beats another score's: both intervals of their difference must agree.
+
+    The bootstrap over held-out windows holds neither probe nor training-order noise, so a difference is
+    called only when the Student-t 95 % interval over seeds (independent probes and windows) agrees with it.
 
     Args:
-        diff: ``{"pooled", "low", "high"}`` of ρ(criterion) − |ρ(other)| (pooled over seeds; the other score
-            in its better orientation).
+        diff: ``{"pooled", "low", "high", "per_seed"}`` of ρ(criterion) − |ρ(other)| (pooled over seeds;
+            the other score in its better orientation; ``low``/``high`` from the held-out bootstrap).
         other: the other score's name.
 
     Returns:
-        ``"beats <other>"`` (interval above 0), ``"loses to <other>"`` (below 0), or ``"not resolved against <other>"``.
+        ``"beats <other>"`` (both intervals above 0), ``"loses to <other>"`` (both below 0), or
+        ``"not resolved against <other>"`` with the over-seeds interval when that is what leaves it open.
     """
     lo, hi = diff["low"], diff["high"]
-    if math.isfinite(lo) and lo > 0:
+    seeds = _over_seeds(diff.get("per_seed") or [diff["pooled"]])
+    t_lo, t_hi = seeds["ci_low"], seeds["ci_high"]
+    if math.isfinite(lo) and lo > 0 and math.isfinite(t_lo) and t_lo > 0:
         return f"beats {other}"
-    if math.isfinite(hi) and hi < 0:
+    if math.isfinite(hi) and hi < 0 and math.isfinite(t_hi) and t_hi < 0:
         return f"loses to {other}"
+    if math.isfinite(t_lo) and (lo > 0 or hi < 0):
+        return f"not resolved against {other} over seeds ({seeds['mean']:+.2f} [{t_lo:+.2f}, {t_hi:+.2f}])"
     return f"not resolved against {other}"
 
 
@@ -52,9 +66,13 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
         f"{cfg.heldout_tokens} KJV tokens (windows disjoint, across the text, a new draw per seed), {n_seeds}"
     )
     vs = [beats_text(r["difference"][o], o.replace("_", " ")) for o in ("block_influence", "depth")]
+    over = _over_seeds(rho["per_seed"]) if len(rho.get("per_seed", [])) >= 2 else None
+    # a rank correlation lies in [-1, 1]: the t-interval is shown cut to that range
+    cut = (max(over["ci_low"], -1.0), min(over["ci_high"], 1.0)) if over else None
+    rho_seeds = f"; Student-t over seeds [{cut[0]:+.2f}, {cut[1]:+.2f}]" if cut else ""
     interval = (
         f"Spearman rho(criterion s_U/AG_rms, held-out gain) = {rho['pooled']:+.2f} [{rho['low']:+.2f}, "
-        f"{rho['high']:+.2f}] (mean over {n_seeds}, 95 % bootstrap over held-out windows); gain split-half "
+        f"{rho['high']:+.2f}] (mean over {n_seeds}, 95 % bootstrap over held-out windows{rho_seeds}); gain split-half "
         f"reliability {rel['pooled']:+.2f} [{rel['low']:+.2f}, {rel['high']:+.2f}]"
     )
     verdict = r["verdict"]
