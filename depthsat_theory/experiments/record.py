@@ -259,13 +259,18 @@ def metric_curves(runs: Sequence[dict], metrics: Sequence[str], **labels: Any) -
     return rows
 
 
-def _clean(obj: Any) -> Any:
+def json_ready(obj: Any) -> Any:
+    """``obj`` as plain JSON values, so that ``json.dump`` never writes ``NaN``.
+
+    Keys become strings, tuples and tensors lists, numpy scalars Python scalars, and non-finite floats
+    ``None`` (NaN) or ``"inf"``/``"-inf"``.
+    """
     if isinstance(obj, Mapping):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): json_ready(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
+        return [json_ready(v) for v in obj]
     if isinstance(obj, torch.Tensor):
-        return _clean(obj.tolist())
+        return json_ready(obj.tolist())
     if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
         return obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -281,7 +286,7 @@ def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: _clean(v) for k, v in row.items()})
+            writer.writerow({k: json_ready(v) for k, v in row.items()})
 
 
 #: The keys of a claims row (``summary.json → claims``), in order.
@@ -336,7 +341,7 @@ def write_results(
             fig.savefig(tmp / f"{name}.svg", bbox_inches="tight", metadata={"Date": None})
         with open(tmp / "summary.json", "w") as fh:
             top = {"meta": meta, "summary": summary, **({"claims": list(claims)} if claims is not None else {})}
-            json.dump(_clean(top), fh, indent=1, sort_keys=False)
+            json.dump(json_ready(top), fh, indent=1, sort_keys=False)
             fh.write("\n")
         old = None
         if target.exists():

@@ -56,9 +56,9 @@ from depthsat_theory.experiments.record import (
     DEFAULT_RESULTS_ROOT,
     ExperimentError,
     ResumeFile,
-    _clean,
     config_tag,
     default_folder,
+    json_ready,
     provenance,
     summarize,
     write_results,
@@ -700,7 +700,7 @@ class _Resume(ResumeFile):
     def __init__(self, path: str | Path | None, cfg: ViewsConfig):
         super().__init__(path, "finished-model")
         drop = ("name", "seeds", "curves", "rules", "reg_datasets", "reg_arch", "reg_depth", "reg_width", "reg_lambdas")
-        self.tag = config_tag(_clean(cfg.to_dict()), drop)
+        self.tag = config_tag(json_ready(cfg.to_dict()), drop)
 
     def key(self, curve: S.Curve, depth: int, seed: int) -> str:
         return f"{self.tag}/{curve.name}/w{curve.width}/{depth}/{seed}"
@@ -722,7 +722,7 @@ def _train_curves(
                 rec = done.done.get(done.key(curve, depth, seed))
                 if rec is None:
                     splits = splits or R.load_splits(curve.dataset, seed, cfg.sizes.get(curve.dataset))
-                    rec = _clean(_one_model(cfg, curve, depth, seed, splits))
+                    rec = json_ready(_one_model(cfg, curve, depth, seed, splits))
                     done.add(done.key(curve, depth, seed), rec)
                 col.runs.append(rec["run"])
                 col.sites.extend(rec["sites"])
