@@ -27,7 +27,7 @@ experiment_app = typer.Typer(
 
 
 # ----------------------------------------------------------------------------- the registry for `all`
-#: ``{name: runner(config, out, log)}``: what ``depthsat experiment all`` runs, in this order.
+#: What ``depthsat experiment all`` runs, in this order, as ``{name: runner(config, out, log)}``.
 #: Each experiment module registers its runner here next to its command.
 EXPERIMENTS: dict[str, Callable[..., Path]] = {}
 
@@ -666,7 +666,7 @@ def claims_command(
         False, "--check", help="Write nothing; exit 1 when a committed table differs from the generated one."
     ),
 ) -> None:
-    """Regenerate the claims tables from ROOT/*/summary.json.
+    """Regenerate the claims tables from ``ROOT/*/summary.json``.
 
     The full table (claim, setting, verdict, interval, reason, result folder with its wall time and
     commit) goes between the claims markers of ROOT/../README.md (experiments/README.md; the book's

@@ -939,7 +939,7 @@ def run_budget_sweep(
     Args:
         config: ``"tiny"``, ``"full"`` (the keys of ``CONFIGS`` / ``KJV_CONFIGS``) or a
             :class:`BudgetSweepConfig`.
-        data: ``"fashion"`` (:data:`CONFIGS`, residual MLPs on images) or ``"kjv"`` (:data:`KJV_CONFIGS`,
+        data: ``"fashion"`` (``CONFIGS``, residual MLPs on images) or ``"kjv"`` (``KJV_CONFIGS``,
             CharGPT on the King James text); ignored when ``config`` is a configuration.
         out: the result folder (default: ``experiments/results/budget-sweep`` (``-kjv``) for ``full``,
             else a new temporary folder).

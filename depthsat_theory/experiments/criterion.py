@@ -94,7 +94,7 @@ __all__ = [
 _FASHION_SIZES = {"train": None, "val": 4096, "probe": 8192, "test": 10000}
 _FASHION_BUDGET = {"lr": 3e-3, "batch_size": 256, "steps": 2000}
 
-#: The configurations by name: ``tiny`` (what CI runs, in seconds), ``full`` (the committed results on
+#: The configurations by name, ``tiny`` (what CI runs, in seconds), ``full`` (the committed results on
 #: digits and MNIST-5k with the early-stopping recipe) and ``fashion`` (Fashion-MNIST 60k/10k with the
 #: budget sweep's fixed cosine budget per round); experiments/README.md gives their wall times.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -146,7 +146,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 #: ``decide``'s and ``decide_noise``'s rules
 CERTIFIED, FALLBACK, NOISE = "certified", "point-estimate fallback", "noise test"
-#: The stop rules an arm can run: the certified rule with its fallback, or the noise rule.
+#: The stop rules an arm can run (the certified rule with its fallback, or the noise rule).
 STOP_RULES: tuple[str, ...] = ("certified", "noise")
 
 
@@ -297,7 +297,7 @@ def carry_optimizer(optimizer: torch.optim.Optimizer, old: nn.Module, grown: Dee
     return carried
 
 
-#: a training step of one round: ``(model, optimizer, seed) -> {"metrics", "examples_seen", "best_epoch"}``
+#: One round's training step, ``(model, optimizer, seed) -> {"metrics", "examples_seen", "best_epoch"}``.
 Fit = Callable[[nn.Module, torch.optim.Optimizer, int], dict[str, Any]]
 
 

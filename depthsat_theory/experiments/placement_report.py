@@ -25,7 +25,7 @@ def beats_text(diff: dict[str, Any], other: str) -> str:
     called only when the Student-t 95 % interval over seeds (independent probes and windows) agrees with it.
 
     Args:
-        diff: ``{"pooled", "low", "high", "per_seed"}`` of ρ(criterion) − |ρ(other)| (pooled over seeds;
+        diff: ``{"pooled", "low", "high", "per_seed"}`` of ``ρ(criterion) − |ρ(other)|`` (pooled over seeds;
             the other score in its better orientation; ``low``/``high`` from the held-out bootstrap).
         other: the other score's name.
 

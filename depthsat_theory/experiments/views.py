@@ -196,7 +196,7 @@ def budget_views_config(name: str, budget: B.BudgetSweepConfig, **changes: Any) 
 
     Args:
         name: the configuration's name (``"budget"``, ``"tiny-budget"``).
-        budget: the budget sweep's configuration (:data:`~.budget_sweep.CONFIGS`).
+        budget: the budget sweep's configuration (``budget_sweep.CONFIGS``).
         **changes: other :class:`ViewsConfig` fields (e.g. ``costs``).
 
     Returns:
@@ -812,7 +812,7 @@ def _verdicts(
     return curves_rows, verdicts
 
 
-#: Reproduction tolerance: a retrained model's loss against the budget sweep's committed ``runs.csv``.
+#: The largest difference allowed between a retrained model's loss and the budget sweep's committed ``runs.csv``.
 REPRODUCTION_TOL = 1e-12
 
 
