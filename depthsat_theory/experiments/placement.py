@@ -613,12 +613,6 @@ class _Resume(ResumeFile):
         return f"{self.tag}/seed{seed}/{unit}"
 
 
-def _load(cfg: PlacementConfig) -> tuple[nn.Module, Any, str]:
-    from depthsat_theory.experiments.expand import load_model
-
-    return load_model(cfg.model)
-
-
 def _seed_block(
     base: nn.Module, tok: Any, lines: list[str], cfg: PlacementConfig, seed: int, resume: _Resume, dev: Any, say
 ) -> tuple[dict, list[dict]]:
@@ -712,8 +706,10 @@ def run_placement(
     load_cpu: float | None = None
     model_text = _MODEL_TEXT[cfg.model]
     if not recorded_only:
+        from depthsat_theory.experiments.expand import load_model
+
         t = time.process_time()
-        base, tok, model_text = _load(cfg)
+        base, tok, model_text = load_model(cfg.model)
         load_cpu = time.process_time() - t
         work = (base.to(dev), tok, kjv_verses(), dev, say)
     probes, gains, unit_rows, arm_rows, missing = _gather(cfg, rec, work)

@@ -9,13 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from depthsat_theory.experiments.record import summarize
+
 __all__ = ["beats_text", "claims", "figure"]
-
-
-def _over_seeds(per_seed: list[float]) -> dict[str, float]:
-    from depthsat_theory.experiments.record import summarize
-
-    return summarize(per_seed)
 
 
 def beats_text(diff: dict[str, Any], other: str) -> str:
@@ -34,7 +30,7 @@ def beats_text(diff: dict[str, Any], other: str) -> str:
         ``"not resolved against <other>"`` with the over-seeds interval when that is what leaves it open.
     """
     lo, hi = diff["low"], diff["high"]
-    seeds = _over_seeds(diff.get("per_seed") or [diff["pooled"]])
+    seeds = summarize(diff.get("per_seed") or [diff["pooled"]])
     t_lo, t_hi = seeds["ci_low"], seeds["ci_high"]
     if math.isfinite(lo) and lo > 0 and math.isfinite(t_lo) and t_lo > 0:
         return f"beats {other}"
@@ -66,7 +62,7 @@ def claims(summary: dict[str, Any], cfg: Any) -> list[dict[str, str]]:
         f"{cfg.heldout_tokens} KJV tokens (windows disjoint, across the text, a new draw per seed), {n_seeds}"
     )
     vs = [beats_text(r["difference"][o], o.replace("_", " ")) for o in ("block_influence", "depth")]
-    over = _over_seeds(rho["per_seed"]) if len(rho.get("per_seed", [])) >= 2 else None
+    over = summarize(rho["per_seed"]) if len(rho.get("per_seed", [])) >= 2 else None
     # a rank correlation lies in [-1, 1]: the t-interval is shown cut to that range
     cut = (max(over["ci_low"], -1.0), min(over["ci_high"], 1.0)) if over else None
     rho_seeds = f"; Student-t over seeds [{cut[0]:+.2f}, {cut[1]:+.2f}]" if cut else ""
